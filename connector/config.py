@@ -1,0 +1,116 @@
+"""Connector configuration, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is namespaced ``kvtb.``; an unknown ``kvtb.`` key or a bad value is an error that
+names the key and the valid ones (a typo must not silently fall back to a default). The
+fields below document each key (``kvtb.<field name>``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "kvtb."
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    server_url: str = "tcp://127.0.0.1:5555"
+    """ZeroMQ endpoint of the cache server (``kvtb server`` prints it when ready)."""
+
+    mq_timeout_s: float = 5.0
+    """Longest wait for any server reply. A timeout marks the server down: lookups answer 0
+    and loads fail (the engine recomputes) until a heartbeat is answered again."""
+
+    heartbeat_interval_s: float = 10.0
+    """Seconds between liveness heartbeats (the server reaps clients silent for longer than
+    its ``--client-timeout``)."""
+
+    chunk_size: int = 256
+    """Chunk size to assume if the server cannot be asked at start-up; otherwise the
+    server's chunk size is used."""
+
+    cache_salt: str = ""
+    """Salt for requests that carry none of their own (isolates tenants or experiments)."""
+
+    model_name: str = ""
+    """Name used in cache keys; default: vLLM's model name or path."""
+
+    mla: bool | None = None
+    """Force MLA storage rules (one latent copy for all TP ranks); default: from the model."""
+
+    load_async: bool = True
+    """Load between scheduler steps (request waits in WAITING_FOR_REMOTE_KVS) rather than
+    synchronously before the forward pass."""
+
+    lookup_wait_s: float = 0.0
+    """How long one ``get_num_new_matched_tokens`` call may wait for the lookup's answer
+    before telling the scheduler to ask again next step. 0 keeps the scheduler non-blocking;
+    replays set it so that results do not depend on timing."""
+
+    load_wait_s: float = 0.0
+    """How long ``get_finished`` may wait for in-flight retrieves (replays: deterministic)."""
+
+    store_decode_tokens: bool = False
+    """Also store complete chunks of generated tokens (default: prompt chunks only)."""
+
+    engine_id: str = ""
+    """Namespace for session ids shared by one engine's scheduler and workers; default:
+    vLLM's ``kv_transfer_config.engine_id``."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.server_url.startswith(("tcp://", "ipc://", "inproc://")):
+            problems.append(f"server_url must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {self.server_url!r}")
+        for name in ("mq_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lookup_wait_s", "load_wait_s"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.chunk_size <= 0:
+            problems.append(f"chunk_size must be positive, got {self.chunk_size}")
+        if problems:
+            raise ValueError("invalid kvtb connector config: " + "; ".join(problems))
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Reads the ``kvtb.*`` keys of ``kv_connector_extra_config`` (others are ignored)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in (extra or {}).items():
+            if not key.startswith(PREFIX):
+                continue
+            name = key.removeprefix(PREFIX)
+            if name not in fields:
+                valid = ", ".join(PREFIX + n for n in fields)
+                raise ValueError(f"unknown connector config key {key!r}; valid keys: {valid}")
+            values[name] = _coerce(key, value, fields[name].type)
+        return cls(**values)
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return {PREFIX + f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    text = str(annotation)
+    try:
+        if text.startswith("bool"):
+            if value is None and "None" in text:
+                return None
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                return value.lower() in ("true", "1")
+            return bool(value)
+        if text == "float":
+            return float(value)
+        if text == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return int(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"connector config key {key!r}: cannot use {value!r} as {text}") from None

@@ -1,0 +1,49 @@
+"""What the scheduler side tells the workers to do in one step: plain data, no vLLM types.
+
+Token ranges are half-open ``[start_token, end_token)`` over the request's token sequence and
+always cover whole chunks; ``block_ids`` are the vLLM blocks covering exactly that range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOp:
+    request_id: str
+    session_id: str
+    cache_salt: str
+    chunk_hashes: list[bytes]
+    first_chunk: int
+    start_token: int
+    end_token: int
+    block_ids: list[int]
+    traceparent: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RetrieveOp:
+    request_id: str
+    session_id: str
+    cache_salt: str
+    chunk_hashes: list[bytes]
+    first_chunk: int
+    start_token: int
+    end_token: int
+    block_ids: list[int]
+    skip_first_n_tokens: int
+    """Tokens at the start of the range the engine already holds (its own prefix cache):
+    their blocks are shared with other requests and must not be written."""
+    traceparent: str = ""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything the workers must do in one engine step."""
+
+    retrieves: list[RetrieveOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.retrieves) + len(self.stores)

@@ -1,0 +1,189 @@
+"""The scheduler side of the connector, over plain types (the vLLM shim converts to these).
+
+Runs in vLLM's scheduler process. It owns the request trackers, asks the planner what to do,
+and talks to the server through :class:`connector.scheduler_client.SchedulerClient`. The
+hook contracts follow ``KVConnectorBase_V1``:
+
+- :meth:`SchedulerSide.get_num_new_matched_tokens` submits one lookup per request (again after
+  a preemption) and returns ``(None, False)`` until its answer is in; apart from submitting
+  the lookup it has no side effects, so the scheduler may call it repeatedly;
+- :meth:`SchedulerSide.update_state_after_alloc` decides retrieve or not and frees the locks of
+  chunks the engine's own prefix cache holds;
+- :meth:`SchedulerSide.build_plan` emits the step's retrieves and the stores of newly
+  completed chunks;
+- :meth:`SchedulerSide.request_finished` ends the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from connector.ops import StepPlan
+from connector.planner import (
+    Geometry,
+    lock_release_after_alloc,
+    plan_retrieve,
+    plan_store,
+    tokens_to_load,
+)
+from connector.scheduler_client import SchedulerClient
+from connector.tracker import Phase, RequestTracker
+from testbed.keys import chunk_hashes
+
+_ALL_TOKENS = 1 << 62
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    num_tokens: int
+    cache_salt: str = ""
+    preempted: bool = False
+    traceparent: str = ""
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    num_computed_tokens: int
+    """Tokens with KV before this step."""
+    num_scheduled_tokens: int
+    block_ids: list[int]
+    """The request's new blocks, or all of them when ``all_blocks``."""
+    all_blocks: bool
+    """A new or resumed request: ``block_ids`` is its complete block table."""
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        client: SchedulerClient,
+        geometry: Geometry,
+        *,
+        engine_id: str,
+        default_cache_salt: str = "",
+        load_async: bool = True,
+        lookup_wait_s: float = 0.0,
+        store_decode_tokens: bool = False,
+    ) -> None:
+        self.client = client
+        self.geometry = geometry
+        self.engine_id = engine_id
+        self.default_cache_salt = default_cache_salt
+        self.load_async = load_async
+        self.lookup_wait_s = lookup_wait_s
+        self.store_decode_tokens = store_decode_tokens
+        self.trackers: dict[str, RequestTracker] = {}
+
+    def session_id(self, request_id: str) -> str:
+        return f"{self.engine_id}:{request_id}"
+
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracker = self._tracker(request)
+        if request.preempted and tracker.phase is not Phase.LOOKUP:
+            self._reset(tracker)
+        if tracker.hit_tokens is None:
+            if not tracker.chunk_hashes:
+                tracker.hit_tokens = 0  # shorter than a chunk: never stored, never hit
+            else:
+                if not tracker.lookup_submitted:
+                    self.client.submit_lookup(
+                        tracker.session_id,
+                        tracker.chunk_hashes,
+                        cache_salt=tracker.cache_salt,
+                        parent=tracker.traceparent,
+                    )
+                    tracker.lookup_submitted = True
+                hit_chunks = self.client.lookup_result(tracker.session_id, self.lookup_wait_s)
+                if hit_chunks is None:
+                    return None, False
+                tracker.hit_tokens = hit_chunks * self.geometry.chunk_size
+                tracker.locks_held = hit_chunks > 0
+        tracker.engine_hit_tokens = num_computed_tokens
+        load = tokens_to_load(tracker.hit_tokens, num_computed_tokens, request.num_tokens)
+        return load, load > 0 and self.load_async
+
+    def update_state_after_alloc(
+        self, request_id: str, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        tracker = self.trackers.get(request_id)
+        if tracker is None:
+            return
+        if len(block_ids) > len(tracker.block_ids):
+            tracker.block_ids.extend(block_ids[len(tracker.block_ids) :])
+        if tracker.phase is not Phase.LOOKUP or tracker.hit_tokens is None:
+            return  # second call of an async load: only the new blocks matter
+        release = lock_release_after_alloc(tracker, num_external_tokens, self.geometry)
+        self.client.forget_lookup(tracker.session_id)
+        if release is not None:
+            self.client.free_locks(tracker.session_id, *release, parent=tracker.traceparent)
+
+    def build_plan(
+        self, scheduled: Iterable[ScheduledRequest], preempted_ids: Iterable[str] = ()
+    ) -> StepPlan:
+        plan = StepPlan()
+        for request_id in preempted_ids:
+            tracker = self.trackers.get(request_id)
+            if tracker is not None:
+                self._reset(tracker)
+        for tracker in self.trackers.values():
+            op = plan_retrieve(tracker, self.geometry)
+            if op is not None:
+                plan.retrieves.append(op)
+        for step in scheduled:
+            tracker = self.trackers.get(step.request_id)
+            if tracker is None:
+                continue
+            if step.all_blocks:
+                tracker.block_ids = list(step.block_ids)
+            else:
+                tracker.block_ids.extend(step.block_ids)
+            store = plan_store(
+                tracker,
+                self.geometry,
+                step.num_computed_tokens + step.num_scheduled_tokens,
+                store_decode_tokens=self.store_decode_tokens,
+            )
+            if store is not None:
+                plan.stores.append(store)
+        return plan
+
+    def request_finished(self, request_id: str) -> RequestTracker | None:
+        """Ends the session; returns the tracker (for accounting) and forgets it."""
+        tracker = self.trackers.pop(request_id, None)
+        if tracker is None:
+            return None
+        if tracker.phase is Phase.LOOKUP and tracker.lookup_submitted:
+            # Finished (aborted) before allocation: its lookup's locks would otherwise wait
+            # for the TTL. The server handles the free after the lookup, in order.
+            if tracker.locks_held or tracker.hit_tokens is None:
+                self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
+        self.client.end_session(tracker.session_id, parent=tracker.traceparent)
+        return tracker
+
+    def _tracker(self, request: RequestView) -> RequestTracker:
+        tracker = self.trackers.get(request.request_id)
+        if tracker is None:
+            num_prompt = request.num_prompt_tokens
+            tracker = RequestTracker(
+                request_id=request.request_id,
+                session_id=self.session_id(request.request_id),
+                token_ids=request.token_ids,
+                num_prompt_tokens=num_prompt,
+                cache_salt=request.cache_salt or self.default_cache_salt,
+                traceparent=request.traceparent,
+                chunk_hashes=chunk_hashes(
+                    request.token_ids[:num_prompt], self.geometry.chunk_size
+                ),
+            )
+            self.trackers[request.request_id] = tracker
+        return tracker
+
+    def _reset(self, tracker: RequestTracker) -> None:
+        self.client.forget_lookup(tracker.session_id)
+        tracker.reset_after_preemption()

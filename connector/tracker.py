@@ -1,0 +1,65 @@
+"""Per-request state on the scheduler side: plain data and its state machine.
+
+::
+
+    LOOKUP ──(alloc, something to load)──► LOAD_PENDING ──(retrieve planned)──► READY
+       │                                                                          ▲
+       └──────────────────(alloc, nothing to load)────────────────────────────────┘
+    any ──(preempted)──► LOOKUP  (blocks gone; a new lookup runs when it is rescheduled)
+
+A tracker is created the first time vLLM asks how many tokens the cache has for a request
+and forgotten when the request finishes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+class Phase(enum.Enum):
+    LOOKUP = enum.auto()
+    LOAD_PENDING = enum.auto()
+    READY = enum.auto()
+
+
+@dataclass
+class RequestTracker:
+    request_id: str
+    session_id: str
+    token_ids: Sequence[int]
+    """Live view of the request's tokens (prompt, then generated tokens)."""
+    num_prompt_tokens: int
+    cache_salt: str
+    traceparent: str
+    """The request's own trace context; connector spans and worker ops hang under it."""
+    chunk_hashes: list[bytes]
+    """Hashes of the complete chunks hashed so far (the prompt's, at creation)."""
+
+    phase: Phase = Phase.LOOKUP
+    lookup_submitted: bool = False
+    hit_tokens: int | None = None
+    """Chunk-aligned external hit; ``None`` until the lookup is answered."""
+    engine_hit_tokens: int = 0
+    """Tokens the engine's own prefix cache held when the request was allocated."""
+    load_tokens: int = 0
+    """Tokens beyond the engine's hit that the engine agreed to load."""
+    locks_held: bool = False
+    """The lookup's read locks are taken and not yet handed to a free or a retrieve."""
+    block_ids: list[int] = field(default_factory=list)
+    num_stored_chunks: int = 0
+    """Chunks known to be in the cache or already planned for storing."""
+    preemptions: int = 0
+
+    def reset_after_preemption(self) -> None:
+        """The engine dropped the request's blocks: start over from a new lookup."""
+        self.phase = Phase.LOOKUP
+        self.lookup_submitted = False
+        self.hit_tokens = None
+        self.engine_hit_tokens = 0
+        self.load_tokens = 0
+        self.locks_held = False
+        self.block_ids = []
+        self.num_stored_chunks = 0
+        self.preemptions += 1

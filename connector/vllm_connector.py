@@ -1,0 +1,310 @@
+"""``KVTBConnector``: the vLLM ``KVConnectorBase_V1`` shim. The only module importing vLLM.
+
+Load it in vLLM with::
+
+    KVTransferConfig(
+        kv_connector="KVTBConnector",
+        kv_connector_module_path="connector.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kvtb.server_url": "tcp://127.0.0.1:5555", ...},
+    )
+
+(keys: :class:`connector.config.ConnectorConfig`). Which hook runs where:
+
+- scheduler process, role SCHEDULER: ``get_num_new_matched_tokens``,
+  ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished`` delegate to
+  :class:`connector.scheduler.SchedulerSide` after converting vLLM's objects to plain ones;
+- each worker process, role WORKER: ``register_kv_caches`` registers the paged KV tensors
+  with the server; ``start_load_kv`` starts the step's retrieves (or finishes them, with
+  synchronous loads); ``wait_for_save`` stores the step's newly completed chunks;
+  ``get_finished`` reports completed loads; ``get_block_ids_with_load_errors`` the blocks
+  whose chunks were gone, which vLLM then recomputes.
+
+The cache is best effort (``requires_kv_delivery`` is False): a dead server means misses and
+recomputation, never a hang (every wait is bounded by ``kvtb.mq_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import RequestStatus
+
+from connector.config import ConnectorConfig
+from connector.kv_copy import PagedKV
+from connector.ops import StepPlan
+from connector.planner import Geometry
+from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from connector.scheduler_client import SchedulerClient
+from connector.worker_client import WorkerClient, WorkerIdentity
+from testbed import protocol as p
+from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KVTBConnectorMetadata(KVConnectorMetadata):
+    """The step's plan, from the scheduler side to every worker."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+
+class KVTBConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        tp_size = parallel.tensor_parallel_size
+        tp_rank = parallel.rank % tp_size
+        mla = self.config.mla if self.config.mla is not None else vllm_config.model_config.use_mla
+        model = self.config.model_name or vllm_config.model_config.model
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker{tp_rank}"
+        self.rpc = RpcClient(
+            self.config.server_url,
+            role=side,
+            timeout_s=self.config.mq_timeout_s,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+        )
+        chunk_size = self._server_chunk_size()
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker: WorkerClient | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            client = SchedulerClient(
+                self.rpc,
+                model=model,
+                world_size=1 if mla else tp_size,
+                num_readers=tp_size if mla else 1,
+                chunk_size=chunk_size,
+            )
+            self.scheduler_side = SchedulerSide(
+                client,
+                Geometry(chunk_size, self.block_size),
+                engine_id=self.config.engine_id or transfer.engine_id or "engine",
+                default_cache_salt=self.config.cache_salt,
+                load_async=self.config.load_async,
+                lookup_wait_s=self.config.lookup_wait_s,
+                store_decode_tokens=self.config.store_decode_tokens,
+            )
+        else:
+            Geometry(chunk_size, self.block_size)  # validates the block size early
+            self.worker = WorkerClient(
+                self.rpc,
+                WorkerIdentity(
+                    model=model,
+                    world_size=1 if mla else tp_size,
+                    kv_rank=0 if mla else tp_rank,
+                    tp_size=tp_size,
+                    mla=mla,
+                    writer=tp_rank == 0 or not mla,
+                ),
+            )
+
+    def _server_chunk_size(self) -> int:
+        try:
+            info = self.rpc.call(p.GetConfig())
+        except (ServerUnavailable, RemoteError) as exc:
+            log.warning(
+                "cache server at %s not reachable (%s); assuming chunk size %d, misses until it is",
+                self.config.server_url,
+                exc,
+                self.config.chunk_size,
+            )
+            return self.config.chunk_size
+        assert isinstance(info, p.ServerConfigInfo)
+        return info.chunk_size
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -----------------------------------------------------------------------------------------
+    # Worker side
+    # -----------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        layers = tuple(kv_caches.values())
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config else None
+        kv = PagedKV(layers, block_dim_of(layers[0], num_blocks), self.block_size)
+        try:
+            self.worker.register(kv)
+        except (ServerUnavailable, RemoteError) as exc:
+            log.warning("could not register KV caches with the cache server: %s", exc)
+            self.worker.kv = kv  # registration is retried on the first store or retrieve
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        plan = self._plan()
+        if plan.retrieves:
+            self.worker.submit_retrieves(plan.retrieves)
+            if not self.config.load_async:
+                outcome = self.worker.complete_retrieves(wait_s=self.config.mq_timeout_s)
+                self._load_errors |= outcome.failed_block_ids
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        plan = self._plan()
+        if plan.stores:
+            self.worker.store(plan.stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        if not self.config.load_async or not self.worker.num_inflight_retrieves:
+            return None, None
+        outcome = self.worker.complete_retrieves(wait_s=self.config.load_wait_s)
+        self._load_errors |= outcome.failed_block_ids
+        return None, outcome.finished or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.rpc.close()
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVTBConnectorMetadata)
+        return metadata.plan
+
+    # -----------------------------------------------------------------------------------------
+    # Scheduler side
+    # -----------------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(
+            request.request_id, single_group(blocks.get_block_ids()), num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        plan = self.scheduler_side.build_plan(
+            scheduled_requests(scheduler_output), scheduler_output.preempted_req_ids or ()
+        )
+        return KVTBConnectorMetadata(plan)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        self.scheduler_side.request_finished(request.request_id)
+        return False, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions from vLLM's objects
+# ---------------------------------------------------------------------------------------------
+
+
+def request_view(request: Request) -> RequestView:
+    headers = request.trace_headers or {}
+    return RequestView(
+        request_id=request.request_id,
+        token_ids=request.all_token_ids,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_tokens=request.num_tokens,
+        cache_salt=request.cache_salt or "",
+        preempted=request.status == RequestStatus.PREEMPTED,
+        traceparent=headers.get("traceparent", ""),
+    )
+
+
+def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
+    steps = [
+        ScheduledRequest(
+            request_id=new.req_id,
+            num_computed_tokens=new.num_computed_tokens,
+            num_scheduled_tokens=output.num_scheduled_tokens[new.req_id],
+            block_ids=single_group(new.block_ids),
+            all_blocks=True,
+        )
+        for new in output.scheduled_new_reqs
+    ]
+    cached = output.scheduled_cached_reqs
+    for index, request_id in enumerate(cached.req_ids):
+        new_blocks = cached.new_block_ids[index]
+        steps.append(
+            ScheduledRequest(
+                request_id=request_id,
+                num_computed_tokens=cached.num_computed_tokens[index],
+                num_scheduled_tokens=output.num_scheduled_tokens[request_id],
+                block_ids=single_group(new_blocks) if new_blocks is not None else [],
+                all_blocks=request_id in cached.resumed_req_ids,
+            )
+        )
+    return steps
+
+
+def single_group(block_ids: tuple[list[int], ...] | list[list[int]]) -> list[int]:
+    if len(block_ids) != 1:
+        raise RuntimeError(
+            "KVTBConnector supports one KV cache group; start vLLM with "
+            "--disable-hybrid-kv-cache-manager"
+        )
+    return list(block_ids[0])
+
+
+def block_dim_of(layer: torch.Tensor, num_blocks: int | None) -> int:
+    """The dimension of a paged KV tensor that indexes blocks."""
+    if num_blocks is not None:
+        matches = [dim for dim, size in enumerate(layer.shape) if size == num_blocks]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            # (num_blocks, 2, ...) or (2, num_blocks, ...): vLLM puts blocks in front of or
+            # right after the K/V split.
+            return matches[0] if layer.shape[0] != 2 else 1
+    raise ValueError(
+        f"cannot tell which dimension of the KV cache of shape {tuple(layer.shape)} holds the "
+        f"{num_blocks} blocks"
+    )

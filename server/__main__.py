@@ -1,0 +1,5 @@
+import sys
+
+from server.app import main
+
+sys.exit(main())

@@ -1,0 +1,128 @@
+"""Starting a cache server process and waiting until it is ready.
+
+:class:`ServerProcess` runs ``python -m server`` with the given flags (``--port 0`` by
+default), reads the readiness line for the bound endpoint, and on close stops the process
+(SIGTERM, then SIGKILL) so no test or run leaves a server behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from server.app import READY_PREFIX
+
+_STARTUP_TIMEOUT_S = 60.0
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """A cache server subprocess on loopback. Context manager."""
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+        startup_timeout_s: float = _STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.args = ["--port", "0", *args] if "--port" not in args else list(args)
+        self._env = {**os.environ, **(env or {})}
+        self._log_path = log_path
+        self._startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen[str] | None = None
+        self.url = ""
+        self._stderr_lines: list[str] = []
+
+    def start(self) -> ServerProcess:
+        stderr = open(self._log_path, "a") if self._log_path else subprocess.PIPE  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "server", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=self._env,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        if stderr is subprocess.PIPE:
+            threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self.url = self._wait_ready()
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+        return self
+
+    def _wait_ready(self) -> str:
+        assert self.process is not None and self.process.stdout is not None
+        deadline = time.monotonic() + self._startup_timeout_s
+        result: list[str] = []
+
+        def read() -> None:
+            assert self.process is not None and self.process.stdout is not None
+            for line in self.process.stdout:
+                if line.startswith(READY_PREFIX):
+                    result.append(line)
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(max(0.0, deadline - time.monotonic()))
+        if not result:
+            self.close()
+            detail = "".join(self._stderr_lines[-20:]).strip() or "(no output)"
+            raise ServerStartError(
+                f"cache server did not become ready within {self._startup_timeout_s:.0f}s; "
+                f"exit code {self.process.returncode}; stderr:\n{detail}"
+            )
+        fields = dict(part.split("=", 1) for part in result[0].split()[1:])
+        return fields["endpoint"]
+
+    def _drain_stdout(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for _ in self.process.stdout:
+            pass
+
+    def _drain_stderr(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        for line in self.process.stderr:
+            self._stderr_lines.append(line)
+            del self._stderr_lines[:-200]
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def kill(self) -> None:
+        """Kills the server abruptly (SIGKILL), as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def close(self, timeout_s: float = 10.0) -> int | None:
+        """Stops the server (SIGTERM, then SIGKILL); returns its exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

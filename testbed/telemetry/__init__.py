@@ -1,0 +1,157 @@
+"""Tracing for library code: the one ``traced`` helper, W3C context in messages, attributes.
+
+Library code (connector, server, engines) calls only the OpenTelemetry *API* through this
+module; entry points install the SDK with :mod:`testbed.telemetry.setup`. Until they do,
+:func:`traced` yields a shared non-recording span without touching the context, so tracing
+off costs about a microsecond per operation and the code paths are the same.
+
+Trace context crosses the ZeroMQ boundary inside each request message as the W3C
+``traceparent`` / ``tracestate`` strings: :func:`inject` fills them from the current span,
+and ``traced(..., parent=traceparent)`` makes the server span its child.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    Link,
+    NoOpTracerProvider,
+    ProxyTracerProvider,
+    Span,
+    SpanKind,
+    StatusCode,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = [
+    "INVALID_SPAN",
+    "Span",
+    "SpanKind",
+    "enabled",
+    "fail",
+    "inject",
+    "links_from",
+    "start_span",
+    "traceparent_of",
+    "traced",
+]
+
+_TRACER_NAME = "kvtestbed"
+_propagator = TraceContextTextMapPropagator()
+_enabled_once = False
+
+
+def enabled() -> bool:
+    """Whether an SDK tracer provider is installed (checked cheaply, cached once true)."""
+    global _enabled_once
+    if _enabled_once:
+        return True
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
+        return False
+    _enabled_once = True
+    return True
+
+
+def _reset_for_tests() -> None:
+    global _enabled_once
+    _enabled_once = False
+
+
+@contextmanager
+def traced(
+    name: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: str = "",
+    tracestate: str = "",
+    links: Sequence[str] = (),
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[Span]:
+    """A span around the block; with tracing off, a no-op span.
+
+    ``parent``: a W3C ``traceparent`` to parent the span on (a server span's client); when
+    empty the span is a child of the current span. ``links``: ``traceparent`` strings of the
+    operations a batched span serves. Exceptions mark the span as an error and propagate.
+    Also usable as a decorator (``@traced("name")``).
+    """
+    if not enabled():
+        yield INVALID_SPAN
+        return
+    context = _extract(parent, tracestate) if parent else None
+    tracer = trace.get_tracer(_TRACER_NAME)
+    with tracer.start_as_current_span(
+        name,
+        context=context,
+        kind=kind,
+        links=links_from(links),
+        attributes=attributes,
+    ) as span:
+        yield span
+
+
+def start_span(
+    name: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: str = "",
+    links: Sequence[str] = (),
+    attributes: Mapping[str, Any] | None = None,
+) -> Span:
+    """A span the caller ends itself (``span.end()``), for operations that outlive a call,
+    such as a lookup answered several scheduler steps later. Not made current."""
+    if not enabled():
+        return INVALID_SPAN
+    return trace.get_tracer(_TRACER_NAME).start_span(
+        name,
+        context=_extract(parent, "") if parent else None,
+        kind=kind,
+        links=links_from(links),
+        attributes=attributes,
+    )
+
+
+def traceparent_of(span: Span) -> str:
+    """The W3C ``traceparent`` naming ``span`` (empty for a non-recording span)."""
+    span_context = span.get_span_context()
+    if not span_context.is_valid:
+        return ""
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}"
+
+
+def fail(span: Span, message: str) -> None:
+    """Marks ``span`` as failed with a human-readable reason (also when no exception)."""
+    span.set_status(StatusCode.ERROR, message)
+
+
+def inject() -> tuple[str, str]:
+    """``(traceparent, tracestate)`` of the current span, or empty strings when none."""
+    if not enabled():
+        return "", ""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier)
+    return carrier.get("traceparent", ""), carrier.get("tracestate", "")
+
+
+def links_from(traceparents: Sequence[str]) -> list[Link]:
+    """Links to the spans named by ``traceparents``; malformed or empty ones are skipped."""
+    links = []
+    for traceparent in traceparents:
+        if not traceparent:
+            continue
+        span_context = trace.get_current_span(_extract(traceparent, "")).get_span_context()
+        if span_context.is_valid:
+            links.append(Link(span_context))
+    return links
+
+
+def _extract(traceparent: str, tracestate: str) -> Any:
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return _propagator.extract(carrier)

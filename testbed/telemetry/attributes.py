@@ -1,0 +1,91 @@
+"""Span names and attribute names: the vocabulary of every trace the testbed writes.
+
+Defined once here and documented in METRICS.md; instrumentation and analysis both import
+these constants, so a renamed attribute cannot silently break a notebook.
+"""
+
+from __future__ import annotations
+
+# --- span names -------------------------------------------------------------------------------
+REQUEST = "kvcache.request"
+CONNECTOR_LOOKUP = "kvcache.connector.lookup"
+CONNECTOR_STORE = "kvcache.connector.store"
+CONNECTOR_RETRIEVE = "kvcache.connector.retrieve"
+CONNECTOR_LOCK_RELEASE = "kvcache.connector.lock_release"
+CONNECTOR_END_SESSION = "kvcache.connector.end_session"
+SERVER_LOOKUP = "kvcache.server.lookup"
+SERVER_STORE = "kvcache.server.store"
+SERVER_RETRIEVE = "kvcache.server.retrieve"
+SERVER_LOCK_RELEASE = "kvcache.server.lock_release"
+SERVER_END_SESSION = "kvcache.server.end_session"
+SERVER_REGISTER = "kvcache.server.register"
+SERVER_EVICT = "kvcache.server.evict"
+SERVER_LOCK_EXPIRE = "kvcache.server.lock_expire"
+
+# --- common ---------------------------------------------------------------------------------
+SESSION_ID = "kvcache.session_id"  # the engine's request id, namespaced by engine
+REQUEST_ID = "kvcache.request_id"
+REQUEST_IDS = "kvcache.request_ids"  # batched ops: one entry per item
+NUM_REQUESTS = "kvcache.num_requests"
+OK = "kvcache.ok"
+ERROR = "kvcache.error"
+CACHE_SALT = "kvcache.cache_salt"
+KV_RANK = "kvcache.kv_rank"
+WORLD_SIZE = "kvcache.world_size"
+MODEL = "kvcache.model"
+
+# --- counts -----------------------------------------------------------------------------------
+TOKENS_REQUESTED = "kvcache.tokens.requested"
+TOKENS_HIT = "kvcache.tokens.hit"
+CHUNKS_REQUESTED = "kvcache.chunks.requested"
+CHUNKS_HIT = "kvcache.chunks.hit"
+TOKENS = "kvcache.tokens"
+CHUNKS = "kvcache.chunks"
+CHUNKS_PRESENT = "kvcache.chunks.present"  # store: already stored, skipped
+CHUNKS_FULL = "kvcache.chunks.full"  # store: no room (all else locked)
+CHUNKS_MISSING = "kvcache.chunks.missing"  # retrieve: gone since the lookup
+CHUNKS_WRITTEN = "kvcache.chunks.written"
+BYTES = "kvcache.bytes"
+BLOCKS = "kvcache.blocks"
+SKIP_FIRST_N_TOKENS = "kvcache.skip_first_n_tokens"
+NUM_READERS = "kvcache.num_readers"
+LOCKS_TAKEN = "kvcache.locks.taken"
+LOCKS_RELEASED = "kvcache.locks.released"
+RANGE_START = "kvcache.range.start_token"
+RANGE_END = "kvcache.range.end_token"
+LOOKUP_PENDING = "kvcache.lookup.pending"
+LOOKUP_POLLS = "kvcache.lookup.polls"
+WAIT_MS = "kvcache.wait_ms"
+COPY_MS = "kvcache.copy_ms"
+HELD_MS = "kvcache.lock.held_ms"
+EVICTED_OBJECTS = "kvcache.evicted.objects"
+EVICTED_BYTES = "kvcache.evicted.bytes"
+EVICT_REASON = "kvcache.evict.reason"
+POLICY = "kvcache.policy"
+USED_BYTES = "kvcache.used_bytes"
+CAPACITY_BYTES = "kvcache.capacity_bytes"
+
+# --- request (engine) -------------------------------------------------------------------------
+PROMPT_TOKENS = "kvcache.request.prompt_tokens"
+ENGINE_HIT_TOKENS = "kvcache.request.engine_hit_tokens"
+EXTERNAL_HIT_TOKENS = "kvcache.request.external_hit_tokens"
+RECOMPUTED_TOKENS = "kvcache.request.recomputed_tokens"
+OUTPUT_TOKENS = "kvcache.request.output_tokens"
+LOAD_FAILED_TOKENS = "kvcache.request.load_failed_tokens"
+PREEMPTIONS = "kvcache.request.preemptions"
+TTFT_MS = "kvcache.request.ttft_ms"
+GEN_AI_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+
+# --- resource ---------------------------------------------------------------------------------
+SERVICE_NAME = "service.name"
+SERVICE_INSTANCE_ID = "service.instance.id"
+RUN_ID = "kvcache.run_id"
+RANK = "kvcache.rank"
+CHUNK_SIZE = "kvcache.chunk_size"
+TP_SIZE = "kvcache.tp_size"
+MLA = "kvcache.mla"
+WORKLOAD = "kvcache.workload"
+ENGINE = "kvcache.engine"
+
+# --- span events on batched spans (one per item) -----------------------------------------------
+ITEM_EVENT = "kvcache.item"
