@@ -272,16 +272,21 @@ class WorkerClient:
             outcome.finished.add(op.request_id)
             skip_blocks = op.skip_first_n_tokens // block_size
             missing = 0
-            for index, slot in enumerate(item.slots):
-                blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
-                skip = max(0, skip_blocks - index * per_chunk)
-                if slot is None:
-                    missing += 1
-                    outcome.failed_block_ids.update(blocks[skip:])
-                    continue
-                nbytes += slot.nbytes
-                if self._pool is not None:
-                    self.kv.load(self._pool.tensor, slot, blocks, min(skip, len(blocks)))
+            try:
+                for index, slot in enumerate(item.slots):
+                    chunk_blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
+                    skip = min(max(0, skip_blocks - index * per_chunk), len(chunk_blocks))
+                    if slot is None:
+                        missing += 1
+                        outcome.failed_block_ids.update(chunk_blocks[skip:])
+                        continue
+                    if self._pool is not None:
+                        self.kv.load(self._pool.tensor, slot, chunk_blocks, skip)
+                    nbytes += slot.nbytes
+            except (RuntimeError, ValueError, IndexError) as exc:
+                log.error("copying KV out of the pool failed for %s: %s", op.request_id, exc)
+                missing = len(item.slots)
+                outcome.failed_block_ids.update(self._loadable_blocks(op))
             oks.append(missing == 0)
             missing_total += missing
             span.add_event(

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -25,6 +26,8 @@ from server.config import ServerConfig
 from server.service import CacheService
 from testbed import protocol as p
 from testbed.sizes import parse_bytes
+from testbed.telemetry import attributes as a
+from testbed.telemetry.setup import TracingConfig, configure_tracing
 
 log = logging.getLogger("server")
 
@@ -112,6 +115,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--lookup-pending-timeout", type=float, default=d.lookup_pending_timeout_s, help="seconds (default: %(default)s)")
     parser.add_argument("--max-message-bytes", default=str(d.max_message_bytes), help="largest accepted frame (default: 64MiB)")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    tracing = parser.add_argument_group("tracing")
+    tracing.add_argument("--run-dir", type=Path, help="write spans to RUN_DIR/spans/ (OTLP JSON lines)")
+    tracing.add_argument("--run-id", default="", help="kvcache.run_id resource attribute")
+    tracing.add_argument("--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)")
+    tracing.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"], help="default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL")
     return parser
 
 
@@ -145,11 +153,28 @@ def run(args: argparse.Namespace) -> int:
     def announce(endpoint: str) -> None:
         print(f"{READY_PREFIX} endpoint={endpoint} pid={os.getpid()}", flush=True)
 
+    tracing = configure_tracing(
+        TracingConfig(
+            service_name="kvtb-server",
+            run_dir=args.run_dir,
+            run_id=args.run_id,
+            resource={
+                a.CHUNK_SIZE: config.chunk_size,
+                a.CAPACITY_BYTES: config.capacity_bytes,
+                a.POLICY: config.policy,
+            },
+            otlp_endpoint=args.otlp_endpoint,
+            otlp_protocol=args.otlp_protocol,
+        )
+    )
     try:
         serve(config, on_ready=announce, stop=stop)
     except zmq.ZMQError as exc:
         print(f"kvtb server: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 

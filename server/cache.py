@@ -2,8 +2,9 @@
 
 Invariants (checked by :meth:`KVCache.check_invariants`, which the tests call):
 
-- ``used_bytes`` is the sum of all objects' sizes, reserved or committed, and never exceeds
-  ``capacity_bytes``;
+- ``used_bytes`` is the sum of all objects' footprints (size rounded up to the pool's 64-byte
+  alignment, in metadata-only mode too, so both modes evict alike), reserved or committed,
+  and never exceeds ``capacity_bytes``;
 - only committed objects with no read lock and no pin are ever evicted;
 - an object's ``locks`` equals the sum of its lock entries' counts.
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from server.policies import EvictionPolicy
-from server.pool import ExtentAllocator
+from server.pool import ExtentAllocator, align
 
 
 class ObjectKey(NamedTuple):
@@ -43,6 +44,10 @@ class CacheObject:
     committed: bool = False
     locks: int = 0
     pins: int = 0
+
+    @property
+    def footprint(self) -> int:
+        return align(self.nbytes)
 
     @property
     def evictable(self) -> bool:
@@ -94,6 +99,7 @@ class KVCache:
         self.read_lock_ttl_s = read_lock_ttl_s
         self.used_bytes = 0
         self._objects: dict[ObjectKey, CacheObject] = {}
+        self._by_hash: dict[bytes, set[ObjectKey]] = {}
         self._locks: dict[tuple[str, ObjectKey], _LockEntry] = {}
         self._locks_by_session: dict[str, set[ObjectKey]] = {}
         self._sessions_by_client: dict[bytes, set[str]] = {}
@@ -126,7 +132,8 @@ class KVCache:
             return None
         obj = CacheObject(key=key, nbytes=nbytes, offset=offset, origin=origin)
         self._objects[key] = obj
-        self.used_bytes += nbytes
+        self._by_hash.setdefault(key.chunk_hash, set()).add(key)
+        self.used_bytes += obj.footprint
         return obj
 
     def commit(self, obj: CacheObject) -> None:
@@ -136,11 +143,31 @@ class KVCache:
     def remove(self, obj: CacheObject) -> None:
         """Drops an object (an aborted reservation or an eviction victim)."""
         del self._objects[obj.key]
-        self.used_bytes -= obj.nbytes
+        same_hash = self._by_hash[obj.key.chunk_hash]
+        same_hash.discard(obj.key)
+        if not same_hash:
+            del self._by_hash[obj.key.chunk_hash]
+        self.used_bytes -= obj.footprint
         if obj.offset is not None and self.allocator is not None:
             self.allocator.free(obj.offset)
         if obj.committed:
             self.policy.removed(obj.key)
+
+    def keys_with_hash(self, chunk_hash: bytes) -> list[ObjectKey]:
+        return sorted(self._by_hash.get(chunk_hash, ()))
+
+    def drop(self, obj: CacheObject, eviction: Eviction) -> int:
+        """Removes a committed, unpinned object even if locked; returns the locks released."""
+        assert obj.committed and obj.pins == 0
+        released = 0
+        for session_id, key in [k for k in self._locks if k[1] == obj.key]:
+            released += self.unlock(session_id, key)
+        eviction.keys.append(obj.key)
+        eviction.nbytes += obj.footprint
+        if obj.origin:
+            eviction.origins.append(obj.origin)
+        self.remove(obj)
+        return released
 
     def touch(self, key: ObjectKey) -> None:
         if key in self._objects:
@@ -149,10 +176,11 @@ class KVCache:
     def _make_room(self, nbytes: int, eviction: Eviction) -> tuple[bool, int | None]:
         """``(True, pool offset)`` for ``nbytes`` (offset ``None`` in metadata-only mode), or
         ``(False, None)`` when evicting every evictable object would not make room."""
-        if nbytes > self.capacity_bytes:
+        footprint = align(nbytes)
+        if footprint > self.capacity_bytes:
             return False, None
         while True:
-            if self.used_bytes + nbytes <= self.capacity_bytes:
+            if self.used_bytes + footprint <= self.capacity_bytes:
                 if self.allocator is None:
                     return True, None
                 offset = self.allocator.allocate(nbytes)
@@ -162,7 +190,7 @@ class KVCache:
             if victim is None:
                 return False, None
             eviction.keys.append(victim.key)
-            eviction.nbytes += victim.nbytes
+            eviction.nbytes += victim.footprint
             if victim.origin:
                 eviction.origins.append(victim.origin)
             self.remove(victim)
@@ -281,7 +309,7 @@ class KVCache:
         return self._objects.values()
 
     def check_invariants(self) -> None:
-        used = sum(obj.nbytes for obj in self._objects.values())
+        used = sum(obj.footprint for obj in self._objects.values())
         assert used == self.used_bytes, (used, self.used_bytes)
         assert self.used_bytes <= self.capacity_bytes, (self.used_bytes, self.capacity_bytes)
         per_object: dict[ObjectKey, int] = {}

@@ -16,7 +16,8 @@ from pathlib import Path
 ALIGNMENT = 64
 
 
-def _align(nbytes: int) -> int:
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to the pool's alignment (what an object really occupies)."""
     return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
@@ -37,7 +38,7 @@ class ExtentAllocator:
 
     def allocate(self, nbytes: int) -> int | None:
         """Offset of a new extent of ``nbytes`` (rounded up to 64), or ``None`` if none fits."""
-        length = _align(nbytes)
+        length = align(nbytes)
         offset = self._take_free(length)
         if offset is None and self._top + length <= self.size:
             offset = self._top

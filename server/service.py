@@ -129,6 +129,7 @@ class CacheService:
             p.StoreCommit: (a.SERVER_STORE, self._store_commit),
             p.RetrieveBegin: (a.SERVER_RETRIEVE, self._retrieve_begin),
             p.RetrieveEnd: (a.SERVER_RETRIEVE, self._retrieve_end),
+            p.DropObjects: (None, self._drop_objects),
         }
 
     def close(self) -> None:
@@ -588,6 +589,24 @@ class CacheService:
                 released += self.cache.unlock(session_id, key, 1)
         return released
 
+    def _drop_objects(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
+        assert isinstance(req, p.DropObjects)
+        if req.chunk_hashes:
+            keys = [k for h in req.chunk_hashes for k in self.cache.keys_with_hash(h)]
+        else:
+            keys = [obj.key for obj in self.cache.objects()]
+        eviction = Eviction(reason="drop")
+        released = 0
+        for key in keys:
+            obj = self.cache.get(key)
+            if obj is None or not obj.committed or obj.pins or (obj.locks and not req.force):
+                continue
+            released += self.cache.drop(obj, eviction)
+        self._record_eviction(eviction)
+        return p.Dropped(
+            num_objects=len(eviction.keys), num_bytes=eviction.nbytes, num_locks_released=released
+        )
+
     # -----------------------------------------------------------------------------------------
     # Internal spans
     # -----------------------------------------------------------------------------------------
@@ -595,8 +614,9 @@ class CacheService:
     def _record_eviction(self, eviction: Eviction) -> None:
         if not eviction.keys:
             return
-        self.counters.evicted_objects += len(eviction.keys)
-        self.counters.evicted_bytes += eviction.nbytes
+        if eviction.reason == "capacity":
+            self.counters.evicted_objects += len(eviction.keys)
+            self.counters.evicted_bytes += eviction.nbytes
         with telemetry.traced(
             a.SERVER_EVICT,
             links=eviction.origins[:_MAX_LINKS],

@@ -170,6 +170,15 @@ class RetrieveEnd(_Request, tag="retrieve_end", kw_only=True):
     ok: list[bool] = []
 
 
+class DropObjects(_Request, tag="drop_objects", kw_only=True):
+    """Administration and fault injection: removes stored chunks with these hashes (any model,
+    rank or salt; all chunks when empty). Locked chunks only with ``force`` (their locks are
+    released); chunks being copied (pinned or uncommitted) are never dropped."""
+
+    chunk_hashes: ChunkHashes = []
+    force: bool = False
+
+
 Request = (
     Ping
     | Heartbeat
@@ -185,6 +194,7 @@ Request = (
     | StoreCommit
     | RetrieveBegin
     | RetrieveEnd
+    | DropObjects
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -283,6 +293,12 @@ class RetrieveDone(_Message, tag="retrieve_done", kw_only=True):
     num_locks_released: int
 
 
+class Dropped(_Message, tag="dropped", kw_only=True):
+    num_objects: int
+    num_bytes: int
+    num_locks_released: int
+
+
 ErrorCode = Literal[
     "malformed",
     "too_large",
@@ -312,6 +328,7 @@ Reply = (
     | StoreDone
     | RetrievePlan
     | RetrieveDone
+    | Dropped
     | Error
 )
 

@@ -39,28 +39,32 @@ __all__ = [
     "start_span",
     "traceparent_of",
     "traced",
+    "use_provider",
 ]
 
 _TRACER_NAME = "kvtestbed"
 _propagator = TraceContextTextMapPropagator()
-_enabled_once = False
+_provider: trace.TracerProvider | None = None
+_tracer: trace.Tracer | None = None
+
+
+def use_provider(provider: trace.TracerProvider | None) -> None:
+    """Routes this module's spans to ``provider`` (entry points, via ``telemetry.setup``);
+    ``None`` falls back to the global provider (an application's own OpenTelemetry set-up)."""
+    global _provider, _tracer
+    _provider = provider
+    _tracer = provider.get_tracer(_TRACER_NAME) if provider is not None else None
 
 
 def enabled() -> bool:
-    """Whether an SDK tracer provider is installed (checked cheaply, cached once true)."""
-    global _enabled_once
-    if _enabled_once:
+    """Whether spans are recorded: a provider was installed here or globally."""
+    if _tracer is not None:
         return True
-    provider = trace.get_tracer_provider()
-    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
-        return False
-    _enabled_once = True
-    return True
+    return not isinstance(trace.get_tracer_provider(), ProxyTracerProvider | NoOpTracerProvider)
 
 
-def _reset_for_tests() -> None:
-    global _enabled_once
-    _enabled_once = False
+def _get_tracer() -> trace.Tracer:
+    return _tracer if _tracer is not None else trace.get_tracer(_TRACER_NAME)
 
 
 @contextmanager
@@ -84,8 +88,7 @@ def traced(
         yield INVALID_SPAN
         return
     context = _extract(parent, tracestate) if parent else None
-    tracer = trace.get_tracer(_TRACER_NAME)
-    with tracer.start_as_current_span(
+    with _get_tracer().start_as_current_span(
         name,
         context=context,
         kind=kind,
@@ -107,7 +110,7 @@ def start_span(
     such as a lookup answered several scheduler steps later. Not made current."""
     if not enabled():
         return INVALID_SPAN
-    return trace.get_tracer(_TRACER_NAME).start_span(
+    return _get_tracer().start_span(
         name,
         context=_extract(parent, "") if parent else None,
         kind=kind,

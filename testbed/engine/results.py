@@ -1,0 +1,59 @@
+"""What an engine run produced: one record per request plus run-level counters (plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    group: str
+    prompt_tokens: int
+    arrival_s: float
+    output_tokens: int = 0
+    hit_tokens: int = 0
+    """Prompt tokens the request did not compute at its first admission: the engine's own
+    prefix-cache hit plus what loaded from the cache server (failed loads excluded)."""
+    engine_hit_tokens: int = 0
+    """Prompt tokens the engine's own prefix cache held at admission."""
+    claimed_external_tokens: int = 0
+    """Tokens the connector told the scheduler it would load."""
+    preemptions: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def external_hit_tokens(self) -> int:
+        """Prompt tokens loaded from the cache server beyond the engine's own hit."""
+        return max(0, self.hit_tokens - self.engine_hit_tokens)
+
+    @property
+    def load_failed_tokens(self) -> int:
+        """Tokens the cache promised but could not deliver (recomputed instead)."""
+        return max(0, self.claimed_external_tokens - self.external_hit_tokens)
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.prompt_tokens - self.engine_hit_tokens - self.external_hit_tokens
+
+    @property
+    def ttft_ms(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return (self.first_token_s - self.arrival_s) * 1e3
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    records: list[RequestRecord] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    """Requests the engine could never serve (longer than the model or the KV pool)."""
+    integrity_errors: int = 0
+    """KV blocks that did not hold what the engine would have computed (must be 0)."""
+    steps: int = 0
+    wall_s: float = 0.0
+    virtual_s: float = 0.0
+    """Projected time under the engine's cost model (replay), or wall time (vllm)."""
+    metadata_only: bool = False

@@ -1,0 +1,164 @@
+"""Building vLLM's configuration, scheduler and requests without workers or a model.
+
+Used by the replay engine (and the connector's tests): vLLM's own ``Scheduler`` runs
+unchanged; only the forward pass is replaced. The model configuration comes from a tiny
+model directory written by :mod:`testbed.engine.model_dir` (no weights needed here).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+# Standalone, vLLM's warnings would go to logging's last-resort handler as bare lines.
+logging.getLogger("vllm").setLevel(logging.ERROR)
+
+CONNECTOR_CLASS = "KVTBConnector"
+CONNECTOR_MODULE = "connector.vllm_connector"
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    model_dir: Path
+    block_size: int = 64
+    num_blocks: int = 4096
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    connector_config: dict[str, Any] | None = None
+    """``kv_connector_extra_config``; ``None`` runs without a connector."""
+    tp_size: int = 1
+
+
+def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
+    model = ModelConfig(
+        model=str(spec.model_dir),
+        skip_tokenizer_init=True,
+        max_model_len=spec.max_model_len,
+        dtype="float16",
+    )
+    cache = CacheConfig(block_size=spec.block_size, enable_prefix_caching=True)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=max(spec.max_num_batched_tokens, spec.block_size),
+        max_num_seqs=spec.max_num_seqs,
+        enable_chunked_prefill=True,
+        max_model_len=spec.max_model_len,
+        is_encoder_decoder=False,
+    )
+    transfer = None
+    if spec.connector_config is not None:
+        transfer = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            # vLLM's default ("fail") would end a request whose chunk vanished; a best-effort
+            # cache recomputes instead.
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=dict(spec.connector_config),
+        )
+    config = VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=scheduler,
+        kv_transfer_config=transfer,
+    )
+    config.parallel_config.tensor_parallel_size = spec.tp_size
+    config.cache_config.num_gpu_blocks = spec.num_blocks
+    return config
+
+
+def build_kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
+    model = config.model_config
+    spec = FullAttentionSpec(
+        block_size=config.cache_config.block_size,
+        num_kv_heads=model.get_num_kv_heads(config.parallel_config),
+        head_size=model.get_head_size(),
+        dtype=model.dtype,
+    )
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_num_layers(config.parallel_config))]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = scheduler_block_size
+    return kv_cache_config
+
+
+def build_scheduler(config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
+    """vLLM's v1 scheduler; it creates the SCHEDULER-role connector itself."""
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=kv_cache_config.cache_hit_alignment_tokens,
+        hash_block_size=kv_cache_config.hash_block_size,
+        log_stats=False,
+    )
+
+
+def build_worker_connector(config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int) -> KVConnectorBase_V1:
+    """The WORKER-role connector a model runner of TP rank ``rank`` would own."""
+    rank_config = copy.copy(config)
+    rank_config.parallel_config = copy.copy(config.parallel_config)
+    rank_config.parallel_config.rank = rank
+    return KVConnectorFactory.create_connector(rank_config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+class RequestFactory:
+    """vLLM ``Request`` objects from token ids, hashed for prefix caching as EngineCore does."""
+
+    def __init__(self, config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(kv_cache_config.hash_block_size, hash_fn)
+
+    def make(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        max_tokens: int,
+        *,
+        traceparent: str = "",
+        cache_salt: str | None = None,
+    ) -> Request:
+        # Hand-made sampling params have no EOS token: exactly ``max_tokens`` outputs.
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Request(
+            request_id,
+            token_ids,
+            params,
+            None,
+            block_hasher=self._hasher,
+            cache_salt=cache_salt,
+            trace_headers={"traceparent": traceparent} if traceparent else None,
+        )

@@ -1,0 +1,231 @@
+"""Installing the OpenTelemetry SDK in an entry point (server, engine, CLI). Not for libraries.
+
+:func:`configure_tracing` builds a tracer provider whose resource names the process, its TP
+rank and the run, and whose exporters are
+
+- OTLP JSON lines in ``<run_dir>/spans/<service>-<pid>.jsonl`` (the default, embedded);
+- OTLP over gRPC or HTTP/protobuf to Jaeger or any collector, when ``otlp_endpoint`` is given
+  or the standard variables ask for it (``OTEL_TRACES_EXPORTER=otlp``,
+  ``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``, ``..._PROTOCOL`` = ``grpc`` | ``http/protobuf``).
+
+``OTEL_SDK_DISABLED=true`` turns tracing off; ``OTEL_TRACES_SAMPLER[_ARG]`` and
+``OTEL_BSP_*`` are honoured. Queues default to sizes at which a normal run drops nothing, and
+nothing is dropped silently: every span that ends is counted, every exporter counts what it
+delivered, and :meth:`Tracing.shutdown` (flush, then close) writes both counts next to the
+span file, where the run summary reads ``spans_exported`` and ``spans_dropped``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+from testbed import telemetry
+from testbed.telemetry import attributes as a
+from testbed.telemetry.otlp_json import JsonLinesSpanExporter
+
+SPANS_DIR = "spans"
+COUNTS_SUFFIX = ".counts.json"
+
+# Defaults chosen so that a run's bursts fit: the SDK's 2,048-span queue overflows silently.
+_BSP_DEFAULTS = {
+    "OTEL_BSP_MAX_QUEUE_SIZE": 1 << 18,
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 4096,
+    "OTEL_BSP_SCHEDULE_DELAY": 500,
+}
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    service_name: str
+    """``service.name``: kvtb-server, kvtb-engine, ..."""
+    run_dir: Path | None = None
+    """Where ``spans/`` goes; ``None``: no span files."""
+    run_id: str = ""
+    rank: int | None = None
+    """TP rank of a worker process (``service.instance.id``)."""
+    resource: Mapping[str, Any] = field(default_factory=dict)
+    """More resource attributes (model, chunk size, TP size, workload, ...)."""
+    otlp_endpoint: str | None = None
+    """Also export over OTLP to this endpoint (else: only if the OTEL_* variables say so)."""
+    otlp_protocol: str | None = None
+    """``grpc`` or ``http/protobuf``; default from the variables, else ``grpc``."""
+
+
+class _CountingExporter(SpanExporter):
+    def __init__(self, name: str, inner: SpanExporter) -> None:
+        self.name = name
+        self.inner = inner
+        self.exported = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:
+            result = SpanExportResult.FAILURE
+        with self._lock:
+            if result is SpanExportResult.SUCCESS:
+                self.exported += len(spans)
+            else:
+                self.failed += len(spans)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class _EndCounter(SpanProcessor):
+    def __init__(self) -> None:
+        self.ended = 0
+        self._lock = threading.Lock()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        with self._lock:
+            self.ended += 1
+
+
+class Tracing:
+    """The installed SDK of one process. :meth:`shutdown` flushes everything (idempotent)."""
+
+    def __init__(self, config: TracingConfig, exporters: Mapping[str, SpanExporter]) -> None:
+        self.config = config
+        resource_attributes: dict[str, Any] = {
+            a.SERVICE_NAME: config.service_name,
+            a.RUN_ID: config.run_id,
+            "process.pid": os.getpid(),
+            **config.resource,
+        }
+        if config.rank is not None:
+            resource_attributes[a.SERVICE_INSTANCE_ID] = str(config.rank)
+            resource_attributes[a.RANK] = config.rank
+        self.provider = TracerProvider(resource=Resource.create(resource_attributes))
+        self._ends = _EndCounter()
+        self.provider.add_span_processor(self._ends)
+        self.exporters = {name: _CountingExporter(name, e) for name, e in exporters.items()}
+        for exporter in self.exporters.values():
+            self.provider.add_span_processor(BatchSpanProcessor(exporter, **_bsp_arguments()))
+        self.span_file: Path | None = None
+        self._closed = False
+        telemetry.use_provider(self.provider)
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "service": self.config.service_name,
+            "pid": os.getpid(),
+            "ended": self._ends.ended,
+            "exporters": {
+                name: {"exported": e.exported, "failed": e.failed, "dropped": self._ends.ended - e.exported}
+                for name, e in self.exporters.items()
+            },
+        }
+
+    def force_flush(self) -> None:
+        self.provider.force_flush()
+
+    def shutdown(self) -> dict[str, Any]:
+        """Flushes and closes every exporter; writes the counts file; returns the counts."""
+        if not self._closed:
+            self._closed = True
+            self.provider.shutdown()
+            telemetry.use_provider(None)
+            if self.span_file is not None:
+                counts_path = self.span_file.with_suffix(COUNTS_SUFFIX)
+                counts_path.write_text(json.dumps(self.counts(), indent=1))
+        return self.counts()
+
+    def __enter__(self) -> Tracing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def configure_tracing(
+    config: TracingConfig, extra_exporters: Mapping[str, SpanExporter] | None = None
+) -> Tracing | None:
+    """Installs tracing for this process; ``None`` when ``OTEL_SDK_DISABLED`` is true."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    exporters: dict[str, SpanExporter] = {}
+    span_file = None
+    if config.run_dir is not None:
+        suffix = "" if config.rank is None else f"-rank{config.rank}"
+        span_file = Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
+        exporters["file"] = JsonLinesSpanExporter(span_file)
+    otlp = otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
+    if otlp is not None:
+        exporters["otlp"] = otlp
+    exporters.update(extra_exporters or {})
+    tracing = Tracing(config, exporters)
+    tracing.span_file = span_file
+    return tracing
+
+
+def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> SpanExporter | None:
+    """The stock OTLP exporter the flag or the ``OTEL_*`` variables ask for, else ``None``."""
+    env = os.environ
+    wanted = "otlp" in env.get("OTEL_TRACES_EXPORTER", "").lower().split(",")
+    env_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if endpoint is None and not wanted and not env_endpoint:
+        return None
+    protocol = (
+        protocol
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
+
+        if endpoint:
+            return HttpExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
+        return HttpExporter()
+    raise ValueError(
+        f"unsupported OTLP protocol {protocol!r}; use grpc or http/protobuf "
+        "(OTEL_EXPORTER_OTLP_PROTOCOL)"
+    )
+
+
+def _bsp_arguments() -> dict[str, int]:
+    """Our queue defaults unless the OTEL_BSP_* variables set them."""
+    names = {
+        "OTEL_BSP_MAX_QUEUE_SIZE": "max_queue_size",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "max_export_batch_size",
+        "OTEL_BSP_SCHEDULE_DELAY": "schedule_delay_millis",
+    }
+    return {arg: _BSP_DEFAULTS[env] for env, arg in names.items() if env not in os.environ}
+
+
+def read_counts(run_dir: Path) -> dict[str, int]:
+    """``spans_exported`` (to files) and ``spans_dropped`` summed over a run's processes."""
+    exported = dropped = 0
+    for path in sorted((Path(run_dir) / SPANS_DIR).glob(f"*{COUNTS_SUFFIX}")):
+        counts = json.loads(path.read_text())
+        file_counts = counts["exporters"].get("file", {"exported": 0, "dropped": counts["ended"]})
+        exported += file_counts["exported"]
+        dropped += file_counts["dropped"]
+    return {"spans_exported": exported, "spans_dropped": dropped}

@@ -1,0 +1,146 @@
+"""Drives the connector against a real server the way vLLM would, for one or more TP ranks.
+
+A :class:`Harness` owns a scheduler side and one worker client per rank, each with its own
+seeded paged KV tensors, all talking to the server over real ZeroMQ. Its methods run the
+hook sequences vLLM runs for a request (lookup → allocate → plan → store / retrieve → finish)
+so tests state scenarios, not plumbing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from connector.kv_copy import PagedKV
+from connector.ops import StepPlan
+from connector.planner import Geometry
+from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from connector.scheduler_client import SchedulerClient
+from connector.worker_client import RetrieveOutcome, WorkerClient, WorkerIdentity
+from testbed import protocol as p
+from testbed.rpc import RpcClient
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Rank:
+    rpc: RpcClient
+    kv: PagedKV
+    client: WorkerClient
+
+
+class Harness:
+    def __init__(
+        self,
+        url: str,
+        *,
+        chunk_size: int = 64,
+        tp: int = 1,
+        mla: bool = False,
+        model: str = "tiny",
+        num_blocks: int = 128,
+        num_layers: int = 2,
+        seed: int = 0,
+        timeout_s: float = 2.0,
+        engine_id: str = "engine",
+    ) -> None:
+        self.chunk_size = chunk_size
+        self.rpc = RpcClient(url, role="scheduler", timeout_s=timeout_s)
+        self.client = SchedulerClient(
+            self.rpc,
+            model=model,
+            world_size=1 if mla else tp,
+            num_readers=tp if mla else 1,
+            chunk_size=chunk_size,
+        )
+        self.side = SchedulerSide(
+            self.client, Geometry(chunk_size, BLOCK_SIZE), engine_id=engine_id, lookup_wait_s=timeout_s
+        )
+        generator = torch.Generator().manual_seed(seed)
+        self.ranks: list[Rank] = []
+        for rank in range(tp):
+            layers = tuple(
+                torch.randn(num_blocks, 2, BLOCK_SIZE, 1 if mla else 2, 8, generator=generator).half()
+                for _ in range(num_layers)
+            )
+            rpc = RpcClient(url, role=f"worker{rank}", timeout_s=timeout_s)
+            identity = WorkerIdentity(
+                model=model,
+                world_size=1 if mla else tp,
+                kv_rank=0 if mla else rank,
+                tp_size=tp,
+                mla=mla,
+                writer=rank == 0 or not mla,
+            )
+            worker = WorkerClient(rpc, identity)
+            kv = PagedKV(layers, 0, BLOCK_SIZE)
+            worker.register(kv)
+            self.ranks.append(Rank(rpc, kv, worker))
+
+    # --- what vLLM does, step by step ---------------------------------------------------------
+
+    def matched(self, request_id: str, tokens: list[int], engine_hit: int = 0, salt: str = "") -> int:
+        """``get_num_new_matched_tokens``: tokens the cache adds beyond ``engine_hit``."""
+        view = RequestView(request_id, tokens, len(tokens), len(tokens), cache_salt=salt)
+        loaded, _ = self.side.get_num_new_matched_tokens(view, engine_hit)
+        assert loaded is not None, "lookup did not settle"
+        return loaded
+
+    def allocate(self, request_id: str, block_ids: list[int], num_external: int) -> StepPlan:
+        """``update_state_after_alloc`` then the step's plan (with no scheduled tokens)."""
+        self.side.update_state_after_alloc(request_id, block_ids, num_external)
+        return self.side.build_plan([])
+
+    def compute(self, request_id: str, computed_before: int, num_scheduled: int, block_ids: list[int], first: bool) -> StepPlan:
+        """One scheduled step of the request: the plan it produces."""
+        return self.side.build_plan(
+            [ScheduledRequest(request_id, computed_before, num_scheduled, block_ids, first)]
+        )
+
+    def store(self, plan: StepPlan) -> None:
+        for rank in self.ranks:
+            rank.client.store(plan.stores)
+
+    def load(self, plan: StepPlan) -> list[RetrieveOutcome]:
+        outcomes = []
+        for rank in self.ranks:
+            rank.client.submit_retrieves(plan.retrieves)
+            outcomes.append(rank.client.complete_retrieves(wait_s=5.0))
+        return outcomes
+
+    def prefill(self, request_id: str, tokens: list[int], block_ids: list[int], salt: str = "") -> StepPlan:
+        """A whole request without cache hits: lookup, compute every token, store, finish."""
+        self.matched(request_id, tokens, salt=salt)
+        self.side.update_state_after_alloc(request_id, block_ids, 0)
+        plan = self.compute(request_id, 0, len(tokens), block_ids, True)
+        self.store(plan)
+        self.side.request_finished(request_id)
+        return plan
+
+    def stats(self) -> p.ServerStats:
+        stats = self.rpc.call(p.GetStats())
+        assert isinstance(stats, p.ServerStats)
+        return stats
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.client.close()
+            rank.rpc.close()
+        self.rpc.close()
+
+    def __enter__(self) -> Harness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def blocks_equal(kv: PagedKV, a: list[int], b: list[int]) -> bool:
+    """Whether blocks ``a`` hold exactly the bytes of blocks ``b`` in every layer."""
+    ia, ib = torch.tensor(a), torch.tensor(b)
+    return all(
+        torch.equal(layer.index_select(kv.block_dim, ia), layer.index_select(kv.block_dim, ib))
+        for layer in kv.layers
+    )

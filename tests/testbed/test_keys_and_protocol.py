@@ -1,0 +1,69 @@
+"""Chunk keys and wire messages."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from connector.config import ConnectorConfig
+from testbed import protocol as p
+from testbed.keys import chunk_hashes, extend_chunk_hashes
+from testbed.sizes import parse_bytes
+
+
+def test_chunk_hashes_chain_prefixes_and_ignore_the_partial_tail():
+    a = list(range(1000))
+    assert len(chunk_hashes(a, 256)) == 3
+    b = a[:512] + [9] + a[513:]
+    ha, hb = chunk_hashes(a, 256), chunk_hashes(b, 256)
+    assert ha[:2] == hb[:2] and ha[2] != hb[2]
+    c = [1] + a[1:]
+    assert all(x != y for x, y in zip(chunk_hashes(c, 256), ha, strict=True))
+    assert chunk_hashes(np.array(a), 256) == ha
+    assert all(len(h) == 16 for h in ha)
+
+
+def test_incremental_hashing_equals_hashing_at_once():
+    tokens = list(range(5000))
+    grown: list[bytes] = []
+    for n in (0, 1, 3, 3, 7, 19):
+        extend_chunk_hashes(grown, tokens, 256, n)
+    assert grown == chunk_hashes(tokens, 256)
+    with pytest.raises(ValueError, match="need"):
+        extend_chunk_hashes([], tokens[:100], 64, 2)
+
+
+def test_every_request_round_trips_and_unknown_ops_are_rejected():
+    request = p.Lookup(session_id="s", model="m", world_size=2, chunk_hashes=[b"a" * 16])
+    request.traceparent = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+    assert p.decode_request(p.encode(request)) == request
+    items = [p.OpItem(session_id="s", chunk_hashes=[b"b" * 16], first_chunk=3)]
+    assert p.decode_request(p.encode(p.StoreBegin(items=items))).items == items
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_request(msgspec.msgpack.encode({"op": "format_disk"}))
+    with pytest.raises(msgspec.ValidationError):
+        p.decode_request(p.encode(p.Lookup(session_id="s", model="m", world_size=1, chunk_hashes=[b"short"])))
+    reply = p.StorePlan(store_id=4, items=[p.ItemSlots(slots=[p.Slot(128, 64), None])])
+    assert p.decode_reply(p.encode(reply)) == reply
+
+
+def test_connector_config_names_bad_keys_and_values():
+    config = ConnectorConfig.from_extra_config(
+        {"kvtb.server_url": "tcp://127.0.0.1:1", "kvtb.load_async": "false", "other": 1}
+    )
+    assert config.load_async is False and config.server_url == "tcp://127.0.0.1:1"
+    with pytest.raises(ValueError, match="kvtb.server_ulr.*valid keys: kvtb.server_url"):
+        ConnectorConfig.from_extra_config({"kvtb.server_ulr": "x"})
+    with pytest.raises(ValueError, match="kvtb.mq_timeout_s"):
+        ConnectorConfig.from_extra_config({"kvtb.mq_timeout_s": "soon"})
+    with pytest.raises(ValueError, match="mq_timeout_s must be positive"):
+        ConnectorConfig(mq_timeout_s=0)
+
+
+def test_byte_sizes_parse_with_units_and_reject_nonsense():
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="not a byte size"):
+        parse_bytes("lots")
