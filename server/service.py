@@ -166,7 +166,7 @@ class CacheService:
                     kind=SpanKind.SERVER,
                     parent=request.traceparent,
                     tracestate=request.tracestate,
-                    attributes={"kvcache.op": request.__struct_config__.tag},
+                    attributes={a.OP: request.__struct_config__.tag},
                 ) as span:
                     try:
                         reply = handler(client, request, span)

@@ -23,6 +23,7 @@ SERVER_EVICT = "kvcache.server.evict"
 SERVER_LOCK_EXPIRE = "kvcache.server.lock_expire"
 
 # --- common ---------------------------------------------------------------------------------
+OP = "kvcache.op"  # the protocol message a server span handled (lookup, store_begin, ...)
 SESSION_ID = "kvcache.session_id"  # the engine's request id, namespaced by engine
 REQUEST_ID = "kvcache.request_id"
 REQUEST_IDS = "kvcache.request_ids"  # batched ops: one entry per item

@@ -81,9 +81,18 @@ class Harness:
 
     # --- what vLLM does, step by step ---------------------------------------------------------
 
-    def matched(self, request_id: str, tokens: list[int], engine_hit: int = 0, salt: str = "") -> int:
+    def matched(
+        self,
+        request_id: str,
+        tokens: list[int],
+        engine_hit: int = 0,
+        salt: str = "",
+        traceparent: str = "",
+    ) -> int:
         """``get_num_new_matched_tokens``: tokens the cache adds beyond ``engine_hit``."""
-        view = RequestView(request_id, tokens, len(tokens), len(tokens), cache_salt=salt)
+        view = RequestView(
+            request_id, tokens, len(tokens), len(tokens), cache_salt=salt, traceparent=traceparent
+        )
         loaded, _ = self.side.get_num_new_matched_tokens(view, engine_hit)
         assert loaded is not None, "lookup did not settle"
         return loaded
@@ -110,9 +119,16 @@ class Harness:
             outcomes.append(rank.client.complete_retrieves(wait_s=5.0))
         return outcomes
 
-    def prefill(self, request_id: str, tokens: list[int], block_ids: list[int], salt: str = "") -> StepPlan:
+    def prefill(
+        self,
+        request_id: str,
+        tokens: list[int],
+        block_ids: list[int],
+        salt: str = "",
+        traceparent: str = "",
+    ) -> StepPlan:
         """A whole request without cache hits: lookup, compute every token, store, finish."""
-        self.matched(request_id, tokens, salt=salt)
+        self.matched(request_id, tokens, salt=salt, traceparent=traceparent)
         self.side.update_state_after_alloc(request_id, block_ids, 0)
         plan = self.compute(request_id, 0, len(tokens), block_ids, True)
         self.store(plan)
@@ -144,3 +160,27 @@ def blocks_equal(kv: PagedKV, a: list[int], b: list[int]) -> bool:
         torch.equal(layer.index_select(kv.block_dim, ia), layer.index_select(kv.block_dim, ib))
         for layer in kv.layers
     )
+
+
+def cache_cycle(h: Harness, chunk_size: int, traceparent: str = "") -> dict[str, object]:
+    """One of every operation: a miss and its store, then a partial engine hit whose locks
+    below the engine's boundary are freed, a retrieve of the rest, and the end of the session.
+    Returns what an observer would compare between two runs of it."""
+    tokens = [(31 * i + 5) % 30_000 for i in range(3 * chunk_size + 7)]
+    h.prefill("cycle-a", tokens, list(range(0, 3 * chunk_size // BLOCK_SIZE + 1)), traceparent=traceparent)
+    engine_hit = chunk_size + BLOCK_SIZE
+    loaded = h.matched("cycle-b", tokens, engine_hit=engine_hit, traceparent=traceparent)
+    target = list(range(60, 60 + 3 * chunk_size // BLOCK_SIZE + 1))
+    plan = h.allocate("cycle-b", target, loaded)
+    outcomes = h.load(plan)
+    h.side.request_finished("cycle-b")
+    stats = h.stats()
+    return {
+        "loaded": loaded,
+        "failed": sorted(b for o in outcomes for b in o.failed_block_ids),
+        "restored": blocks_equal(h.ranks[0].kv, list(range(5, 12)), target[5:12]),
+        "objects": stats.num_objects,
+        "stored_bytes": stats.stored_bytes,
+        "retrieved_bytes": stats.retrieved_bytes,
+        "locks": stats.num_locks,
+    }

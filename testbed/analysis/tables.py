@@ -1,0 +1,77 @@
+"""Derived tables: per request, per operation, per run (and per sweep in ``testbed.sweep``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from testbed.analysis.spans import load_events, load_spans
+from testbed.telemetry import attributes as a
+
+REQUEST_COLUMNS = {
+    a.REQUEST_ID: "request_id",
+    "kvcache.request.group": "group",
+    a.PROMPT_TOKENS: "prompt_tokens",
+    a.ENGINE_HIT_TOKENS: "engine_hit_tokens",
+    a.EXTERNAL_HIT_TOKENS: "external_hit_tokens",
+    a.RECOMPUTED_TOKENS: "recomputed_tokens",
+    a.LOAD_FAILED_TOKENS: "load_failed_tokens",
+    a.OUTPUT_TOKENS: "output_tokens",
+    a.PREEMPTIONS: "preemptions",
+    a.TTFT_MS: "ttft_ms",
+}
+
+
+def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
+    """One row per ``kvcache.request`` span, with short column names."""
+    requests = spans[spans["name"] == a.REQUEST]
+    table = requests.reindex(columns=["trace_id", "start_time", "duration_ms", *REQUEST_COLUMNS])
+    return table.rename(columns=REQUEST_COLUMNS).reset_index(drop=True)
+
+
+def operations_table(spans: pd.DataFrame) -> pd.DataFrame:
+    """Cache operations on both sides: ``side`` (connector/server), ``op``, duration, status."""
+    ops = spans[spans["name"].str.startswith(("kvcache.connector.", "kvcache.server."))].copy()
+    parts = ops["name"].str.split(".", expand=True)
+    ops.insert(0, "side", parts[1])
+    ops.insert(1, "op", parts[2])
+    return ops.reset_index(drop=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run directory: its spec, summary and per-request table; spans loaded on demand."""
+
+    path: Path
+
+    @cached_property
+    def spec(self) -> dict[str, Any]:
+        return json.loads((self.path / "spec.json").read_text())
+
+    @cached_property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.path / "summary.json").read_text())
+
+    @cached_property
+    def requests(self) -> pd.DataFrame:
+        return pd.read_parquet(self.path / "metrics.parquet")
+
+    @cached_property
+    def spans(self) -> pd.DataFrame:
+        return load_spans(self.path)
+
+    @cached_property
+    def events(self) -> pd.DataFrame:
+        return load_events(self.path)
+
+
+def load_run(path: Path | str) -> Run:
+    path = Path(path)
+    if not (path / "summary.json").exists():
+        raise FileNotFoundError(f"{path} is not a finished run directory (no summary.json)")
+    return Run(path)

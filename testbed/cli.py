@@ -1,0 +1,228 @@
+"""``kvtb``: the testbed's command line.
+
+    kvtb server ...                 run a cache server (python -m server)
+    kvtb run [--config F.toml] ...  one run into runs/<run_id>/
+    kvtb sweep FILE.toml            a grid of runs (resumable), then its index
+    kvtb report runs/<sweep>        tables and figures for a sweep
+    kvtb export jaeger RUN_DIR -o F Jaeger-UI JSON of a run's spans
+    kvtb demo                       the main job: a small sweep and its report
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from testbed.runspec import RunSpec
+from testbed.sizes import parse_bytes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtb", description=__doc__.split("\n")[0].split(": ", 1)[-1])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    server = commands.add_parser("server", help="run a KV cache server")
+    from server.app import build_parser
+
+    build_parser(server)
+
+    run = commands.add_parser("run", help="one run (engine + workload) into a run directory")
+    _add_run_arguments(run)
+
+    sweep = commands.add_parser("sweep", help="run a sweep file's grid (skips finished runs)")
+    sweep.add_argument("file", type=Path, help="sweep TOML file (see experiments/)")
+    sweep.add_argument("--out", type=Path, default=Path("runs"), help="parent of the sweep directory (default: runs)")
+    sweep.add_argument("--jobs", type=int, default=1, help="local runs in parallel (default: 1)")
+    sweep.add_argument("--executor", choices=["local", "ray"], default="local")
+    sweep.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    sweep.add_argument("--no-progress", action="store_true")
+
+    report = commands.add_parser("report", help="tables and figures for a sweep directory")
+    report.add_argument("sweep_dir", type=Path)
+
+    export = commands.add_parser("export", help="export a run's spans")
+    formats = export.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    jaeger = formats.add_parser("jaeger", help="Jaeger-UI JSON (upload it in the Jaeger UI)")
+    jaeger.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    jaeger.add_argument("-o", "--output", type=Path, required=True)
+
+    demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
+    demo.add_argument("--out", type=Path, default=Path("runs"))
+
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvtb {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "server":
+        from server.app import run as run_server
+
+        return run_server(args)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "sweep":
+        from testbed.sweep.cli import run_sweep_command
+
+        return run_sweep_command(args)
+    if args.command == "report":
+        from testbed.report import write_report
+
+        path = write_report(args.sweep_dir)
+        print(f"report: {path}")
+        return 0
+    if args.command == "export":
+        from testbed.jaeger import export_jaeger
+
+        count = export_jaeger(args.run_dirs, args.output)
+        print(f"wrote {count} spans to {args.output}")
+        return 0
+    if args.command == "demo":
+        from testbed.sweep.cli import demo
+
+        return demo(args.out)
+    raise AssertionError(args.command)
+
+
+# ---------------------------------------------------------------------------------------------
+# kvtb run
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML file with run keys (flags override it)")
+    hints = typing.get_type_hints(RunSpec)
+    defaults = RunSpec()
+    for name in RunSpec.keys():
+        if name == "workload_params":
+            continue
+        flag = "--" + name.replace("_", "-")
+        annotation = hints[name]
+        default = getattr(defaults, name)
+        if annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default: {default})")
+            continue
+        parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
+    parser.add_argument(
+        "--workload-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload generator parameter (repeatable; VALUE is parsed as TOML)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs"), help="parent directory (default: runs)")
+    parser.add_argument("--server", help="use this cache server (tcp://HOST:PORT) instead of starting one")
+    parser.add_argument("--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)")
+    parser.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"])
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        values.update(tomllib.loads(args.config.read_text()))
+    hints = typing.get_type_hints(RunSpec)
+    for name in RunSpec.keys():
+        raw = getattr(args, name, None)
+        if raw is None or name == "workload_params":
+            continue
+        values[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
+    params = dict(values.get("workload_params", {}))
+    for item in args.workload_param:
+        key, _, value = item.partition("=")
+        params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
+    if params:
+        values["workload_params"] = params
+    source = str(args.config) if args.config else "command line"
+    return RunSpec.from_mapping(values, source=source)
+
+
+def _parse_flag(name: str, raw: str, annotation: Any) -> Any:
+    if raw.lower() in ("none", "unlimited"):
+        return None
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    if name == "capacity_bytes":
+        return parse_bytes(raw)
+    if int in options:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"--{name.replace('_', '-')} expects an integer, got {raw!r}") from None
+    if float in options:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"--{name.replace('_', '-')} expects a number, got {raw!r}") from None
+    return raw
+
+
+def _run(args: argparse.Namespace) -> int:
+    from testbed.run import RunOptions, execute_run
+
+    spec = spec_from_args(args)
+    summary = execute_run(
+        spec,
+        args.out,
+        RunOptions(
+            server_url=args.server,
+            progress=not args.no_progress,
+            otlp_endpoint=args.otlp_endpoint,
+            otlp_protocol=args.otlp_protocol,
+        ),
+    )
+    print_summary(summary, args.out / spec.run_id)
+    return 0 if not summary.get("integrity_errors") else 1
+
+
+def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+    rows = [
+        ("requests", summary.get("requests")),
+        ("prompt tokens", summary.get("prompt_tokens")),
+        ("token hit rate", _pct(summary.get("token_hit_rate"))),
+        ("  engine prefix hits", summary.get("engine_hit_tokens")),
+        ("  external hits", summary.get("external_hit_tokens")),
+        ("  recomputed", summary.get("recomputed_tokens")),
+        ("mean request hit rate", _pct(summary.get("mean_request_hit_rate"))),
+        ("stored / retrieved / evicted", _bytes3(summary)),
+        ("lookup p50 / p99 ms", _pair(summary, "lookup")),
+        ("store p50 / p99 ms", _pair(summary, "store")),
+        ("retrieve p50 / p99 ms", _pair(summary, "retrieve")),
+        ("integrity errors", summary.get("integrity_errors")),
+        ("spans exported / dropped", f"{summary.get('spans_exported')} / {summary.get('spans_dropped')}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    print(f"run {summary['run_id']} ({summary['engine']}) → {run_dir}")
+    for label, value in rows:
+        if value is not None:
+            print(f"  {label:<{width}}  {value}")
+
+
+def _pct(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2%}"
+
+
+def _pair(summary: dict[str, Any], op: str) -> str | None:
+    p50, p99 = summary.get(f"{op}_p50_ms"), summary.get(f"{op}_p99_ms")
+    return None if p50 is None else f"{p50:.3f} / {p99:.3f}"
+
+
+def _bytes3(summary: dict[str, Any]) -> str | None:
+    from testbed.sizes import format_bytes
+
+    if "stored_bytes" not in summary:
+        return None
+    return " / ".join(format_bytes(summary[k]) for k in ("stored_bytes", "retrieved_bytes", "evicted_bytes"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

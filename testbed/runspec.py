@@ -1,0 +1,154 @@
+"""What one run is: a frozen, validated spec, named by the hash of its resolved form.
+
+Every ``kvtb run`` flag is a field here (``--chunk-size`` ↔ ``chunk_size``), and so is every key
+of a sweep's ``[base]`` and ``[grid]``. :func:`RunSpec.from_mapping` rejects unknown keys with
+the list of valid ones; :attr:`RunSpec.run_id` is a short hash of the spec's canonical JSON, so
+the same experiment always lands in the same directory (and a finished one is not redone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.engine.profiles import PROFILES, KVProfile, get_profile
+from testbed.sizes import parse_bytes
+
+ENGINES = ("replay", "vllm", "oracle")
+MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    engine: str = "replay"
+    """replay (vLLM's scheduler, no model), vllm (full engine), oracle (no server)."""
+    workload: str = "chat"
+    """A generator name (chat, docqa, rag, random) or mooncake:PATH."""
+    requests: int | None = 200
+    """How many requests (traces: the first N; None: all)."""
+    seed: int = 0
+    chunk_size: int = 256
+    tp: int = 1
+    mla: bool = False
+    """Use the profile's MLA variant (one latent copy for all TP ranks)."""
+    profile: str = "tiny"
+    """KV shape: tiny (128 B/token), tiny-mla, llama3-8b, deepseek-mla."""
+    capacity_tokens: int | None = None
+    """Cache capacity in tokens of KV (all ranks); None with capacity_bytes None: unlimited."""
+    capacity_bytes: int | None = None
+    """Cache capacity in bytes (alternative to capacity_tokens)."""
+    policy: str = "lru"
+    engine_blocks: int = 8192
+    """vLLM's own KV pool, in blocks of block_size tokens."""
+    block_size: int = 64
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 64
+    max_output_tokens: int | None = 16
+    """Cap on generated tokens per request (None: as the workload says)."""
+    load_async: bool = True
+    arrival: str = "trace"
+    metadata_only: bool = False
+    """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
+    fault_drop_fraction: float = 0.0
+    workload_params: dict[str, Any] = field(default_factory=dict)
+    """Generator parameters (see testbed.workloads)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.engine not in ENGINES:
+            problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.profile not in PROFILES:
+            problems.append(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+        elif self.mla and self.profile not in MLA_VARIANTS and not PROFILES[self.profile].mla:
+            problems.append(f"profile {self.profile!r} has no MLA variant; use one of {sorted(MLA_VARIANTS)}")
+        if self.requests is not None and self.requests < 1:
+            problems.append(f"requests must be at least 1, got {self.requests}")
+        for name in ("chunk_size", "tp", "engine_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_size % self.block_size:
+            problems.append(
+                f"chunk_size {self.chunk_size} must be a multiple of block_size {self.block_size}"
+            )
+        if self.capacity_tokens is not None and self.capacity_bytes is not None:
+            problems.append("give capacity_tokens or capacity_bytes, not both")
+        for name in ("capacity_tokens", "capacity_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                problems.append(f"{name} must be positive, got {value}")
+        if problems:
+            raise ValueError("invalid run spec: " + "; ".join(problems))
+
+    @property
+    def kv_profile(self) -> KVProfile:
+        name = MLA_VARIANTS.get(self.profile, self.profile) if self.mla else self.profile
+        return get_profile(name)
+
+    def capacity(self) -> int | None:
+        """Capacity in bytes, or ``None`` for unlimited."""
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        if self.capacity_tokens is not None:
+            return self.capacity_tokens * self.kv_profile.stored_bytes_per_token(self.tp)
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def run_id(self) -> str:
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "spec") -> RunSpec:
+        """A spec from TOML-like values; unknown keys and bad values name the key and source."""
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown key{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(cls.keys())}"
+            )
+        resolved = dict(values)
+        if "capacity_bytes" in resolved and isinstance(resolved["capacity_bytes"], str):
+            resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
+        hints = typing.get_type_hints(cls)
+        for name, value in list(resolved.items()):
+            if value in ("none", "unlimited"):
+                resolved[name] = value = None
+            if not _matches(value, hints[name]):
+                raise ValueError(f"{source}: {name} = {value!r} is not a {hints[name]}")
+            if hints[name] is float and isinstance(value, int):
+                resolved[name] = float(value)  # 1 and 1.0 must name the same run
+        try:
+            return cls(**resolved)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether a TOML value fits a field's annotation (int, float, bool, str, dict, or X | None)."""
+    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if option is type(None) and value is None:
+            return True
+        if origin is bool and isinstance(value, bool):
+            return True
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if origin is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return True
+        if origin in (str, dict) and isinstance(value, origin):
+            return True
+    return False

@@ -1,0 +1,97 @@
+"""Workloads: seeded generators and trace readers, made from a spec string.
+
+``make_workload("chat", num_requests=100)`` or ``make_workload("mooncake:PATH", ...)``; see
+:class:`Workload` for what every workload promises and each generator's class docstring (and
+its params dataclass) for its parameters and defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from testbed.workloads.base import Workload, WorkloadOptions, WorkloadRequest, parse_params
+from testbed.workloads.mooncake import BLOCK_TOKENS, MooncakeWorkload
+from testbed.workloads.synthetic import (
+    GENERATORS,
+    ChatParams,
+    ChatWorkload,
+    DocQAParams,
+    DocQAWorkload,
+    RAGParams,
+    RAGWorkload,
+    RandomParams,
+    RandomWorkload,
+)
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "TRACE_PREFIXES",
+    "WORKLOADS",
+    "ChatParams",
+    "ChatWorkload",
+    "DocQAParams",
+    "DocQAWorkload",
+    "MooncakeWorkload",
+    "RAGParams",
+    "RAGWorkload",
+    "RandomParams",
+    "RandomWorkload",
+    "Workload",
+    "WorkloadOptions",
+    "WorkloadRequest",
+    "make_workload",
+    "workload_choices",
+]
+
+WORKLOADS = GENERATORS
+"""Generator name -> class (its docstring documents it, ``params_type`` its parameters)."""
+
+TRACE_PREFIXES: dict[str, type[MooncakeWorkload]] = {"mooncake": MooncakeWorkload}
+"""Trace reader prefix (spec ``PREFIX:PATH``) -> class."""
+
+
+def workload_choices() -> str:
+    """The valid specs, for help texts and error messages."""
+    return ", ".join([*WORKLOADS, *(f"{prefix}:PATH" for prefix in TRACE_PREFIXES)])
+
+
+def make_workload(
+    spec: str,
+    *,
+    num_requests: int | None,
+    seed: int = 0,
+    vocab_size: int = 32000,
+    max_output_tokens: int | None = None,
+    params: Mapping[str, object] | None = None,
+) -> Workload:
+    """The workload named by ``spec``: a generator name or ``PREFIX:PATH`` of a trace.
+
+    ``num_requests=None`` means the whole trace, or the generator's default (64 unless its
+    params fix the count). ``max_output_tokens`` caps every request's output. ``params`` are
+    the generator's parameters (traces take none). Unknown specs or param keys and bad values
+    raise ValueError naming the bad thing and the valid choices. Constructing reads no
+    tokens; iterating does.
+    """
+    options = WorkloadOptions(
+        num_requests=num_requests,
+        seed=seed,
+        vocab_size=vocab_size,
+        max_output_tokens=max_output_tokens,
+    )
+    prefix, colon, path = spec.partition(":")
+    if colon:
+        reader = TRACE_PREFIXES.get(prefix)
+        if reader is None:
+            raise ValueError(
+                f"unknown trace format {prefix!r} in {spec!r}; "
+                f"valid workloads: {workload_choices()}"
+            )
+        if not path:
+            raise ValueError(f"{spec!r} names no trace file; use {prefix}:PATH")
+        if params:
+            raise ValueError(f"{prefix} traces take no params; got {', '.join(map(repr, params))}")
+        return reader(path, options)
+    generator = WORKLOADS.get(spec)
+    if generator is None:
+        raise ValueError(f"unknown workload {spec!r}; valid workloads: {workload_choices()}")
+    return generator(options, parse_params(generator.params_type, params, spec))

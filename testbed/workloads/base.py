@@ -1,0 +1,209 @@
+"""What every workload yields and promises, and the option parsing all of them share.
+
+A workload is an iterable of :class:`WorkloadRequest` in arrival order. Iteration is lazy (a
+trace is streamed, a generator builds each prompt when it is reached) and deterministic: the
+same options give identical requests on every iteration, on every machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WorkloadRequest:
+    """One request of a workload.
+
+    ``eq=False``: the prompt is an array, so field-wise ``==`` would be ambiguous; compare
+    prompts with ``np.array_equal``.
+    """
+
+    request_id: str
+    """Unique within the workload, e.g. ``"chat-00017"``."""
+
+    prompt_token_ids: np.ndarray
+    """1-D ``int32`` token ids, at least one, each in ``[0, vocab_size)`` of the workload."""
+
+    max_output_tokens: int
+    """Tokens to generate (>= 1)."""
+
+    arrival_s: float
+    """Seconds since the workload start; non-decreasing in iteration order."""
+
+    group: str = ""
+    """Conversation or document the request belongs to, for analysis (``""`` when none)."""
+
+    def __post_init__(self) -> None:
+        tokens = self.prompt_token_ids
+        if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype != np.int32:
+            raise ValueError(f"{self.request_id}: prompt_token_ids must be a 1-D int32 array")
+        if tokens.size == 0:
+            raise ValueError(f"{self.request_id}: prompt_token_ids is empty")
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        if self.max_output_tokens < 1:
+            raise ValueError(
+                f"{self.request_id}: max_output_tokens must be >= 1, got {self.max_output_tokens}"
+            )
+        if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
+            raise ValueError(
+                f"{self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}"
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_token_ids.size)
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """A named, re-iterable, deterministic stream of requests in arrival order."""
+
+    @property
+    def name(self) -> str:
+        """``"chat"``, ``"mooncake:conversation_trace.jsonl"``, ... (the spec it was made from)."""
+        ...
+
+    def __iter__(self) -> Iterator[WorkloadRequest]: ...
+
+    def describe(self) -> dict[str, object]:
+        """Every parameter that determines the requests (JSON-serialisable, for spec.json)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    """Options every workload takes (the keyword arguments of ``make_workload``)."""
+
+    num_requests: int | None = None
+    """Requests to yield. ``None``: the whole trace, or the generator's documented default."""
+
+    seed: int = 0
+    """Seeds every random draw (token content, lengths, arrivals)."""
+
+    vocab_size: int = 32000
+    """Token ids are drawn from ``[0, vocab_size)``."""
+
+    max_output_tokens: int | None = None
+    """Caps each request's output length (``None``: no cap)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.num_requests is not None and self.num_requests < 1:
+            problems.append(f"num_requests must be >= 1 or None, got {self.num_requests}")
+        if self.seed < 0:
+            problems.append(f"seed must be >= 0, got {self.seed}")
+        if self.vocab_size < 2:
+            problems.append(f"vocab_size must be >= 2, got {self.vocab_size}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            problems.append(f"max_output_tokens must be >= 1 or None, got {self.max_output_tokens}")
+        if problems:
+            raise ValueError("invalid workload options: " + "; ".join(problems))
+
+    def cap_output(self, num_tokens: int) -> int:
+        """``num_tokens`` limited by ``max_output_tokens`` (and at least 1)."""
+        if self.max_output_tokens is not None:
+            num_tokens = min(num_tokens, self.max_output_tokens)
+        return max(1, num_tokens)
+
+
+def poisson_arrivals_s(
+    rng: np.random.Generator, num_requests: int, rate_per_s: float
+) -> np.ndarray:
+    """Arrival times of a Poisson process at ``rate_per_s``, the first at 0.
+
+    An infinite rate puts every request at 0 (an offline batch).
+    """
+    if math.isinf(rate_per_s):
+        return np.zeros(num_requests)
+    gaps_s = rng.exponential(1.0 / rate_per_s, size=num_requests)
+    gaps_s[0] = 0.0
+    return np.cumsum(gaps_s)
+
+
+# -------------------------------------------------------------------------------------------
+# Parameter dataclasses: parsing a mapping (TOML table, CLI key=value pairs) into one
+# -------------------------------------------------------------------------------------------
+
+
+def parse_params(params_cls: type[Any], values: Mapping[str, object] | None, workload: str) -> Any:
+    """``params_cls(**values)`` after checking keys and coercing values to the field types.
+
+    Unknown keys and uncoercible values raise ValueError naming the key and the valid keys;
+    ranges and bounds are then checked by ``params_cls.__post_init__``.
+    """
+    fields = {field.name: field for field in dataclasses.fields(params_cls)}
+    hints = typing.get_type_hints(params_cls)
+    kwargs: dict[str, object] = {}
+    for key, value in (values or {}).items():
+        if key not in fields:
+            valid = ", ".join(fields) or "(none)"
+            raise ValueError(f"unknown {workload} param {key!r}; valid params: {valid}")
+        kwargs[key] = _coerce(f"{workload} param {key!r}", value, hints[key])
+    return params_cls(**kwargs)
+
+
+def _coerce(what: str, value: object, hint: Any) -> object:
+    optional = type(None) in typing.get_args(hint)
+    if optional:
+        if value is None or (isinstance(value, str) and value.lower() == "none"):
+            return None
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    try:
+        if typing.get_origin(hint) is tuple:
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, (list, tuple)) or len(items) != len(typing.get_args(hint)):
+                raise ValueError
+            return tuple(
+                _scalar(item, arg) for item, arg in zip(items, typing.get_args(hint), strict=True)
+            )
+        return _scalar(value, hint)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: cannot use {value!r} as {_hint_name(hint)}") from None
+
+
+def _scalar(value: object, hint: type) -> object:
+    if isinstance(value, bool):
+        raise TypeError("booleans are not numbers here")
+    if hint is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return int(value.strip()) if isinstance(value, str) else int(value)  # type: ignore[call-overload]
+    if hint is float:
+        return float(value)  # type: ignore[arg-type]
+    raise TypeError(f"unsupported parameter type {hint}")
+
+
+def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "a [min, max] pair of " + "/".join(
+            sorted({a.__name__ for a in typing.get_args(hint)})
+        )
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_range(problems: list[str], name: str, bounds: tuple[int, int], minimum: int) -> None:
+    """Appends a problem unless ``minimum <= bounds[0] <= bounds[1]``."""
+    low, high = bounds
+    if low < minimum or high < low:
+        problems.append(
+            f"{name} must be a [min, max] pair with {minimum} <= min <= max, got {list(bounds)}"
+        )
+
+
+def check_at_least(problems: list[str], name: str, value: float | None, minimum: float) -> None:
+    """Appends a problem unless ``value`` is ``None`` or ``>= minimum``."""
+    if value is not None and not value >= minimum:
+        problems.append(f"{name} must be >= {minimum}, got {value}")
+
+
+def raise_problems(workload: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"invalid {workload} params: " + "; ".join(problems))

