@@ -4,9 +4,12 @@ Runs in vLLM's scheduler process. It owns the request trackers, asks the planner
 and talks to the server through :class:`connector.scheduler_client.SchedulerClient`. The
 hook contracts follow ``KVConnectorBase_V1``:
 
-- :meth:`SchedulerSide.get_num_new_matched_tokens` submits one lookup per request (again after
-  a preemption) and returns ``(None, False)`` until its answer is in; apart from submitting
-  the lookup it has no side effects, so the scheduler may call it repeatedly;
+- :meth:`SchedulerSide.get_num_new_matched_tokens` submits one lookup per request and returns
+  ``(None, False)`` until its answer is in; apart from submitting the lookup it has no side
+  effects, so the scheduler may call it repeatedly. vLLM asks again for a request it already
+  allocated only when it starts that request over (a preemption, or a load that failed at its
+  first block): then the tracker starts over too, with a new lookup, since the cache's
+  contents may have changed;
 - :meth:`SchedulerSide.update_state_after_alloc` decides retrieve or not and frees the locks of
   chunks the engine's own prefix cache holds;
 - :meth:`SchedulerSide.build_plan` emits the step's retrieves and the stores of newly
@@ -41,7 +44,6 @@ class RequestView:
     num_prompt_tokens: int
     num_tokens: int
     cache_salt: str = ""
-    preempted: bool = False
     traceparent: str = ""
 
 
@@ -85,7 +87,7 @@ class SchedulerSide:
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         tracker = self._tracker(request)
-        if request.preempted and tracker.phase is not Phase.LOOKUP:
+        if tracker.phase is not Phase.LOOKUP:
             self._reset(tracker)
         if tracker.hit_tokens is None:
             if not tracker.chunk_hashes:

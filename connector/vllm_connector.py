@@ -36,7 +36,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.request import RequestStatus
 
 from connector.config import ConnectorConfig
 from connector.kv_copy import PagedKV
@@ -44,7 +43,7 @@ from connector.ops import StepPlan
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
-from connector.worker_client import WorkerClient, WorkerIdentity
+from connector.worker_client import RetrieveOutcome, WorkerClient, WorkerIdentity
 from testbed import protocol as p
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 
@@ -95,6 +94,9 @@ class KVTBConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker: WorkerClient | None = None
         self._load_errors: set[int] = set()
+        self.load_failures: dict[str, int] = {}
+        """Per request, tokens whose load failed since the last :meth:`take_load_failures`
+        (a testbed extension, read by the replay harness for accounting)."""
         if role == KVConnectorRole.SCHEDULER:
             client = SchedulerClient(
                 self.rpc,
@@ -165,8 +167,7 @@ class KVTBConnector(KVConnectorBase_V1):
         if plan.retrieves:
             self.worker.submit_retrieves(plan.retrieves)
             if not self.config.load_async:
-                outcome = self.worker.complete_retrieves(wait_s=self.config.mq_timeout_s)
-                self._load_errors |= outcome.failed_block_ids
+                self._absorb(self.worker.complete_retrieves(wait_s=self.config.mq_timeout_s))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -191,8 +192,17 @@ class KVTBConnector(KVConnectorBase_V1):
         if not self.config.load_async or not self.worker.num_inflight_retrieves:
             return None, None
         outcome = self.worker.complete_retrieves(wait_s=self.config.load_wait_s)
-        self._load_errors |= outcome.failed_block_ids
+        self._absorb(outcome)
         return None, outcome.finished or None
+
+    def _absorb(self, outcome: RetrieveOutcome) -> None:
+        self._load_errors |= outcome.failed_block_ids
+        for request_id, tokens in outcome.failed_tokens.items():
+            self.load_failures[request_id] = self.load_failures.get(request_id, 0) + tokens
+
+    def take_load_failures(self) -> dict[str, int]:
+        failures, self.load_failures = self.load_failures, {}
+        return failures
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -254,7 +264,6 @@ def request_view(request: Request) -> RequestView:
         num_prompt_tokens=request.num_prompt_tokens,
         num_tokens=request.num_tokens,
         cache_salt=request.cache_salt or "",
-        preempted=request.status == RequestStatus.PREEMPTED,
         traceparent=headers.get("traceparent", ""),
     )
 

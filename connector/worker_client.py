@@ -51,6 +51,12 @@ class _Retrieve:
 class RetrieveOutcome:
     finished: set[str] = field(default_factory=set)
     failed_block_ids: set[int] = field(default_factory=set)
+    failed_tokens: dict[str, int] = field(default_factory=dict)
+    """Per request: tokens that were to be loaded but were not (the engine recomputes them)."""
+
+    def fail(self, request_id: str, block_ids: list[int], block_size: int) -> None:
+        self.failed_block_ids.update(block_ids)
+        self.failed_tokens[request_id] = self.failed_tokens.get(request_id, 0) + len(block_ids) * block_size
 
 
 class WorkerClient:
@@ -223,7 +229,7 @@ class WorkerClient:
         plan = _plan_or_error(retrieve.future)
         if isinstance(plan, str):
             for op in retrieve.ops:
-                outcome.failed_block_ids.update(self._loadable_blocks(op))
+                outcome.fail(op.request_id, self._loadable_blocks(op), self.kv.block_size)
                 outcome.finished.add(op.request_id)
             _give_up(span, plan)
             span.end()
@@ -278,7 +284,7 @@ class WorkerClient:
                     skip = min(max(0, skip_blocks - index * per_chunk), len(chunk_blocks))
                     if slot is None:
                         missing += 1
-                        outcome.failed_block_ids.update(chunk_blocks[skip:])
+                        outcome.fail(op.request_id, chunk_blocks[skip:], block_size)
                         continue
                     if self._pool is not None:
                         self.kv.load(self._pool.tensor, slot, chunk_blocks, skip)
@@ -286,7 +292,7 @@ class WorkerClient:
             except (RuntimeError, ValueError, IndexError) as exc:
                 log.error("copying KV out of the pool failed for %s: %s", op.request_id, exc)
                 missing = len(item.slots)
-                outcome.failed_block_ids.update(self._loadable_blocks(op))
+                outcome.fail(op.request_id, self._loadable_blocks(op), block_size)
             oks.append(missing == 0)
             missing_total += missing
             span.add_event(

@@ -17,10 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.policies import POLICIES
 from testbed.engine.profiles import PROFILES, KVProfile, get_profile
 from testbed.sizes import parse_bytes
 
 ENGINES = ("replay", "vllm", "oracle")
+SERVER_POLICIES = tuple(sorted(POLICIES))
+ORACLE_POLICIES = ("lru", "belady")  # capacity None: the infinite cache
 MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
 
 
@@ -44,6 +47,7 @@ class RunSpec:
     capacity_bytes: int | None = None
     """Cache capacity in bytes (alternative to capacity_tokens)."""
     policy: str = "lru"
+    """Eviction policy: lru, fifo, lfu (server); lru or belady (oracle)."""
     engine_blocks: int = 8192
     """vLLM's own KV pool, in blocks of block_size tokens."""
     block_size: int = 64
@@ -67,6 +71,12 @@ class RunSpec:
             problems.append(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         elif self.mla and self.profile not in MLA_VARIANTS and not PROFILES[self.profile].mla:
             problems.append(f"profile {self.profile!r} has no MLA variant; use one of {sorted(MLA_VARIANTS)}")
+        valid_policies = ORACLE_POLICIES if self.engine == "oracle" else SERVER_POLICIES
+        if self.policy not in valid_policies:
+            problems.append(
+                f"policy {self.policy!r} is not available with engine {self.engine}; "
+                f"choose one of {', '.join(valid_policies)}"
+            )
         if self.requests is not None and self.requests < 1:
             problems.append(f"requests must be at least 1, got {self.requests}")
         for name in ("chunk_size", "tp", "engine_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):

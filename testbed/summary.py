@@ -54,6 +54,12 @@ def build_summary(
                 "retrieved_bytes": server_stats["retrieved_bytes"],
                 "evicted_bytes": server_stats["evicted_bytes"],
                 "evicted_objects": server_stats["evicted_objects"],
+                "store_amplification": (
+                    server_stats["stored_bytes"]
+                    / (summary["prompt_tokens"] * spec.kv_profile.stored_bytes_per_token(spec.tp))
+                    if summary["prompt_tokens"]
+                    else None
+                ),
                 "server_locks_after": server_stats["num_locks"],
                 "server_errors": server_stats["errors"],
             }

@@ -181,6 +181,8 @@ class ReplayEngine:
             outcomes = [worker.execute(so) for worker in self.workers]
             invalid = set().union(*(o.invalid_block_ids for o in outcomes))
             result.integrity_errors += sum(o.integrity_errors for o in outcomes)
+            for request_id, failed in outcomes[0].load_failed_tokens.items():
+                records[request_id].load_failed_tokens += failed
             self._account_admissions(so, records, admitted, invalid)
             engine_outputs = self.scheduler.update_from_output(so, self._runner_output(so, outcomes, invalid))
             clock += spec.step_s(so.total_num_scheduled_tokens)
@@ -204,7 +206,6 @@ class ReplayEngine:
                 record.output_tokens += len(output.new_token_ids)
                 if output.prefill_stats is not None:
                     record.engine_hit_tokens = output.prefill_stats.num_local_cached_tokens
-                    record.claimed_external_tokens = output.prefill_stats.num_external_cached_tokens
                 if output.finish_reason is not None:
                     record.finish_s = clock
                     self._finish(record, spans.pop(output.request_id))

@@ -17,8 +17,8 @@ class RequestRecord:
     prefix-cache hit plus what loaded from the cache server (failed loads excluded)."""
     engine_hit_tokens: int = 0
     """Prompt tokens the engine's own prefix cache held at admission."""
-    claimed_external_tokens: int = 0
-    """Tokens the connector told the scheduler it would load."""
+    load_failed_tokens: int = 0
+    """Tokens the cache was to load but could not (chunks gone since the lookup): recomputed."""
     preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -27,11 +27,6 @@ class RequestRecord:
     def external_hit_tokens(self) -> int:
         """Prompt tokens loaded from the cache server beyond the engine's own hit."""
         return max(0, self.hit_tokens - self.engine_hit_tokens)
-
-    @property
-    def load_failed_tokens(self) -> int:
-        """Tokens the cache promised but could not deliver (recomputed instead)."""
-        return max(0, self.claimed_external_tokens - self.external_hit_tokens)
 
     @property
     def recomputed_tokens(self) -> int:

@@ -28,6 +28,7 @@ from testbed.engine.profiles import KVProfile
 class StepOutcome:
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    load_failed_tokens: dict[str, int] = field(default_factory=dict)
     integrity_errors: int = 0
 
 
@@ -107,6 +108,7 @@ class WorkerHarness:
         outcome = StepOutcome(
             finished_recving=set(results.finished_recving),
             invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
+            load_failed_tokens=connector.take_load_failures(),
         )
         connector.clear_connector_metadata()
         if self.write_kv:

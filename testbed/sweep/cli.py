@@ -1,0 +1,182 @@
+"""Running a sweep: ``kvtb sweep`` and ``kvtb demo``, and :func:`run_sweep` behind both.
+
+:func:`run_sweep` writes ``OUT/<name>/sweep.toml`` and ``sweep.json``, skips every run that is
+already complete, executes the others (local processes or Ray tasks, see
+:mod:`testbed.sweep.executors`), then builds ``index.parquet``. Running it again does nothing
+new; after a crash or Ctrl-C it finishes only the runs that are missing (a half-written run is
+redone by ``execute_run``). Failed runs are recorded (and retried by the next invocation);
+they never stop the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from testbed.run import is_complete
+from testbed.runspec import RunSpec
+from testbed.sweep.executors import RunOutcome, require_ray, run_local, run_ray
+from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
+from testbed.sweep.spec import SweepSpec, load_sweep
+
+EXECUTORS = ("local", "ray")
+QUICKSTART = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.toml"
+DEMO_JOBS = 1  # two cores: a replay run already keeps two processes (engine, server) busy
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    executor: str = "local"
+    """local (child processes on this machine) or ray (one Ray task per run)."""
+    jobs: int = 1
+    """Runs at once (local); CPUs of the local Ray instance (ray without an address)."""
+    address: str | None = None
+    """Ray cluster address; ``None``: start a local Ray instance."""
+    progress: bool = True
+    """Progress bars (a line per finished run is printed either way)."""
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.jobs < 1:
+            raise ValueError(f"jobs must be at least 1, got {self.jobs}")
+        if self.address is not None and self.executor != "ray":
+            raise ValueError("a Ray address needs the ray executor (--executor ray)")
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    sweep_dir: Path
+    run_ids: tuple[str, ...]
+    """Every run of the sweep, in sweep order."""
+    executed: tuple[str, ...]
+    """Runs this invocation executed (completed or failed)."""
+    skipped: tuple[str, ...]
+    """Runs already complete before this invocation."""
+    failed: tuple[str, ...]
+
+
+def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions()) -> SweepResult:
+    """Runs the sweep's missing runs into ``out/<name>/`` and writes its index (module docstring)."""
+    if options.executor == "ray":
+        require_ray()  # before anything is written
+    sweep_dir = Path(out) / sweep.name
+    write_manifest(sweep_dir, sweep)
+    todo = [run for run in sweep.runs if not is_complete(sweep_dir / run.run_id)]
+    skipped = tuple(sorted(set(sweep.run_ids) - {run.run_id for run in todo}, key=sweep.run_ids.index))
+    display = _Display(sweep, len(skipped), enabled=options.progress)
+    if options.executor == "local":
+        outcomes = run_local(todo, sweep_dir, jobs=options.jobs, on_progress=display.run_progress)
+    else:
+        outcomes = run_ray(todo, sweep_dir, jobs=options.jobs, address=options.address)
+    finished: list[RunOutcome] = []
+    try:
+        with contextlib.closing(outcomes):
+            for outcome in outcomes:
+                finished.append(outcome)
+                display.run_finished(outcome)
+    except KeyboardInterrupt:
+        build_index(sweep_dir)  # what is finished so far
+        raise
+    finally:
+        display.close()
+    build_index(sweep_dir)
+    return SweepResult(
+        sweep_dir=sweep_dir,
+        run_ids=tuple(sweep.run_ids),
+        executed=tuple(outcome.run_id for outcome in finished),
+        skipped=skipped,
+        failed=tuple(outcome.run_id for outcome in finished if not outcome.ok),
+    )
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    """``kvtb sweep FILE``: 0 when every run is complete, 1 if any failed, 130 when interrupted."""
+    sweep = load_sweep(args.file)
+    options = SweepOptions(
+        executor=args.executor, jobs=args.jobs, address=args.address, progress=not args.no_progress
+    )
+    try:
+        result = run_sweep(sweep, args.out, options)
+    except RuntimeError as exc:  # e.g. Ray missing
+        print(f"kvtb sweep: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        sweep_dir = Path(args.out) / sweep.name
+        complete = sum(is_complete(sweep_dir / run_id) for run_id in sweep.run_ids)
+        print(
+            f"\nkvtb sweep: interrupted with {complete} of {len(sweep.runs)} runs complete; "
+            "run the same command again to finish the others",
+            file=sys.stderr,
+        )
+        return 130
+    _print_result(sweep, result)
+    return 1 if result.failed else 0
+
+
+def demo(out_dir: Path) -> int:
+    """``kvtb demo``: the quickstart sweep on this machine, then its report."""
+    sweep = load_sweep(QUICKSTART)
+    result = run_sweep(sweep, out_dir, SweepOptions(jobs=DEMO_JOBS))
+    _print_result(sweep, result)
+    if result.failed:
+        return 1
+    from testbed.report import write_report
+
+    print(f"report: {write_report(result.sweep_dir)}")
+    return 0
+
+
+def _print_result(sweep: SweepSpec, result: SweepResult) -> None:
+    print(
+        f"sweep {sweep.name}: {len(result.run_ids)} runs: {len(result.executed)} executed, "
+        f"{len(result.skipped)} already complete, {len(result.failed)} failed "
+        f"→ {result.sweep_dir / INDEX_FILE}"
+    )
+
+
+class _Display:
+    """An overall bar (runs done of all, complete ones counted at once), a bar per running run
+    (local executor), and a line per finished run."""
+
+    def __init__(self, sweep: SweepSpec, num_skipped: int, *, enabled: bool) -> None:
+        self._enabled = enabled
+        self._labels = {run.run_id: _label(run, sweep.swept) for run in sweep.runs}
+        self._overall = tqdm(
+            total=len(sweep.runs),
+            initial=num_skipped,
+            unit="run",
+            desc=f"sweep {sweep.name}",
+            disable=not enabled,
+        )
+        self._bars: dict[str, tqdm] = {}
+
+    def run_progress(self, spec: RunSpec, done: int, total: int) -> None:
+        bar = self._bars.get(spec.run_id)
+        if bar is None:
+            desc = f"  {spec.run_id} {self._labels[spec.run_id]}"
+            bar = tqdm(total=total, unit="req", desc=desc, leave=False, disable=not self._enabled)
+            self._bars[spec.run_id] = bar
+        bar.update(done - bar.n)
+
+    def run_finished(self, outcome: RunOutcome) -> None:
+        bar = self._bars.pop(outcome.run_id, None)
+        if bar is not None:
+            bar.close()
+        self._overall.update(1)
+        status = "complete" if outcome.ok else f"FAILED: {outcome.error}"
+        tqdm.write(f"{outcome.run_id} {self._labels[outcome.run_id]}: {status}")
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._overall.close()
+
+
+def _label(run: RunSpec, swept: tuple[str, ...]) -> str:
+    return " ".join(f"{key}={getattr(run, key)}" for key in swept) or run.engine

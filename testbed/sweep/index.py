@@ -1,0 +1,135 @@
+"""A sweep directory's own files, and its index: one row per run, rebuilt from the run directories.
+
+``OUT/<name>/`` holds ``sweep.toml`` (the sweep file as run), ``sweep.json`` (name,
+description, the swept keys in x-axis order, and the run ids in sweep order), one directory
+per run (``testbed.run``'s layout; a failed run also holds ``error.txt``: the error on its first
+line, then the traceback) and ``index.parquet``.
+
+The index has the columns ``run_id``, ``status`` (``complete`` | ``failed``), ``error``
+(``None`` unless failed), every :class:`RunSpec` field (typed from its annotation, nullable;
+``workload_params`` as a JSON string), then every summary field in first-seen order (missing
+ones null; a run's ``run_id`` and ``engine`` come from its spec). Runs of the sweep never
+attempted, or interrupted before finishing, have no row. Everything comes from files, so
+:func:`build_index` can be rerun at any time, e.g. after copying runs from other machines.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from testbed.run import SUMMARY, is_complete
+from testbed.runspec import RunSpec
+from testbed.sweep.spec import SweepSpec
+
+SWEEP_FILE = "sweep.json"
+SWEEP_TOML = "sweep.toml"
+INDEX_FILE = "index.parquet"
+ERROR_FILE = "error.txt"
+SPEC_FILE = "spec.json"  # written by testbed.run.execute_run
+COMPLETE = "complete"
+FAILED = "failed"
+
+_DTYPES = {int: "Int64", float: "Float64", bool: "boolean", str: "string"}
+
+
+def write_manifest(sweep_dir: Path, sweep: SweepSpec) -> None:
+    """Writes ``sweep.toml`` and ``sweep.json`` (replacing those of an earlier version of the sweep)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    _write_text(sweep_dir / SWEEP_TOML, sweep.source_text)
+    manifest = {
+        "name": sweep.name,
+        "description": sweep.description,
+        "swept": list(sweep.swept),
+        "runs": sweep.run_ids,
+    }
+    _write_text(sweep_dir / SWEEP_FILE, json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(sweep_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())
+
+
+def record_failure(run_dir: Path, spec: RunSpec, error: str, details: str = "") -> None:
+    """Marks ``run_dir`` failed: ``error.txt`` (and ``spec.json`` if the run died before writing it)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / SPEC_FILE).is_file():
+        _write_text(run_dir / SPEC_FILE, json.dumps({"run_id": spec.run_id, **spec.to_dict()}, indent=1))
+    first_line = " ".join(error.split()) or "run failed"
+    _write_text(run_dir / ERROR_FILE, f"{first_line}\n\n{details}")
+
+
+def read_failure(run_dir: Path) -> str | None:
+    """The error of a failed run, ``None`` if the run has not failed (complete or not yet run)."""
+    path = run_dir / ERROR_FILE
+    if is_complete(run_dir) or not path.is_file():
+        return None
+    return path.read_text().split("\n", 1)[0]
+
+
+def build_index(sweep_dir: Path) -> pd.DataFrame:
+    """Builds ``index.parquet`` from the run directories listed in ``sweep.json``; returns it.
+
+    Without ``sweep.json`` every subdirectory holding a ``spec.json`` is a run (sorted by id).
+    """
+    sweep_dir = Path(sweep_dir)
+    if (sweep_dir / SWEEP_FILE).is_file():
+        run_ids = read_manifest(sweep_dir)["runs"]
+    else:
+        run_ids = sorted(path.parent.name for path in sweep_dir.glob(f"*/{SPEC_FILE}"))
+    rows = [row for run_id in run_ids if (row := _row(sweep_dir / run_id)) is not None]
+    frame = _frame(rows)
+    tmp = sweep_dir / (INDEX_FILE + ".tmp")
+    frame.to_parquet(tmp, index=False)
+    tmp.replace(sweep_dir / INDEX_FILE)
+    return frame
+
+
+def load_index(sweep_dir: Path) -> pd.DataFrame:
+    """The sweep's index (built first if ``index.parquet`` does not exist yet)."""
+    path = Path(sweep_dir) / INDEX_FILE
+    return pd.read_parquet(path) if path.is_file() else build_index(sweep_dir)
+
+
+def _row(run_dir: Path) -> dict[str, Any] | None:
+    if not (run_dir / SPEC_FILE).is_file():
+        return None
+    spec = json.loads((run_dir / SPEC_FILE).read_text())
+    if is_complete(run_dir):
+        status, error = COMPLETE, None
+        summary = json.loads((run_dir / SUMMARY).read_text())
+    elif (error := read_failure(run_dir)) is not None:
+        status, summary = FAILED, {}
+    else:
+        return None  # never finished: not part of the index until it is run again
+    row: dict[str, Any] = {"run_id": run_dir.name, "status": status, "error": error}
+    for key in RunSpec.keys():
+        value = spec.get(key)
+        row[key] = json.dumps(value, sort_keys=True) if key == "workload_params" else value
+    for key, value in summary.items():
+        if key not in row:
+            row[key] = value
+    return row
+
+
+def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    spec_columns = ["run_id", "status", "error", *RunSpec.keys()]
+    summary_columns = list(dict.fromkeys(key for row in rows for key in row if key not in spec_columns))
+    frame = pd.DataFrame(rows, columns=[*spec_columns, *summary_columns])
+    hints = typing.get_type_hints(RunSpec)
+    dtypes = {"run_id": "string", "status": "string", "error": "string", "workload_params": "string"}
+    for key in RunSpec.keys():
+        if key not in dtypes:
+            options = [t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)]
+            dtypes[key] = _DTYPES[options[0]]
+    return frame.astype(dtypes)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

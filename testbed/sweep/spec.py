@@ -1,0 +1,180 @@
+"""Sweep files: a TOML grid of run keys, expanded into the ordered list of runs it names.
+
+A sweep file holds ``name`` and ``description`` (both optional; the name defaults to the
+file's stem and names the sweep directory), a ``[base]`` of run keys shared by every run, a
+``[grid]`` of run keys to lists of values (the cartesian product, first key outermost, in
+file order), ``[[exclude]]`` tables that drop the grid combinations matching all their keys,
+and ``[[include]]`` tables of extra combinations (merged over ``[base]``, added after the
+grid). ``workload_params`` tables merge key by key over the base's.
+
+Every mistake is found before any run starts: unknown top-level keys, unknown run keys (the
+message names the key, the file and section, and lists the valid keys, from
+:meth:`RunSpec.from_mapping`), empty grid lists, excludes that match nothing (a misspelt
+value would otherwise silently drop nothing) and invalid combinations. Combinations that
+resolve to the same run (same ``run_id``) are kept once, at their first position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from testbed.runspec import RunSpec
+
+TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "include", "exclude")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A validated, expanded sweep: what ``kvtb sweep`` runs, in order."""
+
+    name: str
+    """Names the sweep directory ``OUT/<name>/``."""
+    description: str
+    runs: tuple[RunSpec, ...]
+    """Every distinct run, grid order first, then the includes."""
+    swept: tuple[str, ...]
+    """Run keys whose value differs between runs (the x-axes of a report), grid keys first."""
+    source_text: str = ""
+    """The sweep file as written (copied into the sweep directory)."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"sweep name {self.name!r} must be a plain directory name "
+                "(letters, digits, '_', '-', '.'; not starting with '.' or '-')"
+            )
+        if not self.runs:
+            raise ValueError(f"sweep {self.name!r} has no runs")
+        unknown = sorted(set(self.swept) - set(RunSpec.keys()))
+        if unknown:
+            raise ValueError(f"swept keys {unknown} are not run keys")
+
+    @property
+    def run_ids(self) -> list[str]:
+        return [run.run_id for run in self.runs]
+
+
+def load_sweep(path: Path) -> SweepSpec:
+    """Reads and expands a sweep file; every error message starts with the file's path."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    return expand_sweep(document, source=str(path), default_name=path.stem, source_text=text)
+
+
+def expand_sweep(
+    document: Mapping[str, Any], *, source: str, default_name: str, source_text: str = ""
+) -> SweepSpec:
+    """Expands a parsed sweep document (see the module docstring) into its runs."""
+    unknown = sorted(set(document) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ValueError(
+            f"{source}: unknown top-level key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(TOP_LEVEL_KEYS)}"
+        )
+    name = document.get("name", default_name)
+    description = document.get("description", "")
+    for key, value in (("name", name), ("description", description)):
+        if not isinstance(value, str):
+            raise ValueError(f"{source}: {key} must be a string, got {value!r}")
+    base = _table(document.get("base", {}), f"{source} [base]")
+    grid = _grid(document.get("grid", {}), f"{source} [grid]")
+    excludes = _tables(document.get("exclude", []), source, "exclude")
+    includes = _tables(document.get("include", []), source, "include")
+
+    combinations: list[tuple[str, dict[str, Any]]] = []
+    matched = [False] * len(excludes)
+    for values in itertools.product(*grid.values()):
+        point = dict(zip(grid, values, strict=True))
+        hits = [_matches(_merge(base, point), exclude) for exclude in excludes]
+        matched = [m or h for m, h in zip(matched, hits, strict=True)]
+        if not any(hits):
+            combinations.append((f"{source} [grid] combination {_describe(point)}", _merge(base, point)))
+    for number, (exclude, found) in enumerate(zip(excludes, matched, strict=True), start=1):
+        if not found:
+            raise ValueError(f"{source} [[exclude]] #{number}: {_describe(exclude)} matches no grid combination")
+    for number, include in enumerate(includes, start=1):
+        combinations.append((f"{source} [[include]] #{number}", _merge(base, include)))
+
+    runs: dict[str, RunSpec] = {}
+    for where, values in combinations:
+        spec = RunSpec.from_mapping(values, source=where)
+        runs.setdefault(spec.run_id, spec)
+    ordered = tuple(runs.values())
+    return SweepSpec(
+        name=name,
+        description=description,
+        runs=ordered,
+        swept=_swept(ordered, list(grid)),
+        source_text=source_text,
+    )
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    """A table of run keys; unknown keys fail here, naming the section (values are checked per run)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a table of run keys, got {value!r}")
+    unknown = sorted(set(value) - set(RunSpec.keys()))
+    if unknown:
+        # RunSpec.from_mapping words the message (key, source, valid keys) for every section alike.
+        RunSpec.from_mapping({key: value[key] for key in unknown}, source=where)
+    return dict(value)
+
+
+def _grid(value: Any, where: str) -> dict[str, list[Any]]:
+    grid = _table(value, where)
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise ValueError(f"{where}: {key} must be a list of values, got {values!r}")
+        if not values:
+            raise ValueError(f"{where}: {key} is an empty list; give at least one value")
+    return grid
+
+
+def _tables(value: Any, source: str, section: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ValueError(f"{source}: {section} must be an array of tables ([[{section}]]), got {value!r}")
+    tables = [_table(item, f"{source} [[{section}]] #{number}") for number, item in enumerate(value, start=1)]
+    for number, table in enumerate(tables, start=1):
+        if not table:
+            raise ValueError(f"{source} [[{section}]] #{number} is empty")
+    return tables
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = {**base, **override}
+    if isinstance(base.get("workload_params"), dict) and isinstance(override.get("workload_params"), dict):
+        merged["workload_params"] = {**base["workload_params"], **override["workload_params"]}
+    return merged
+
+
+_DEFAULTS = RunSpec().to_dict()
+
+
+def _matches(values: Mapping[str, Any], exclude: Mapping[str, Any]) -> bool:
+    """Whether a combination has every value of ``exclude`` (keys it leaves out: the defaults)."""
+    return all(values.get(key, _DEFAULTS[key]) == value for key, value in exclude.items())
+
+
+def _swept(runs: tuple[RunSpec, ...], grid_keys: list[str]) -> tuple[str, ...]:
+    varying = [
+        field.name
+        for field in dataclasses.fields(RunSpec)
+        if len({repr(getattr(run, field.name)) for run in runs}) > 1
+    ]
+    return tuple([key for key in grid_keys if key in varying] + [key for key in varying if key not in grid_keys])
+
+
+def _describe(values: Mapping[str, Any]) -> str:
+    return "{" + ", ".join(f"{key} = {value!r}" for key, value in values.items()) + "}"

