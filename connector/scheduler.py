@@ -19,7 +19,7 @@ hook contracts follow ``KVConnectorBase_V1``:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from connector.ops import StepPlan
@@ -79,6 +79,9 @@ class SchedulerSide:
         self.lookup_wait_s = lookup_wait_s
         self.store_decode_tokens = store_decode_tokens
         self.trackers: dict[str, RequestTracker] = {}
+        self.on_finished: Callable[[RequestTracker], None] | None = None
+        """Called with each finished request's tracker (in-process engines read the engine's
+        own prefix-cache hit here; vLLM's outputs only give the total)."""
 
     def session_id(self, request_id: str) -> str:
         return f"{self.engine_id}:{request_id}"
@@ -166,6 +169,8 @@ class SchedulerSide:
             if tracker.locks_held or tracker.hit_tokens is None:
                 self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
         self.client.end_session(tracker.session_id, parent=tracker.traceparent)
+        if self.on_finished is not None:
+            self.on_finished(tracker)
         return tracker
 
     def _tracker(self, request: RequestView) -> RequestTracker:

@@ -15,7 +15,7 @@ from testbed.telemetry import attributes as a
 
 REQUEST_COLUMNS = {
     a.REQUEST_ID: "request_id",
-    "kvcache.request.group": "group",
+    a.REQUEST_GROUP: "group",
     a.PROMPT_TOKENS: "prompt_tokens",
     a.ENGINE_HIT_TOKENS: "engine_hit_tokens",
     a.EXTERNAL_HIT_TOKENS: "external_hit_tokens",

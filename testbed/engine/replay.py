@@ -29,7 +29,7 @@ from testbed import protocol as p
 from testbed import telemetry
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.profiles import KVProfile
-from testbed.engine.results import EngineResult, RequestRecord
+from testbed.engine.results import EngineResult, RequestRecord, request_span_attributes
 from testbed.engine.vllm_setup import (
     RequestFactory,
     SchedulerSpec,
@@ -291,19 +291,7 @@ class ReplayEngine:
         )
 
     def _finish(self, record: RequestRecord, span: telemetry.Span) -> None:
-        span.set_attributes(
-            {
-                a.ENGINE_HIT_TOKENS: record.engine_hit_tokens,
-                a.EXTERNAL_HIT_TOKENS: record.external_hit_tokens,
-                a.RECOMPUTED_TOKENS: record.recomputed_tokens,
-                a.LOAD_FAILED_TOKENS: record.load_failed_tokens,
-                a.OUTPUT_TOKENS: record.output_tokens,
-                a.PREEMPTIONS: record.preemptions,
-                a.GEN_AI_CACHE_READ_TOKENS: record.engine_hit_tokens + record.external_hit_tokens,
-                a.TTFT_MS: record.ttft_ms if record.ttft_ms is not None else -1.0,
-                "kvcache.request.group": record.group,
-            }
-        )
+        span.set_attributes(request_span_attributes(record))
         span.end()
 
     def _inject_faults(self, so) -> None:

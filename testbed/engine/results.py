@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from testbed.telemetry import attributes as a
+
 
 @dataclass
 class RequestRecord:
@@ -52,3 +54,20 @@ class EngineResult:
     virtual_s: float = 0.0
     """Projected time under the engine's cost model (replay), or wall time (vllm)."""
     metadata_only: bool = False
+    output_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Generated tokens per request (engines with a real model)."""
+
+
+def request_span_attributes(record: RequestRecord) -> dict[str, object]:
+    """The attributes a finished request's ``kvcache.request`` span carries."""
+    return {
+        a.ENGINE_HIT_TOKENS: record.engine_hit_tokens,
+        a.EXTERNAL_HIT_TOKENS: record.external_hit_tokens,
+        a.RECOMPUTED_TOKENS: record.recomputed_tokens,
+        a.LOAD_FAILED_TOKENS: record.load_failed_tokens,
+        a.OUTPUT_TOKENS: record.output_tokens,
+        a.PREEMPTIONS: record.preemptions,
+        a.GEN_AI_CACHE_READ_TOKENS: record.engine_hit_tokens + record.external_hit_tokens,
+        a.TTFT_MS: record.ttft_ms if record.ttft_ms is not None else -1.0,
+        a.REQUEST_GROUP: record.group,
+    }

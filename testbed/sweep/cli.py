@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     options = SweepOptions(
         executor=args.executor, jobs=args.jobs, address=args.address, progress=not args.no_progress
     )
+    # `kill` and batch schedulers send SIGTERM: stop as orderly as on Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = run_sweep(sweep, args.out, options)
     except RuntimeError as exc:  # e.g. Ray missing
@@ -115,8 +118,14 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _print_result(sweep, result)
     return 1 if result.failed else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def demo(out_dir: Path) -> int:

@@ -68,6 +68,7 @@ CAPACITY_BYTES = "kvcache.capacity_bytes"
 
 # --- request (engine) -------------------------------------------------------------------------
 PROMPT_TOKENS = "kvcache.request.prompt_tokens"
+REQUEST_GROUP = "kvcache.request.group"  # conversation / document of the workload
 ENGINE_HIT_TOKENS = "kvcache.request.engine_hit_tokens"
 EXTERNAL_HIT_TOKENS = "kvcache.request.external_hit_tokens"
 RECOMPUTED_TOKENS = "kvcache.request.recomputed_tokens"
