@@ -87,9 +87,13 @@ class ReplaySpec:
 
 
 class ReplayEngine:
-    """Context manager: builds the scheduler and the TP worker harnesses against ``server_url``."""
+    """Context manager: builds the scheduler and the TP worker harnesses against ``server_url``.
 
-    def __init__(self, spec: ReplaySpec, server_url: str, work_dir: Path | None = None) -> None:
+    With ``server_url=None`` there is no connector and no worker: vLLM's scheduler alone, the
+    baseline the replay's overhead is measured against.
+    """
+
+    def __init__(self, spec: ReplaySpec, server_url: str | None, work_dir: Path | None = None) -> None:
         self.spec = spec
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="kvtb-model-")
         model_dir = write_model_dir(
@@ -97,7 +101,7 @@ class ReplayEngine:
             TinyModel(max_position_embeddings=spec.max_model_len),
         )
         connector = ConnectorConfig(
-            server_url=server_url,
+            server_url=server_url or "tcp://127.0.0.1:5555",
             mq_timeout_s=spec.timeout_s,
             chunk_size=spec.chunk_size,
             model_name=f"replay-{spec.profile.name}",
@@ -115,7 +119,7 @@ class ReplayEngine:
                 max_num_batched_tokens=spec.max_num_batched_tokens,
                 max_num_seqs=spec.max_num_seqs,
                 max_model_len=spec.max_model_len,
-                connector_config=connector.to_extra_config(),
+                connector_config=connector.to_extra_config() if server_url else None,
                 tp_size=spec.tp,
             )
         )
@@ -132,16 +136,17 @@ class ReplayEngine:
                 block_size=spec.block_size,
                 write_kv=not spec.metadata_only,
             )
-            for rank in range(spec.tp)
+            for rank in range(spec.tp if server_url else 0)
         ]
-        self.admin = RpcClient(server_url, role="replay-admin", timeout_s=spec.timeout_s)
+        self.admin = RpcClient(server_url, role="replay-admin", timeout_s=spec.timeout_s) if server_url else None
         self._rng = random.Random(spec.seed)
 
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
         self.scheduler.shutdown()
-        self.admin.close()
+        if self.admin is not None:
+            self.admin.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -181,7 +186,7 @@ class ReplayEngine:
             outcomes = [worker.execute(so) for worker in self.workers]
             invalid = set().union(*(o.invalid_block_ids for o in outcomes))
             result.integrity_errors += sum(o.integrity_errors for o in outcomes)
-            for request_id, failed in outcomes[0].load_failed_tokens.items():
+            for request_id, failed in (outcomes[0].load_failed_tokens if outcomes else {}).items():
                 records[request_id].load_failed_tokens += failed
             self._account_admissions(so, records, admitted, invalid)
             engine_outputs = self.scheduler.update_from_output(so, self._runner_output(so, outcomes, invalid))
@@ -277,17 +282,20 @@ class ReplayEngine:
             request = self.scheduler.requests[request_id]
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([SAMPLED_TOKEN] if done else [])
-        # With several ranks vLLM reports a load finished once every rank has finished it.
-        finished_recving = set.intersection(*(o.finished_recving for o in outcomes))
+        connector_output = None
+        if outcomes:
+            # With several ranks vLLM reports a load finished once every rank has finished it.
+            finished_recving = set.intersection(*(o.finished_recving for o in outcomes))
+            connector_output = KVConnectorOutput(
+                finished_sending=None,
+                finished_recving=finished_recving or None,
+                invalid_block_ids=invalid,
+            )
         return ModelRunnerOutput(
             req_ids=request_ids,
             req_id_to_index={r: i for i, r in enumerate(request_ids)},
             sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=None,
-                finished_recving=finished_recving or None,
-                invalid_block_ids=invalid,
-            ),
+            kv_connector_output=connector_output,
         )
 
     def _finish(self, record: RequestRecord, span: telemetry.Span) -> None:
@@ -295,7 +303,7 @@ class ReplayEngine:
         span.end()
 
     def _inject_faults(self, so) -> None:
-        if not self.spec.fault_drop_fraction or so.kv_connector_metadata is None:
+        if not self.spec.fault_drop_fraction or self.admin is None or so.kv_connector_metadata is None:
             return
         for op in so.kv_connector_metadata.plan.retrieves:
             if self._rng.random() < self.spec.fault_drop_fraction:

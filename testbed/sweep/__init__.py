@@ -1,8 +1,8 @@
 """Sweeps: TOML grids of runs, executed locally or on Ray, resumable, with an index of results.
 
-    sweep = load_sweep(Path("experiments/chunk_size.toml"))
-    result = run_sweep(sweep, Path("runs"), SweepOptions(jobs=2))
-    index = load_index(result.sweep_dir)   # one row per run: status, spec fields, summary fields
+:func:`load_sweep` reads and expands a sweep file (:mod:`.spec`), :func:`run_sweep` runs what
+is missing of it (:mod:`.executors`, :mod:`.cli`), :func:`load_index` gives one row per run
+(:mod:`.index`). ``kvtb sweep FILE`` and ``kvtb demo`` are the command-line faces.
 """
 
 from testbed.sweep.cli import SweepOptions, SweepResult, run_sweep

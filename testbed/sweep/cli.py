@@ -43,7 +43,9 @@ class SweepOptions:
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+            raise ValueError(
+                f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}"
+            )
         if self.jobs < 1:
             raise ValueError(f"jobs must be at least 1, got {self.jobs}")
         if self.address is not None and self.executor != "ray":
@@ -63,13 +65,15 @@ class SweepResult:
 
 
 def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions()) -> SweepResult:
-    """Runs the sweep's missing runs into ``out/<name>/`` and writes its index (module docstring)."""
+    """Runs the sweep's missing runs into ``out/<name>/``, then writes its index (see above)."""
     if options.executor == "ray":
         require_ray()  # before anything is written
     sweep_dir = Path(out) / sweep.name
     write_manifest(sweep_dir, sweep)
     todo = [run for run in sweep.runs if not is_complete(sweep_dir / run.run_id)]
-    skipped = tuple(sorted(set(sweep.run_ids) - {run.run_id for run in todo}, key=sweep.run_ids.index))
+    skipped = tuple(
+        sorted(set(sweep.run_ids) - {run.run_id for run in todo}, key=sweep.run_ids.index)
+    )
     display = _Display(sweep, len(skipped), enabled=options.progress)
     if options.executor == "local":
         outcomes = run_local(todo, sweep_dir, jobs=options.jobs, on_progress=display.run_progress)

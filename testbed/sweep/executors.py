@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -81,7 +81,7 @@ class RunProcess:
         return [self._conn, self.process.sentinel]
 
     def poll(self, on_progress: ProgressCallback | None = None) -> RunOutcome | None:
-        """Handles the child's messages; its outcome once it has ended (recorded on disk if failed)."""
+        """Handles the child's messages; once it has ended, its outcome (failures go to disk)."""
         exited = self.process.exitcode is not None  # before draining: its last words are read too
         with contextlib.suppress(EOFError, OSError):
             while self._result is None and self._conn.poll():
@@ -115,7 +115,7 @@ class RunProcess:
             raise
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
-        """Stops the run and everything it started: SIGTERM to its group, SIGKILL after ``grace_s``."""
+        """Stops the run and all it started: SIGTERM to its group, SIGKILL after ``grace_s``."""
         if self.process.exitcode is None:
             self._signal_group(signal.SIGTERM)
             self.process.join(grace_s)
@@ -182,7 +182,7 @@ def run_local(
     *,
     jobs: int = 1,
     on_progress: ProgressCallback | None = None,
-) -> Iterator[RunOutcome]:
+) -> Generator[RunOutcome, None, None]:
     """Runs ``specs`` in at most ``jobs`` child processes; yields outcomes as runs end."""
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
@@ -207,7 +207,7 @@ RAY_MISSING = "the Ray executor needs Ray: pip install 'kvtestbed[ray]'"
 
 
 def require_ray() -> Any:
-    """The ``ray`` module (imported only when the Ray executor is used), or a RuntimeError saying how to get it."""
+    """The ``ray`` module, imported on first use; a RuntimeError saying how to install it."""
     try:
         import ray
     except ImportError:
@@ -221,7 +221,7 @@ def run_ray(
     *,
     jobs: int | None = None,
     address: str | None = None,
-) -> Iterator[RunOutcome]:
+) -> Generator[RunOutcome, None, None]:
     """Runs each spec as a Ray task; yields outcomes as runs end.
 
     Without ``address`` a local Ray instance with ``jobs`` CPUs (default: all) is started and

@@ -34,11 +34,12 @@ SPEC_FILE = "spec.json"  # written by testbed.run.execute_run
 COMPLETE = "complete"
 FAILED = "failed"
 
-_DTYPES = {int: "Int64", float: "Float64", bool: "boolean", str: "string"}
+_SPEC_KEYS = RunSpec.keys()
+_DTYPES = {int: "Int64", float: "Float64", bool: "boolean", str: "string"}  # nullable
 
 
 def write_manifest(sweep_dir: Path, sweep: SweepSpec) -> None:
-    """Writes ``sweep.toml`` and ``sweep.json`` (replacing those of an earlier version of the sweep)."""
+    """Writes ``sweep.toml`` and ``sweep.json`` (replacing an earlier version's)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _write_text(sweep_dir / SWEEP_TOML, sweep.source_text)
     manifest = {
@@ -55,10 +56,12 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
 
 
 def record_failure(run_dir: Path, spec: RunSpec, error: str, details: str = "") -> None:
-    """Marks ``run_dir`` failed: ``error.txt`` (and ``spec.json`` if the run died before writing it)."""
+    """Marks ``run_dir`` failed: ``error.txt``, and ``spec.json`` if the run had not written it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / SPEC_FILE).is_file():
-        _write_text(run_dir / SPEC_FILE, json.dumps({"run_id": spec.run_id, **spec.to_dict()}, indent=1))
+        _write_text(
+            run_dir / SPEC_FILE, json.dumps({"run_id": spec.run_id, **spec.to_dict()}, indent=1)
+        )
     first_line = " ".join(error.split()) or "run failed"
     _write_text(run_dir / ERROR_FILE, f"{first_line}\n\n{details}")
 
@@ -107,7 +110,7 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
     else:
         return None  # never finished: not part of the index until it is run again
     row: dict[str, Any] = {"run_id": run_dir.name, "status": status, "error": error}
-    for key in RunSpec.keys():
+    for key in _SPEC_KEYS:
         value = spec.get(key)
         row[key] = json.dumps(value, sort_keys=True) if key == "workload_params" else value
     for key, value in summary.items():
@@ -117,14 +120,23 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    spec_columns = ["run_id", "status", "error", *RunSpec.keys()]
-    summary_columns = list(dict.fromkeys(key for row in rows for key in row if key not in spec_columns))
+    spec_columns = ["run_id", "status", "error", *_SPEC_KEYS]
+    summary_columns = list(
+        dict.fromkeys(key for row in rows for key in row if key not in spec_columns)
+    )
     frame = pd.DataFrame(rows, columns=[*spec_columns, *summary_columns])
     hints = typing.get_type_hints(RunSpec)
-    dtypes = {"run_id": "string", "status": "string", "error": "string", "workload_params": "string"}
-    for key in RunSpec.keys():
+    dtypes = {
+        "run_id": "string",
+        "status": "string",
+        "error": "string",
+        "workload_params": "string",
+    }
+    for key in _SPEC_KEYS:
         if key not in dtypes:
-            options = [t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)]
+            options = [
+                t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)
+            ]
             dtypes[key] = _DTYPES[options[0]]
     return frame.astype(dtypes)
 

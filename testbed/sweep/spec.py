@@ -100,10 +100,14 @@ def expand_sweep(
         hits = [_matches(_merge(base, point), exclude) for exclude in excludes]
         matched = [m or h for m, h in zip(matched, hits, strict=True)]
         if not any(hits):
-            combinations.append((f"{source} [grid] combination {_describe(point)}", _merge(base, point)))
+            combinations.append(
+                (f"{source} [grid] combination {_describe(point)}", _merge(base, point))
+            )
     for number, (exclude, found) in enumerate(zip(excludes, matched, strict=True), start=1):
         if not found:
-            raise ValueError(f"{source} [[exclude]] #{number}: {_describe(exclude)} matches no grid combination")
+            raise ValueError(
+                f"{source} [[exclude]] #{number}: {_describe(exclude)} matches no grid combination"
+            )
     for number, include in enumerate(includes, start=1):
         combinations.append((f"{source} [[include]] #{number}", _merge(base, include)))
 
@@ -112,17 +116,20 @@ def expand_sweep(
         spec = RunSpec.from_mapping(values, source=where)
         runs.setdefault(spec.run_id, spec)
     ordered = tuple(runs.values())
-    return SweepSpec(
-        name=name,
-        description=description,
-        runs=ordered,
-        swept=_swept(ordered, list(grid)),
-        source_text=source_text,
-    )
+    try:
+        return SweepSpec(
+            name=name,
+            description=description,
+            runs=ordered,
+            swept=_swept(ordered, list(grid)),
+            source_text=source_text,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def _table(value: Any, where: str) -> dict[str, Any]:
-    """A table of run keys; unknown keys fail here, naming the section (values are checked per run)."""
+    """A table of run keys; unknown keys fail here, naming the section (values: per run)."""
     if not isinstance(value, dict):
         raise ValueError(f"{where}: expected a table of run keys, got {value!r}")
     unknown = sorted(set(value) - set(RunSpec.keys()))
@@ -144,8 +151,13 @@ def _grid(value: Any, where: str) -> dict[str, list[Any]]:
 
 def _tables(value: Any, source: str, section: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        raise ValueError(f"{source}: {section} must be an array of tables ([[{section}]]), got {value!r}")
-    tables = [_table(item, f"{source} [[{section}]] #{number}") for number, item in enumerate(value, start=1)]
+        raise ValueError(
+            f"{source}: {section} must be an array of tables ([[{section}]]), got {value!r}"
+        )
+    tables = [
+        _table(item, f"{source} [[{section}]] #{number}")
+        for number, item in enumerate(value, start=1)
+    ]
     for number, table in enumerate(tables, start=1):
         if not table:
             raise ValueError(f"{source} [[{section}]] #{number} is empty")
@@ -154,7 +166,9 @@ def _tables(value: Any, source: str, section: str) -> list[dict[str, Any]]:
 
 def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     merged = {**base, **override}
-    if isinstance(base.get("workload_params"), dict) and isinstance(override.get("workload_params"), dict):
+    if isinstance(base.get("workload_params"), dict) and isinstance(
+        override.get("workload_params"), dict
+    ):
         merged["workload_params"] = {**base["workload_params"], **override["workload_params"]}
     return merged
 
@@ -173,7 +187,10 @@ def _swept(runs: tuple[RunSpec, ...], grid_keys: list[str]) -> tuple[str, ...]:
         for field in dataclasses.fields(RunSpec)
         if len({repr(getattr(run, field.name)) for run in runs}) > 1
     ]
-    return tuple([key for key in grid_keys if key in varying] + [key for key in varying if key not in grid_keys])
+    return tuple(
+        [key for key in grid_keys if key in varying]
+        + [key for key in varying if key not in grid_keys]
+    )
 
 
 def _describe(values: Mapping[str, Any]) -> str:

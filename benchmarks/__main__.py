@@ -1,0 +1,19 @@
+"""Runs every benchmark with small defaults: ``python -m benchmarks``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHMARKS = [
+    ["benchmarks.tracing_overhead", "--rounds", "100"],
+    ["benchmarks.loader", "--spans", "100000"],
+    ["benchmarks.replay_throughput", "--requests", "1000"],
+]
+
+if __name__ == "__main__":
+    status = 0
+    for module, *args in BENCHMARKS:
+        print(f"\n== {module} {' '.join(args)}", flush=True)
+        status |= subprocess.call([sys.executable, "-m", module, *args])
+    sys.exit(status)

@@ -1,0 +1,371 @@
+"""Sweeps: grid expansion and validation, resumable execution, Ctrl-C, failures, Ray, the index.
+
+Most runs use the oracle engine (no server, about a second each); one sweep runs the replay
+engine with real cache servers to check that an interrupted sweep leaves none behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from testbed.cli import main as kvtb
+from testbed.runspec import RunSpec
+from testbed.sweep import SweepOptions, build_index, load_index, load_sweep, run_sweep
+from testbed.sweep.executors import RunProcess
+from testbed.sweep.index import ERROR_FILE, INDEX_FILE, SWEEP_FILE, SWEEP_TOML
+
+REPO = Path(__file__).resolve().parents[2]
+QUIET = SweepOptions(progress=False)
+ORACLE_BASE = """
+[base]
+engine = "oracle"
+workload = "chat"
+requests = 20
+"""
+HIT_RATES = ["run_id", "status", "token_hit_rate", "mean_request_hit_rate", "external_hit_tokens"]
+
+
+def write(tmp_path: Path, text: str, name: str = "sweep") -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def summary_mtimes(sweep_dir: Path) -> dict[str, int]:
+    return {path.parent.name: path.stat().st_mtime_ns for path in sweep_dir.glob("*/summary.json")}
+
+
+def cache_servers(under: Path) -> list[int]:
+    """Pids of live ``python -m server`` processes whose run directory is below ``under``."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"-m" in args and b"server" in args and any(str(under).encode() in arg for arg in args):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweep files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_grid_expands_in_order_with_excludes_includes_and_duplicates_once(tmp_path):
+    path = write(
+        tmp_path,
+        ORACLE_BASE
+        + """
+workload_params = { turns = 2 }
+
+[grid]
+chunk_size = [128, 256]
+policy = ["lru", "belady"]
+capacity_tokens = [4096]
+
+[[exclude]]
+chunk_size = 256
+policy = "belady"
+
+[[include]]  # the same run as the first grid combination: run once
+chunk_size = 128
+policy = "lru"
+capacity_tokens = 4096
+
+[[include]]
+chunk_size = 512
+workload_params = { concurrent_conversations = 2 }
+""",
+        name="grid",
+    )
+    sweep = load_sweep(path)
+
+    assert sweep.name == "grid"  # the file's stem
+    assert [(r.chunk_size, r.policy, r.capacity_tokens) for r in sweep.runs] == [
+        (128, "lru", 4096),
+        (128, "belady", 4096),
+        (256, "lru", 4096),
+        (512, "lru", None),
+    ]
+    assert sweep.runs[3].workload_params == {"turns": 2, "concurrent_conversations": 2}
+    assert sweep.swept == ("chunk_size", "policy", "capacity_tokens", "workload_params")
+    assert len(set(sweep.run_ids)) == 4
+
+
+def test_run_ids_depend_on_the_resolved_spec_only(tmp_path):
+    one = load_sweep(write(tmp_path, ORACLE_BASE + "[grid]\nchunk_size = [128, 256]\n", name="a"))
+    # Same runs, spelt differently: keys reordered, a default written out, a base key in the grid.
+    other = load_sweep(
+        write(
+            tmp_path,
+            '[base]\nrequests = 20\nseed = 0\nworkload = "chat"\n'
+            '[grid]\nengine = ["oracle"]\nchunk_size = [128, 256]\n',
+            name="b",
+        )
+    )
+    direct = RunSpec(engine="oracle", workload="chat", requests=20, chunk_size=128)
+
+    assert one.run_ids == other.run_ids == load_sweep(tmp_path / "a.toml").run_ids
+    assert one.run_ids[0] == direct.run_id
+    assert one.run_ids[0] != one.run_ids[1]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[base]\nchunk_sise = 128\n", ["'chunk_sise'", "[base]"]),
+        ("[grid]\nchunk_sise = [64, 128]\n", ["'chunk_sise'", "[grid]"]),
+        ("[[include]]\nengin = 'oracle'\n", ["'engin'", "[[include]] #1"]),
+        ("[grid]\nchunk_size = [64]\n[[exclude]]\npolcy = 'lru'\n", ["'polcy'", "[[exclude]] #1"]),
+    ],
+)
+def test_misspelt_run_key_fails_before_any_run_naming_key_file_and_valid_keys(
+    tmp_path, text, expected
+):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as error:
+        load_sweep(path)
+    message = str(error.value)
+    for part in [str(path), *expected, "valid keys: engine, workload, requests"]:
+        assert part in message
+
+    # Through the command line: exit code 2 and nothing created.
+    assert kvtb(["sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "[grids]\nchunk_size = [64]\n",
+            "unknown top-level key 'grids'; valid keys: name, description, base",
+        ),
+        ("[grid]\nchunk_size = []\n", "[grid]: chunk_size is an empty list"),
+        ("[grid]\nchunk_size = 64\n", "[grid]: chunk_size must be a list"),
+        ("[grid]\nchunk_size = [64, 'big']\n", "chunk_size = 'big' is not a <class 'int'>"),
+        # The oracle has no FIFO: this combination needs an [[exclude]].
+        (
+            "[grid]\nengine = ['replay', 'oracle']\npolicy = ['fifo']\n",
+            "policy 'fifo' is not available with engine oracle",
+        ),
+        (
+            "[grid]\nchunk_size = [64]\n[[exclude]]\nchunk_size = 65\n",
+            "[[exclude]] #1: {chunk_size = 65} matches no grid",
+        ),
+        ("name = '../elsewhere'\n", "sweep name '../elsewhere' must be a plain directory name"),
+    ],
+)
+def test_invalid_sweep_files_fail_with_the_file_and_the_reason(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError) as error:
+        load_sweep(path)
+    assert expected in str(error.value)
+    assert str(error.value).startswith(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution and the index
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rerun_skips_complete_runs_and_redoes_only_a_crashed_one(tmp_path):
+    path = write(tmp_path, ORACLE_BASE + "[grid]\nchunk_size = [64, 128, 256]\n", name="resume")
+    sweep = load_sweep(path)
+    options = SweepOptions(jobs=2, progress=False)
+
+    first = run_sweep(sweep, tmp_path / "runs", options)
+    sweep_dir = tmp_path / "runs" / "resume"
+    assert first.sweep_dir == sweep_dir
+    assert sorted(first.executed) == sorted(sweep.run_ids) and first.failed == ()
+    assert (sweep_dir / SWEEP_TOML).read_text() == path.read_text()
+    assert json.loads((sweep_dir / SWEEP_FILE).read_text()) == {
+        "name": "resume",
+        "description": "",
+        "swept": ["chunk_size"],
+        "runs": sweep.run_ids,
+    }
+    done = summary_mtimes(sweep_dir)
+
+    second = run_sweep(sweep, tmp_path / "runs", options)
+    assert second.executed == () and second.skipped == tuple(sweep.run_ids)
+    assert summary_mtimes(sweep_dir) == done
+
+    crashed = sweep.run_ids[1]
+    (sweep_dir / crashed / "summary.json").unlink()  # as if killed mid-run
+    third = run_sweep(sweep, tmp_path / "runs", options)
+    assert third.executed == (crashed,)
+    after = summary_mtimes(sweep_dir)
+    assert {k: v for k, v in after.items() if k != crashed} == {
+        k: v for k, v in done.items() if k != crashed
+    }
+
+    index = load_index(sweep_dir)
+    assert list(index["run_id"]) == sweep.run_ids
+    assert list(index["status"]) == ["complete"] * 3
+    assert list(index.columns[:4]) == ["run_id", "status", "error", "engine"]
+    assert list(index["chunk_size"]) == [64, 128, 256]
+    assert json.loads(index["workload_params"][0]) == {}
+    assert index["token_hit_rate"].between(0.5, 1).all()  # chat reuses its system prompt
+
+
+def test_failed_run_is_recorded_and_the_others_complete(tmp_path):
+    path = write(
+        tmp_path,
+        ORACLE_BASE
+        + "[grid]\nworkload = ['chat', 'mooncake:/nonexistent.jsonl']\nchunk_size = [128, 256]\n",
+        name="failing",
+    )
+    sweep = load_sweep(path)
+    out = tmp_path / "runs"
+
+    assert kvtb(["sweep", str(path), "--out", str(out), "--jobs", "2", "--no-progress"]) == 1
+
+    sweep_dir = out / "failing"
+    index = pd.read_parquet(sweep_dir / INDEX_FILE)
+    assert list(index["run_id"]) == sweep.run_ids
+    assert list(index["status"]) == ["complete", "complete", "failed", "failed"]
+    assert index["error"][:2].isna().all()
+    assert all(
+        "mooncake trace not found: /nonexistent.jsonl" in error for error in index["error"][2:]
+    )
+    assert index["token_hit_rate"][:2].notna().all() and index["token_hit_rate"][2:].isna().all()
+    failed = list(index["run_id"][2:])
+    assert "Traceback" in (sweep_dir / failed[0] / ERROR_FILE).read_text()
+
+    # The index is rebuilt from the run directories alone.
+    (sweep_dir / INDEX_FILE).unlink()
+    pd.testing.assert_frame_equal(build_index(sweep_dir), index)
+
+    # Failed runs are retried by the next invocation; complete ones are not.
+    again = run_sweep(sweep, out, QUIET)
+    assert sorted(again.executed) == sorted(failed) and sorted(again.failed) == sorted(failed)
+
+
+def test_interrupted_sweep_leaves_no_server_and_resumes_with_only_the_missing_runs(tmp_path):
+    path = write(
+        tmp_path,
+        '[base]\nworkload = "chat"\nrequests = 12\n'
+        '[grid]\nengine = ["oracle", "replay"]\nchunk_size = [128, 256]\n',
+        name="killed",
+    )
+    sweep = load_sweep(path)
+    out = tmp_path / "runs"
+    sweep_dir = out / "killed"
+    with open(tmp_path / "sweep.log", "w") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "testbed.cli",
+                "sweep",
+                str(path),
+                "--out",
+                str(out),
+                "--no-progress",
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while not (summary_mtimes(sweep_dir) and cache_servers(tmp_path)):  # a replay run is going
+            assert process.poll() is None, (tmp_path / "sweep.log").read_text()
+            assert time.monotonic() < deadline, "no replay run started"
+            time.sleep(0.2)
+        run_processes = children_of(process.pid)
+        assert run_processes
+
+        process.send_signal(signal.SIGINT)
+        try:
+            assert process.wait(20) == 130
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail("the sweep did not stop within 20 s of SIGINT")
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "interrupted" in (tmp_path / "sweep.log").read_text()
+    assert cache_servers(tmp_path) == []
+    assert not any(alive(pid) for pid in run_processes)
+
+    complete = set(summary_mtimes(sweep_dir))
+    assert 1 <= len(complete) < len(sweep.runs)
+    result = run_sweep(sweep, out, SweepOptions(jobs=2, progress=False))
+    assert set(result.executed) == set(sweep.run_ids) - complete
+    assert set(result.skipped) == complete
+    index = load_index(sweep_dir)
+    assert list(index["run_id"]) == sweep.run_ids
+    assert (index["status"] == "complete").all()
+    assert (index.loc[index["engine"] == "replay", "integrity_errors"] == 0).all()
+    assert cache_servers(tmp_path) == []
+
+
+def test_ray_executor_gives_the_same_index_as_the_local_one(tmp_path):
+    pytest.importorskip("ray", reason="the Ray executor needs ray (pip install 'kvtestbed[ray]')")
+    path = write(
+        tmp_path,
+        ORACLE_BASE
+        + "capacity_tokens = 2048\n[grid]\nchunk_size = [64, 256]\npolicy = ['lru', 'belady']\n",
+        name="ray",
+    )
+    sweep = load_sweep(path)
+
+    local = run_sweep(sweep, tmp_path / "local", SweepOptions(jobs=2, progress=False))
+    on_ray = run_sweep(
+        sweep, tmp_path / "ray", SweepOptions(executor="ray", jobs=2, progress=False)
+    )
+
+    assert sorted(on_ray.executed) == sorted(sweep.run_ids) and on_ray.failed == ()
+    local_index = load_index(local.sweep_dir)[HIT_RATES]
+    ray_index = load_index(on_ray.sweep_dir)[HIT_RATES]
+    pd.testing.assert_frame_equal(local_index, ray_index)
+    assert (local_index["status"] == "complete").all()
+    # Belady beats LRU at the same capacity (the runs really differ).
+    rates = load_index(local.sweep_dir).set_index(["chunk_size", "policy"])["token_hit_rate"]
+    assert rates[(64, "belady")] >= rates[(64, "lru")]
+
+
+def test_a_run_process_that_dies_without_a_word_is_a_failed_run(tmp_path):
+    spec = RunSpec(engine="oracle", requests=5, workload="chat")
+    run = RunProcess(spec, tmp_path)
+    os.kill(run.process.pid, signal.SIGKILL)  # as the out-of-memory killer would
+
+    outcome = run.wait()
+
+    assert not outcome.ok and outcome.error == "run process exited with code -9"
+    assert (tmp_path / spec.run_id / ERROR_FILE).read_text().startswith(outcome.error)
+    assert json.loads((tmp_path / spec.run_id / "spec.json").read_text())["run_id"] == spec.run_id
