@@ -4,6 +4,9 @@ Runs in each worker process (vLLM worker or the replay harness). An object in th
 one chunk of one KV rank: for each layer in order, the chunk's blocks as
 ``layer.index_select(block_dim, block_ids)`` laid out contiguously. Store and retrieve use the
 same layout, so a round trip is bit-exact whatever the tensors' own layout.
+
+KV tensors on a GPU are gathered on the device and staged through host memory into the pool
+(and back); the server-driven CUDA IPC path of DESIGN.md §2 is not implemented yet.
 """
 
 from __future__ import annotations
@@ -34,10 +37,6 @@ class PagedKV:
                 raise ValueError(
                     "all KV cache layers must share shape and dtype "
                     f"({tuple(layer.shape)} {layer.dtype} vs {tuple(first.shape)} {first.dtype})"
-                )
-            if layer.device.type != "cpu":
-                raise ValueError(
-                    f"KV caches on {layer.device} need the CUDA IPC path; this pool is CPU-only"
                 )
 
     @property
@@ -85,19 +84,23 @@ class PagedKV:
 
     def save(self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int]) -> None:
         """Copies the blocks ``block_ids`` of every layer into ``slot``."""
-        index = torch.tensor(block_ids, dtype=torch.long)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
         for layer, view in zip(self.layers, self._slot_views(pool, slot, len(block_ids)), strict=True):
-            torch.index_select(layer, self.block_dim, index, out=view)
+            if layer.device.type == "cpu":
+                torch.index_select(layer, self.block_dim, index, out=view)
+            else:
+                view.copy_(torch.index_select(layer, self.block_dim, index))
 
     def load(self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int], skip_blocks: int = 0) -> None:
         """Copies ``slot`` into the blocks ``block_ids``, leaving the first ``skip_blocks`` alone."""
-        index = torch.tensor(block_ids[skip_blocks:], dtype=torch.long)
+        device = self.layers[0].device
+        index = torch.tensor(block_ids[skip_blocks:], dtype=torch.long, device=device)
         if index.numel() == 0:
             return
         views = self._slot_views(pool, slot, len(block_ids))
         for layer, view in zip(self.layers, views, strict=True):
             source = view.narrow(self.block_dim, skip_blocks, len(block_ids) - skip_blocks)
-            layer.index_copy_(self.block_dim, index, source)
+            layer.index_copy_(self.block_dim, index, source.to(device, non_blocking=False))
 
 
 class PoolMapping:

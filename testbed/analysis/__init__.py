@@ -4,6 +4,19 @@ Notebooks and reports call only this package. See METRICS.md for the definition 
 metric computed here.
 """
 
+from testbed.analysis import metrics, plots, tables
 from testbed.analysis.spans import load_events, load_spans
+from testbed.analysis.tables import Run, compare_to_oracle, load_run, load_sweep_index, requests_table
 
-__all__ = ["load_events", "load_spans"]
+__all__ = [
+    "Run",
+    "compare_to_oracle",
+    "load_events",
+    "load_run",
+    "load_spans",
+    "load_sweep_index",
+    "metrics",
+    "plots",
+    "requests_table",
+    "tables",
+]

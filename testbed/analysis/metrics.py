@@ -84,7 +84,7 @@ def evictions(spans: pd.DataFrame) -> pd.DataFrame:
 
 def stored_bytes(spans: pd.DataFrame) -> int:
     """Bytes committed to the cache (server-side store spans of committed stores)."""
-    commits = spans[(spans["name"] == a.SERVER_STORE) & (_column(spans, a.OP) == "store_commit")]
+    commits = spans[(spans["name"] == a.SERVER_STORE) & (column(spans, a.OP) == "store_commit")]
     if commits.empty or a.BYTES not in commits:
         return 0
     return int(commits[a.BYTES].fillna(0).sum())
@@ -99,15 +99,15 @@ def lock_hold_times(spans: pd.DataFrame) -> pd.DataFrame:
     server = spans[spans["name"].str.startswith("kvcache.server.")]
     if server.empty or a.SESSION_ID not in server:
         return pd.DataFrame(columns=["session_id", "released_by", "hold_ms"])
-    lookups = server[(server["name"] == a.SERVER_LOOKUP) & (_column(server, a.LOCKS_TAKEN) > 0)]
+    lookups = server[(server["name"] == a.SERVER_LOOKUP) & (column(server, a.LOCKS_TAKEN) > 0)]
     taken = lookups.groupby(a.SESSION_ID)["end_time"].min()
     rows = []
-    frees = server[(server["name"] == a.SERVER_LOCK_RELEASE) & (_column(server, a.LOCKS_RELEASED) > 0)]
+    frees = server[(server["name"] == a.SERVER_LOCK_RELEASE) & (column(server, a.LOCKS_RELEASED) > 0)]
     rows += [(s, "free", t) for s, t in zip(frees[a.SESSION_ID], frees["end_time"], strict=True)]
     expiries = server[server["name"] == a.SERVER_LOCK_EXPIRE]
-    rows += list(zip(expiries[a.SESSION_ID], _column(expiries, a.EVICT_REASON, ""), expiries["end_time"], strict=True))
-    retrieves = server[(server["name"] == a.SERVER_RETRIEVE) & (_column(server, a.OP) == "retrieve_end")]
-    begins = server[(server["name"] == a.SERVER_RETRIEVE) & (_column(server, a.OP) == "retrieve_begin")]
+    rows += list(zip(expiries[a.SESSION_ID], column(expiries, a.EVICT_REASON, ""), expiries["end_time"], strict=True))
+    retrieves = server[(server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_end")]
+    begins = server[(server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_begin")]
     if not retrieves.empty and a.REQUEST_IDS in begins:
         # A retrieve end carries no session ids; its begin (same parent span) does.
         sessions_by_parent = begins.set_index("parent_span_id")[a.REQUEST_IDS].to_dict()
@@ -120,7 +120,7 @@ def lock_hold_times(spans: pd.DataFrame) -> pd.DataFrame:
     return releases.drop(columns="time").reset_index(drop=True)
 
 
-def _column(frame: pd.DataFrame, name: str, default: object = 0) -> pd.Series:
+def column(frame: pd.DataFrame, name: str, default: object = 0) -> pd.Series:
     """A column with missing values (or the whole column, if absent) set to ``default``."""
     if name not in frame:
         return pd.Series(default, index=frame.index)

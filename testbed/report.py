@@ -1,0 +1,165 @@
+"""``kvtb report runs/<sweep>``: a sweep's comparison table and figures.
+
+Writes ``<sweep>/report/``: ``report.md`` (what was run, the comparison table, the figures),
+``runs.csv`` and PNG figures:
+
+- ``hit_rate.png``: token hit rate against the swept parameter, oracle bounds dashed beside
+  the measured runs; ``request_hit_rate.png`` the same, request-weighted;
+- ``token_sources.png``: prompt tokens from the engine's prefix cache, the external cache,
+  recomputed, per run;
+- ``latency_cdf.png``: CDFs of lookup, store and retrieve latency (connector side), per run;
+- ``bytes.png``: bytes stored, retrieved and evicted per run;
+- ``lock_hold.png``: how long read locks were held, per run;
+- ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+
+matplotlib.use("Agg")  # files only, no display
+
+from testbed.analysis import metrics, plots
+from testbed.analysis.spans import load_spans
+from testbed.analysis.tables import sweep_axes
+from testbed.sweep.index import COMPLETE, build_index, read_manifest
+from testbed.telemetry import attributes as a
+
+TABLE_COLUMNS = [
+    "token_hit_rate",
+    "external_token_hit_rate",
+    "mean_request_hit_rate",
+    "engine_hit_tokens",
+    "external_hit_tokens",
+    "recomputed_tokens",
+    "stored_bytes",
+    "retrieved_bytes",
+    "evicted_bytes",
+    "integrity_errors",
+    "lookup_p50_ms",
+    "store_p50_ms",
+    "retrieve_p50_ms",
+    "spans_dropped",
+]
+_MAX_CDF_RUNS = 12
+
+
+def write_report(sweep_dir: Path) -> Path:
+    """Writes the report of ``sweep_dir``; returns the path of ``report.md``."""
+    sweep_dir = Path(sweep_dir)
+    manifest = read_manifest(sweep_dir)
+    index = build_index(sweep_dir)
+    runs = index[index["status"] == COMPLETE].copy()
+    if runs.empty:
+        raise ValueError(f"{sweep_dir} has no finished runs to report on (run `kvtb sweep` first)")
+    swept = [k for k in manifest["swept"] if k != "engine"]
+    x, series = sweep_axes(sweep_dir)
+    runs["label"] = runs.apply(lambda row: _label(row, swept), axis=1)
+    runs = runs.sort_values([x, *series, "engine"], kind="stable")
+    out = sweep_dir / "report"
+    out.mkdir(exist_ok=True)
+    context = _context(manifest, runs, swept)
+    figures: list[tuple[str, str]] = []
+
+    def save(name: str, figure, caption: str) -> None:
+        figure.savefig(out / name, dpi=110)
+        plots.close(figure)
+        figures.append((name, caption))
+
+    save("hit_rate.png", plots.hit_rate(runs, x, series, title=f"Token hit rate — {context}"),
+         "Token hit rate (vLLM's prefix cache + the external cache) against the swept parameter. Dashed: "
+         "the oracle, the external cache alone at chunk granularity; vLLM's own cache works in blocks and can add hits beyond it.")  # fmt: skip
+    save("request_hit_rate.png", plots.hit_rate(runs, x, series, metric="mean_request_hit_rate",
+         title=f"Mean per-request hit rate — {context}"), "Mean per-request hit rate, request-weighted.")  # fmt: skip
+    measured = runs[runs["engine"] != "oracle"]
+    save("token_sources.png", plots.token_breakdown(runs, "label", f"Where prompt tokens came from — {context}"),
+         "Prompt tokens per run: from vLLM's own prefix cache, from the external cache, recomputed.")  # fmt: skip
+    if not measured.empty:
+        spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
+        save("latency_cdf.png", plots.latency_cdf(_latencies(spans), f"Cache operation latency — {context}"),
+             "Connector-side latency of lookups, stores and retrieves (CDF, log scale).")  # fmt: skip
+        save("bytes.png", plots.grouped_bars(
+            measured, "label", {"stored_bytes": "stored", "retrieved_bytes": "retrieved", "evicted_bytes": "evicted"},
+            "MiB", f"Bytes moved by the cache — {context}", scale=2**20), "Bytes stored, retrieved and evicted per run.")  # fmt: skip
+        holds = {label: metrics.lock_hold_times(frame)["hold_ms"].tolist() for label, frame in spans.items()}
+        save("lock_hold.png", plots.distributions(holds, "lock hold time (ms, log scale)", f"Read-lock hold time — {context}"),
+             "How long lookups' read locks were held before a retrieve, free or TTL released them.")  # fmt: skip
+        if {"tp", "mla"} & set(swept):
+            per_rank = _bytes_per_rank(spans)
+            save("bytes_per_rank.png", plots.grouped_bars(
+                per_rank, "label", {c: c for c in per_rank.columns if c != "label"}, "MiB",
+                f"Bytes stored per KV rank — {context}", scale=2**20),
+                "Bytes each KV rank stored: TP shards the heads; MLA stores one latent copy (rank 0).")  # fmt: skip
+    table = runs[["run_id", "engine", *swept, *[c for c in TABLE_COLUMNS if c in runs]]]
+    table.to_csv(out / "runs.csv", index=False)
+    report = out / "report.md"
+    report.write_text(_markdown(manifest, context, table, figures, index))
+    return report
+
+
+def _label(row: pd.Series, swept: list[str]) -> str:
+    parts = [str(row["engine"])] + [f"{k}={row[k]}" for k in swept]
+    return " ".join(parts)
+
+
+def _context(manifest: dict, runs: pd.DataFrame, swept: list[str]) -> str:
+    fixed = []
+    for key in ("workload", "requests", "chunk_size", "tp", "mla", "capacity_tokens", "policy"):
+        if key not in swept and key in runs and runs[key].nunique(dropna=False) == 1:
+            value = runs[key].iloc[0]
+            if key == "workload" and isinstance(value, str):
+                value = value.split("/")[-1]
+            fixed.append(f"{key}={value}")
+    return f"{manifest['name']} ({', '.join(fixed[:4])})" if fixed else manifest["name"]
+
+
+def _latencies(spans: dict[str, pd.DataFrame]) -> dict[str, dict[str, list[float]]]:
+    chosen = dict(list(spans.items())[:_MAX_CDF_RUNS])
+    return {
+        operation: {
+            label: frame.loc[frame["name"] == metrics.OPERATIONS[operation], "duration_ms"].tolist()
+            for label, frame in chosen.items()
+        }
+        for operation in ("lookup", "store", "retrieve")
+    }
+
+
+def _bytes_per_rank(spans: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    rows = []
+    for label, frame in spans.items():
+        begins = frame[(frame["name"] == a.SERVER_STORE) & (metrics.column(frame, a.OP, "") == "store_begin")]
+        per_rank = begins.groupby(a.KV_RANK)[a.BYTES].sum() if not begins.empty else pd.Series(dtype=float)
+        rows.append({"label": label, **{f"rank {int(r)}": float(b) for r, b in per_rank.items()}})
+    return pd.DataFrame(rows).fillna(0.0)
+
+
+def _markdown(manifest: dict, context: str, table: pd.DataFrame, figures: list[tuple[str, str]], index: pd.DataFrame) -> str:
+    lines = [f"# Sweep report: {context}", ""]
+    if manifest.get("description"):
+        lines += [manifest["description"], ""]
+    failed = index[index["status"] != COMPLETE]
+    lines += [f"{len(table)} finished runs; {len(failed)} failed. Swept: {', '.join(manifest['swept']) or 'nothing'}.", ""]
+    shown = table.copy()
+    for column in shown.columns:
+        if column.endswith("rate"):
+            shown[column] = shown[column].map(lambda v: f"{v:.2%}" if pd.notna(v) else "")
+        elif column.endswith("_ms"):
+            shown[column] = shown[column].map(lambda v: f"{v:.3f}" if pd.notna(v) else "")
+    lines += [_markdown_table(shown), ""]
+    if len(failed):
+        lines += ["## Failed runs", ""] + [f"- `{r.run_id}`: {r.error}" for r in failed.itertuples()] + [""]
+    lines += ["## Figures", ""]
+    for name, caption in figures:
+        lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
+    return "\n".join(lines)
+
+
+def _markdown_table(frame: pd.DataFrame) -> str:
+    rows = [[str(c) for c in frame.columns]]
+    rows += [["" if pd.isna(v) else str(v) for v in row] for row in frame.itertuples(index=False)]
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+    return "\n".join(lines)
