@@ -27,7 +27,9 @@ def write_spans(run_dir: Path, count: int) -> int:
     tracing = configure_tracing(TracingConfig("bench-loader", run_dir=run_dir, run_id="bench"))
     assert tracing is not None
     for index in range(count // 4):
-        with telemetry.traced(a.REQUEST, attributes={a.REQUEST_ID: f"r{index}", a.PROMPT_TOKENS: 4096}):
+        with telemetry.traced(
+            a.REQUEST, attributes={a.REQUEST_ID: f"r{index}", a.PROMPT_TOKENS: 4096}
+        ):
             with telemetry.traced(a.CONNECTOR_LOOKUP, kind=SpanKind.CLIENT, attributes={
                 a.SESSION_ID: f"e:r{index}", a.TOKENS_REQUESTED: 4096, a.TOKENS_HIT: 2048,
                 a.CHUNKS_HIT: 8, a.WAIT_MS: 0.4, a.OK: True}):  # fmt: skip
@@ -72,7 +74,10 @@ def main() -> None:
         baseline.append(time.perf_counter() - started)
     assert len(frame) == parsed == written
     load_s, parse_s = sorted(loader)[len(loader) // 2], sorted(baseline)[len(baseline) // 2]
-    print(f"{written:,} spans, {size / 2**20:.1f} MiB of OTLP JSON lines, {len(frame.columns)} columns")
+    print(
+        f"{written:,} spans, {size / 2**20:.1f} MiB of OTLP JSON lines, "
+        f"{len(frame.columns)} columns"
+    )
     print(f"load_spans (DataFrame)  median {load_s:.3f} s  {written / load_s:>12,.0f} spans/s")
     print(f"json.loads only         median {parse_s:.3f} s  {written / parse_s:>12,.0f} spans/s")
     print(f"ratio load_spans / json.loads: {parse_s / load_s:.2f}x the throughput")

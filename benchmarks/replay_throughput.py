@@ -25,12 +25,20 @@ from testbed.run import max_model_len
 from testbed.sizes import parse_bytes
 from testbed.workloads import make_workload
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+TRACE = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "data"
+    / "mooncake"
+    / "conversation_trace.jsonl"
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=None, help="first N requests (default: all)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="first N requests (default: all)"
+    )
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--capacity", default="4GiB")
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -49,7 +57,12 @@ def main() -> None:
     results = {}
     with ReplayEngine(spec, None) as baseline:
         results["vLLM scheduler, no connector"] = baseline.run(requests)
-    server_args = ["--chunk-size", str(args.chunk_size), "--capacity", str(parse_bytes(args.capacity))]
+    server_args = [
+        "--chunk-size",
+        str(args.chunk_size),
+        "--capacity",
+        str(parse_bytes(args.capacity)),
+    ]
     with ServerProcess(server_args) as server, ReplayEngine(spec, server.url) as replay:
         results["replay (connector + server + KV)"] = replay.run(requests)
     rows = []
@@ -66,7 +79,12 @@ def main() -> None:
             )
         )
     print(f"{len(requests)} requests, {tokens / 1e6:.1f}M prompt tokens, chunk {args.chunk_size}")
-    print(table(rows, ("engine", "wall s", "requests/s", "Mtok/s", "time vs baseline", "integrity errors")))
+    print(
+        table(
+            rows,
+            ("engine", "wall s", "requests/s", "Mtok/s", "time vs baseline", "integrity errors"),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,15 +59,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtb-bench-"))
     off_env = {"OTEL_SDK_DISABLED": "true"}
     common = ["--chunk-size", str(C), "--capacity", "1GiB"]
-    with ServerProcess(common, env=off_env) as off_server, ServerProcess(
-        [*common, "--run-dir", str(work)]
-    ) as on_server:
+    with (
+        ServerProcess(common, env=off_env) as off_server,
+        ServerProcess([*common, "--run-dir", str(work)]) as on_server,
+    ):
         tracing = configure_tracing(TracingConfig("bench-engine", run_dir=work))
         assert tracing is not None
         samples = {mode: {op: [] for op in OPS} for mode in ("off", "on")}
-        with Harness(off_server.url, chunk_size=C, num_blocks=256) as off, Harness(
-            on_server.url, chunk_size=C, num_blocks=256
-        ) as on:
+        with (
+            Harness(off_server.url, chunk_size=C, num_blocks=256) as off,
+            Harness(on_server.url, chunk_size=C, num_blocks=256) as on,
+        ):
             for index in range(args.rounds):
                 telemetry.use_provider(None)
                 cycle(off, index, samples["off"])
@@ -77,11 +79,23 @@ def main() -> None:
     rows = []
     for op in OPS:
         off_ms, on_ms = median_ms(samples["off"][op]), median_ms(samples["on"][op])
-        rows.append((op, f"{off_ms:.3f}", spread(samples["off"][op]), f"{on_ms:.3f}",
-                     spread(samples["on"][op]), f"{on_ms - off_ms:+.3f}", f"{on_ms / off_ms:.2f}x"))  # fmt: skip
+        rows.append(
+            (
+                op,
+                f"{off_ms:.3f}",
+                spread(samples["off"][op]),
+                f"{on_ms:.3f}",
+                spread(samples["on"][op]),
+                f"{on_ms - off_ms:+.3f}",
+                f"{on_ms / off_ms:.2f}x",
+            )
+        )
     print(f"tracing overhead per operation, {args.rounds} alternating rounds (client-side ms)")
     print(table(rows, ("op", "off p50", "off IQR", "on p50", "on IQR", "delta", "ratio")))
-    print(f"spans written by the client: {counts['ended']} (dropped {counts['exporters']['file']['dropped']})")
+    print(
+        f"spans written by the client: {counts['ended']} "
+        f"(dropped {counts['exporters']['file']['dropped']})"
+    )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,10 @@ class ConnectorConfig:
     def __post_init__(self) -> None:
         problems = []
         if not self.server_url.startswith(("tcp://", "ipc://", "inproc://")):
-            problems.append(f"server_url must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, got {self.server_url!r}")
+            problems.append(
+                "server_url must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, "
+                f"got {self.server_url!r}"
+            )
         for name in ("mq_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")

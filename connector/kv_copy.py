@@ -11,6 +11,7 @@ KV tensors on a GPU are gathered on the device and staged through host memory in
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -85,14 +86,18 @@ class PagedKV:
     def save(self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int]) -> None:
         """Copies the blocks ``block_ids`` of every layer into ``slot``."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for layer, view in zip(self.layers, self._slot_views(pool, slot, len(block_ids)), strict=True):
+        for layer, view in zip(
+            self.layers, self._slot_views(pool, slot, len(block_ids)), strict=True
+        ):
             if layer.device.type == "cpu":
                 torch.index_select(layer, self.block_dim, index, out=view)
             else:
                 view.copy_(torch.index_select(layer, self.block_dim, index))
 
-    def load(self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int], skip_blocks: int = 0) -> None:
-        """Copies ``slot`` into the blocks ``block_ids``, leaving the first ``skip_blocks`` alone."""
+    def load(
+        self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int], skip_blocks: int = 0
+    ) -> None:
+        """Copies ``slot`` into the blocks ``block_ids``, except the first ``skip_blocks``."""
         device = self.layers[0].device
         index = torch.tensor(block_ids[skip_blocks:], dtype=torch.long, device=device)
         if index.numel() == 0:
@@ -116,7 +121,5 @@ class PoolMapping:
 
     def close(self) -> None:
         del self.tensor
-        try:
+        with contextlib.suppress(BufferError):  # a tensor view is still alive; it keeps the map
             self._map.close()
-        except BufferError:
-            pass  # a tensor view is still alive; the mapping goes with it

@@ -163,11 +163,11 @@ class SchedulerSide:
         tracker = self.trackers.pop(request_id, None)
         if tracker is None:
             return None
-        if tracker.phase is Phase.LOOKUP and tracker.lookup_submitted:
-            # Finished (aborted) before allocation: its lookup's locks would otherwise wait
-            # for the TTL. The server handles the free after the lookup, in order.
-            if tracker.locks_held or tracker.hit_tokens is None:
-                self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
+        # Finished (aborted) before allocation: its lookup's locks would otherwise wait for the
+        # TTL. The server handles the free after the lookup, in order.
+        unallocated = tracker.phase is Phase.LOOKUP and tracker.lookup_submitted
+        if unallocated and (tracker.locks_held or tracker.hit_tokens is None):
+            self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
         self.client.end_session(tracker.session_id, parent=tracker.traceparent)
         if self.on_finished is not None:
             self.on_finished(tracker)
@@ -184,9 +184,7 @@ class SchedulerSide:
                 num_prompt_tokens=num_prompt,
                 cache_salt=request.cache_salt or self.default_cache_salt,
                 traceparent=request.traceparent,
-                chunk_hashes=chunk_hashes(
-                    request.token_ids[:num_prompt], self.geometry.chunk_size
-                ),
+                chunk_hashes=chunk_hashes(request.token_ids[:num_prompt], self.geometry.chunk_size),
             )
             self.trackers[request.request_id] = tracker
         return tracker

@@ -150,7 +150,9 @@ class SchedulerClient:
     def has_lookup(self, session_id: str) -> bool:
         return session_id in self._lookups
 
-    def free_locks(self, session_id: str, start_token: int, end_token: int, parent: str = "") -> None:
+    def free_locks(
+        self, session_id: str, start_token: int, end_token: int, parent: str = ""
+    ) -> None:
         """Releases the session's locks on complete chunks in ``[start, end)``; fire and forget."""
         with telemetry.traced(
             a.CONNECTOR_LOCK_RELEASE,

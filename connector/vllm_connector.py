@@ -226,7 +226,9 @@ class KVTBConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
-        return self.scheduler_side.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
+        return self.scheduler_side.get_num_new_matched_tokens(
+            request_view(request), num_computed_tokens
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -11,10 +11,12 @@ on its first request's context, linked to all of them, with one event per reques
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from connector.kv_copy import PagedKV, PoolMapping
 from connector.ops import RetrieveOp, StoreOp
@@ -56,7 +58,9 @@ class RetrieveOutcome:
 
     def fail(self, request_id: str, block_ids: list[int], block_size: int) -> None:
         self.failed_block_ids.update(block_ids)
-        self.failed_tokens[request_id] = self.failed_tokens.get(request_id, 0) + len(block_ids) * block_size
+        self.failed_tokens[request_id] = (
+            self.failed_tokens.get(request_id, 0) + len(block_ids) * block_size
+        )
 
 
 class WorkerClient:
@@ -126,12 +130,19 @@ class WorkerClient:
             if not self.rpc.alive:
                 return _give_up(span, "cache server unavailable; not storing")
             try:
-                plan = self._call_registered(p.StoreBegin(items=_items(ops), **_context()))
+                traceparent, tracestate = telemetry.inject()
+                begin = p.StoreBegin(
+                    items=_items(ops), traceparent=traceparent, tracestate=tracestate
+                )
+                plan = self._call_registered(begin)
                 assert isinstance(plan, p.StorePlan)
                 started = time.perf_counter()
                 ok = self._copy_in(ops, plan)
                 copy_ms = (time.perf_counter() - started) * 1e3
-                done = self.rpc.call(p.StoreCommit(store_id=plan.store_id, ok=ok, **_context()))
+                commit = p.StoreCommit(
+                    store_id=plan.store_id, ok=ok, traceparent=traceparent, tracestate=tracestate
+                )
+                done = self.rpc.call(commit)
             except (ServerUnavailable, RemoteError) as exc:
                 return _give_up(span, str(exc))
             assert isinstance(done, p.StoreDone)
@@ -142,9 +153,7 @@ class WorkerClient:
                     a.CHUNKS_WRITTEN: done.num_committed,
                     a.CHUNKS_PRESENT: sum(item.num_present for item in plan.items),
                     a.CHUNKS_FULL: sum(item.num_full for item in plan.items),
-                    a.BYTES: sum(
-                        slot.nbytes for item in plan.items for slot in item.slots if slot
-                    ),
+                    a.BYTES: sum(slot.nbytes for item in plan.items for slot in item.slots if slot),
                     a.COPY_MS: copy_ms,
                 }
             )
@@ -213,10 +222,8 @@ class WorkerClient:
         for retrieve in self._inflight:
             remaining = deadline - time.monotonic()
             if retrieve.future is not None and not retrieve.future.done() and remaining > 0:
-                try:
+                with contextlib.suppress(Exception):  # a failed future is handled below
                     retrieve.future.result(remaining)
-                except Exception:
-                    pass  # handled below
             if retrieve.future is not None and not retrieve.future.done():
                 still.append(retrieve)
                 continue
@@ -228,6 +235,7 @@ class WorkerClient:
         span = retrieve.span
         plan = _plan_or_error(retrieve.future)
         if isinstance(plan, str):
+            assert self.kv is not None
             for op in retrieve.ops:
                 outcome.fail(op.request_id, self._loadable_blocks(op), self.kv.block_size)
                 outcome.finished.add(op.request_id)
@@ -304,9 +312,9 @@ class WorkerClient:
         assert self.kv is not None
         return op.block_ids[op.skip_first_n_tokens // self.kv.block_size :]
 
-    def _batch_attributes(self, ops: list[StoreOp] | list[RetrieveOp]) -> dict[str, object]:
+    def _batch_attributes(self, ops: list[StoreOp] | list[RetrieveOp]) -> dict[str, Any]:
         assert self.kv is not None
-        attributes: dict[str, object] = {
+        attributes: dict[str, Any] = {
             a.NUM_REQUESTS: len(ops),
             a.REQUEST_IDS: [op.request_id for op in ops],
             a.KV_RANK: self.identity.kv_rank,
@@ -327,10 +335,8 @@ class WorkerClient:
             retrieve.span.end()
         self._inflight = []
         if self.kv is not None and self.rpc.alive:
-            try:
+            with contextlib.suppress(ServerUnavailable, RemoteError):
                 self.rpc.call(p.UnregisterWorker(), timeout_s=1.0)
-            except (ServerUnavailable, RemoteError):
-                pass
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -349,8 +355,8 @@ def _items(ops: list[StoreOp] | list[RetrieveOp]) -> list[p.OpItem]:
     ]
 
 
-def _op_attributes(op: StoreOp | RetrieveOp) -> dict[str, object]:
-    attributes: dict[str, object] = {
+def _op_attributes(op: StoreOp | RetrieveOp) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
         a.REQUEST_ID: op.request_id,
         a.CHUNKS: len(op.chunk_hashes),
         a.TOKENS: op.end_token - op.start_token,
@@ -361,11 +367,6 @@ def _op_attributes(op: StoreOp | RetrieveOp) -> dict[str, object]:
     if isinstance(op, RetrieveOp):
         attributes[a.SKIP_FIRST_N_TOKENS] = op.skip_first_n_tokens
     return attributes
-
-
-def _context() -> dict[str, str]:
-    traceparent, tracestate = telemetry.inject()
-    return {"traceparent": traceparent, "tracestate": tracestate}
 
 
 def _plan_or_error(future: Future[p.Reply] | None) -> p.RetrievePlan | str:
@@ -386,4 +387,3 @@ def _give_up(span: telemetry.Span, reason: str) -> bool:
     span.set_attributes({a.OK: False, a.ERROR: reason})
     telemetry.fail(span, reason)
     return False
-

@@ -61,13 +61,15 @@ def _bind(socket: zmq.Socket, config: ServerConfig) -> int:
     return config.port
 
 
-def _loop(socket: zmq.Socket, service: CacheService, config: ServerConfig, stop: threading.Event) -> None:
+def _loop(
+    socket: zmq.Socket, service: CacheService, config: ServerConfig, stop: threading.Event
+) -> None:
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
     next_tick = time.monotonic() + config.reap_interval_s
     while not stop.is_set():
         timeout_ms = max(0.0, next_tick - time.monotonic()) * 1e3
-        if poller.poll(min(timeout_ms, 100.0)):
+        if poller.poll(int(min(timeout_ms, 100.0))):
             for _ in range(_MAX_BATCH):
                 try:
                     frames = socket.recv_multipart(zmq.NOBLOCK)
@@ -80,7 +82,9 @@ def _loop(socket: zmq.Socket, service: CacheService, config: ServerConfig, stop:
             next_tick = time.monotonic() + config.reap_interval_s
 
 
-def handle_frames(service: CacheService, frames: list[bytes], max_bytes: int) -> tuple[bytes, p.Reply]:
+def handle_frames(
+    service: CacheService, frames: list[bytes], max_bytes: int
+) -> tuple[bytes, p.Reply]:
     """Identity and reply for one ROUTER message; every malformed input gets an Error."""
     identity = frames[0]
     body = frames[1:]
@@ -101,25 +105,76 @@ def handle_frames(service: CacheService, frames: list[bytes], max_bytes: int) ->
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="kvtb server", description=__doc__.split("\n")[0])
+    parser = parser or argparse.ArgumentParser(
+        prog="kvtb server", description=__doc__.split("\n")[0]
+    )
     d = ServerConfig()
     parser.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=d.port, help="TCP port; 0 picks a free one (default: %(default)s)")
-    parser.add_argument("--chunk-size", type=int, default=d.chunk_size, help="tokens per chunk (default: %(default)s)")
-    parser.add_argument("--capacity", default=str(d.capacity_bytes), help="capacity in bytes, e.g. 512MiB (default: 1GiB)")
-    parser.add_argument("--metadata-only", action="store_true", help="account sizes only; no pool, no copies")
-    parser.add_argument("--policy", default=d.policy, help="eviction policy: lru, fifo, lfu (default: %(default)s)")
-    parser.add_argument("--read-lock-ttl", type=float, default=d.read_lock_ttl_s, help="seconds (default: %(default)s)")
-    parser.add_argument("--session-ttl", type=float, default=d.session_ttl_s, help="seconds (default: %(default)s)")
-    parser.add_argument("--client-timeout", type=float, default=d.client_timeout_s, help="seconds without a message before a client is reaped (default: %(default)s)")
-    parser.add_argument("--lookup-pending-timeout", type=float, default=d.lookup_pending_timeout_s, help="seconds (default: %(default)s)")
-    parser.add_argument("--max-message-bytes", default=str(d.max_message_bytes), help="largest accepted frame (default: 64MiB)")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (default: %(default)s)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=d.port,
+        help="TCP port; 0 picks a free one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=d.chunk_size,
+        help="tokens per chunk (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--capacity",
+        default=str(d.capacity_bytes),
+        help="capacity in bytes, e.g. 512MiB (default: 1GiB)",
+    )
+    parser.add_argument(
+        "--metadata-only", action="store_true", help="account sizes only; no pool, no copies"
+    )
+    parser.add_argument(
+        "--policy", default=d.policy, help="eviction policy: lru, fifo, lfu (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--read-lock-ttl",
+        type=float,
+        default=d.read_lock_ttl_s,
+        help="seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--session-ttl", type=float, default=d.session_ttl_s, help="seconds (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--client-timeout",
+        type=float,
+        default=d.client_timeout_s,
+        help="seconds without a message before a client is reaped (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lookup-pending-timeout",
+        type=float,
+        default=d.lookup_pending_timeout_s,
+        help="seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        default=str(d.max_message_bytes),
+        help="largest accepted frame (default: 64MiB)",
+    )
+    parser.add_argument(
+        "--log-level", default="WARNING", help="logging level (default: %(default)s)"
+    )
     tracing = parser.add_argument_group("tracing")
-    tracing.add_argument("--run-dir", type=Path, help="write spans to RUN_DIR/spans/ (OTLP JSON lines)")
+    tracing.add_argument(
+        "--run-dir", type=Path, help="write spans to RUN_DIR/spans/ (OTLP JSON lines)"
+    )
     tracing.add_argument("--run-id", default="", help="kvcache.run_id resource attribute")
-    tracing.add_argument("--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)")
-    tracing.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"], help="default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL")
+    tracing.add_argument(
+        "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
+    )
+    tracing.add_argument(
+        "--otlp-protocol",
+        choices=["grpc", "http/protobuf"],
+        help="default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL",
+    )
     return parser
 
 
@@ -140,7 +195,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s server %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s server %(levelname)s %(message)s"
+    )
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -120,7 +120,9 @@ class KVCache:
         obj = self._objects.get(key)
         return obj if obj is not None and obj.committed else None
 
-    def reserve(self, key: ObjectKey, nbytes: int, origin: str, eviction: Eviction) -> CacheObject | None:
+    def reserve(
+        self, key: ObjectKey, nbytes: int, origin: str, eviction: Eviction
+    ) -> CacheObject | None:
         """A new uncommitted object of ``nbytes``, evicting into ``eviction`` to make room.
 
         ``None`` if the bytes cannot be found without touching locked, pinned or uncommitted

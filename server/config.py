@@ -67,6 +67,8 @@ class ServerConfig:
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_message_bytes < 1024:
-            problems.append(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
+            problems.append(
+                f"max_message_bytes must be at least 1024, got {self.max_message_bytes}"
+            )
         if problems:
             raise ValueError("invalid server config: " + "; ".join(problems))

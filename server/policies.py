@@ -112,4 +112,6 @@ def make_policy(name: str) -> EvictionPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}") from None
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
+        ) from None

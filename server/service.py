@@ -369,7 +369,9 @@ class CacheService:
         """Chunks stored on every rank, and whether the next chunk's store is in flight."""
         for index, chunk_hash in enumerate(req.chunk_hashes):
             objects = [
-                self.cache.get(ObjectKey(req.model, req.world_size, rank, chunk_hash, req.cache_salt))
+                self.cache.get(
+                    ObjectKey(req.model, req.world_size, rank, chunk_hash, req.cache_salt)
+                )
                 for rank in range(req.world_size)
             ]
             if all(obj is not None and obj.committed for obj in objects):

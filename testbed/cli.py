@@ -1,11 +1,11 @@
 """``kvtb``: the testbed's command line.
 
-    kvtb server ...                 run a cache server (python -m server)
-    kvtb run [--config F.toml] ...  one run into runs/<run_id>/
-    kvtb sweep FILE.toml            a grid of runs (resumable), then its index
-    kvtb report runs/<sweep>        tables and figures for a sweep
-    kvtb export jaeger RUN_DIR -o F Jaeger-UI JSON of a run's spans
-    kvtb demo                       the main job: a small sweep and its report
+kvtb server ...                 run a cache server (python -m server)
+kvtb run [--config F.toml] ...  one run into runs/<run_id>/
+kvtb sweep FILE.toml            a grid of runs (resumable), then its index
+kvtb report runs/<sweep>        tables and figures for a sweep
+kvtb export jaeger RUN_DIR -o F Jaeger-UI JSON of a run's spans
+kvtb demo                       the main job: a small sweep and its report
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from testbed.sizes import parse_bytes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtb", description=__doc__.split("\n")[0].split(": ", 1)[-1])
+    parser = argparse.ArgumentParser(
+        prog="kvtb", description=__doc__.split("\n")[0].split(": ", 1)[-1]
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     server = commands.add_parser("server", help="run a KV cache server")
@@ -37,7 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sweep = commands.add_parser("sweep", help="run a sweep file's grid (skips finished runs)")
     sweep.add_argument("file", type=Path, help="sweep TOML file (see experiments/)")
-    sweep.add_argument("--out", type=Path, default=Path("runs"), help="parent of the sweep directory (default: runs)")
+    sweep.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs"),
+        help="parent of the sweep directory (default: runs)",
+    )
     sweep.add_argument("--jobs", type=int, default=1, help="local runs in parallel (default: 1)")
     sweep.add_argument("--executor", choices=["local", "ray"], default="local")
     sweep.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
@@ -102,14 +109,19 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML file with run keys (flags override it)")
     hints = typing.get_type_hints(RunSpec)
     defaults = RunSpec()
-    for name in RunSpec.keys():
+    for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
         if name == "workload_params":
             continue
         flag = "--" + name.replace("_", "-")
         annotation = hints[name]
         default = getattr(defaults, name)
         if annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default: {default})")
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"(default: {default})",
+            )
             continue
         parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
     parser.add_argument(
@@ -119,9 +131,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a workload generator parameter (repeatable; VALUE is parsed as TOML)",
     )
-    parser.add_argument("--out", type=Path, default=Path("runs"), help="parent directory (default: runs)")
-    parser.add_argument("--server", help="use this cache server (tcp://HOST:PORT) instead of starting one")
-    parser.add_argument("--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs"), help="parent directory (default: runs)"
+    )
+    parser.add_argument(
+        "--server", help="use this cache server (tcp://HOST:PORT) instead of starting one"
+    )
+    parser.add_argument(
+        "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
+    )
     parser.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"])
     parser.add_argument("--no-progress", action="store_true")
 
@@ -131,7 +149,7 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     if args.config is not None:
         values.update(tomllib.loads(args.config.read_text()))
     hints = typing.get_type_hints(RunSpec)
-    for name in RunSpec.keys():
+    for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
         raw = getattr(args, name, None)
         if raw is None or name == "workload_params":
             continue
@@ -149,14 +167,18 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
 def _parse_flag(name: str, raw: str, annotation: Any) -> Any:
     if raw.lower() in ("none", "unlimited"):
         return None
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    options = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
     if name == "capacity_bytes":
         return parse_bytes(raw)
     if int in options:
         try:
             return int(raw)
         except ValueError:
-            raise ValueError(f"--{name.replace('_', '-')} expects an integer, got {raw!r}") from None
+            raise ValueError(
+                f"--{name.replace('_', '-')} expects an integer, got {raw!r}"
+            ) from None
     if float in options:
         try:
             return float(raw)
@@ -197,7 +219,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         ("store p50 / p99 ms", _pair(summary, "store")),
         ("retrieve p50 / p99 ms", _pair(summary, "retrieve")),
         ("integrity errors", summary.get("integrity_errors")),
-        ("spans exported / dropped", f"{summary.get('spans_exported')} / {summary.get('spans_dropped')}"),
+        (
+            "spans exported / dropped",
+            f"{summary.get('spans_exported')} / {summary.get('spans_dropped')}",
+        ),
     ]
     width = max(len(label) for label, _ in rows)
     print(f"run {summary['run_id']} ({summary['engine']}) → {run_dir}")
@@ -220,9 +245,10 @@ def _bytes3(summary: dict[str, Any]) -> str | None:
 
     if "stored_bytes" not in summary:
         return None
-    return " / ".join(format_bytes(summary[k]) for k in ("stored_bytes", "retrieved_bytes", "evicted_bytes"))
+    return " / ".join(
+        format_bytes(summary[k]) for k in ("stored_bytes", "retrieved_bytes", "evicted_bytes")
+    )
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

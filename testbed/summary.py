@@ -72,7 +72,9 @@ def build_summary(
             "run_wall_s": wall_s,
             "projected_s": result.virtual_s,
             "requests_per_s": len(result.records) / result.wall_s if result.wall_s else None,
-            "prompt_tokens_per_s": summary["prompt_tokens"] / result.wall_s if result.wall_s else None,
+            "prompt_tokens_per_s": summary["prompt_tokens"] / result.wall_s
+            if result.wall_s
+            else None,
             "ttft_p50_ms": float(ttft.quantile(0.5)) if len(ttft) else None,
             "ttft_p99_ms": float(ttft.quantile(0.99)) if len(ttft) else None,
         }
@@ -80,5 +82,7 @@ def build_summary(
     spans = load_spans(run_dir)
     for operation in ("lookup", "store", "retrieve"):
         for quantile, label in ((0.5, "p50"), (0.99, "p99")):
-            summary[f"{operation}_{label}_ms"] = metrics.operation_latency_ms(spans, operation, quantile)
+            summary[f"{operation}_{label}_ms"] = metrics.operation_latency_ms(
+                spans, operation, quantile
+            )
     return summary

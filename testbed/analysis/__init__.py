@@ -6,7 +6,13 @@ metric computed here.
 
 from testbed.analysis import metrics, plots, tables
 from testbed.analysis.spans import load_events, load_spans
-from testbed.analysis.tables import Run, compare_to_oracle, load_run, load_sweep_index, requests_table
+from testbed.analysis.tables import (
+    Run,
+    compare_to_oracle,
+    load_run,
+    load_sweep_index,
+    requests_table,
+)
 
 __all__ = [
     "Run",

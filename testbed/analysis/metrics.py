@@ -40,7 +40,9 @@ def mean_request_hit_rate(requests: pd.DataFrame) -> float:
     """Mean over requests of (engine + external hits) / prompt tokens."""
     if requests.empty:
         return 0.0
-    rates = (requests["engine_hit_tokens"] + requests["external_hit_tokens"]) / requests["prompt_tokens"]
+    rates = (requests["engine_hit_tokens"] + requests["external_hit_tokens"]) / requests[
+        "prompt_tokens"
+    ]
     return float(rates.mean())
 
 
@@ -56,7 +58,9 @@ def token_breakdown(requests: pd.DataFrame) -> pd.Series:
 
 
 def latency_percentiles(
-    spans: pd.DataFrame, names: Sequence[str] | None = None, quantiles: Sequence[float] = (0.5, 0.9, 0.99)
+    spans: pd.DataFrame,
+    names: Sequence[str] | None = None,
+    quantiles: Sequence[float] = (0.5, 0.9, 0.99),
 ) -> pd.DataFrame:
     """Duration percentiles (ms) per span name: one row per name, columns ``count``, ``p50``..."""
     selected = spans if names is None else spans[spans["name"].isin(list(names))]
@@ -78,7 +82,12 @@ def operation_latency_ms(spans: pd.DataFrame, operation: str, quantile: float) -
 def evictions(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per eviction span: time, reason, objects and bytes."""
     evict = spans[spans["name"] == a.SERVER_EVICT]
-    columns = {"start_time": "time", a.EVICT_REASON: "reason", a.EVICTED_OBJECTS: "objects", a.EVICTED_BYTES: "bytes"}
+    columns = {
+        "start_time": "time",
+        a.EVICT_REASON: "reason",
+        a.EVICTED_OBJECTS: "objects",
+        a.EVICTED_BYTES: "bytes",
+    }
     return evict.reindex(columns=list(columns)).rename(columns=columns).reset_index(drop=True)
 
 
@@ -90,6 +99,9 @@ def stored_bytes(spans: pd.DataFrame) -> int:
     return int(commits[a.BYTES].fillna(0).sum())
 
 
+_HOLD_COLUMNS = ["session_id", "released_by", "hold_ms"]
+
+
 def lock_hold_times(spans: pd.DataFrame) -> pd.DataFrame:
     """How long each session's read locks were held: lookup (locks taken) → release.
 
@@ -98,16 +110,29 @@ def lock_hold_times(spans: pd.DataFrame) -> pd.DataFrame:
     """
     server = spans[spans["name"].str.startswith("kvcache.server.")]
     if server.empty or a.SESSION_ID not in server:
-        return pd.DataFrame(columns=["session_id", "released_by", "hold_ms"])
+        return pd.DataFrame(columns=_HOLD_COLUMNS)
     lookups = server[(server["name"] == a.SERVER_LOOKUP) & (column(server, a.LOCKS_TAKEN) > 0)]
     taken = lookups.groupby(a.SESSION_ID)["end_time"].min()
     rows = []
-    frees = server[(server["name"] == a.SERVER_LOCK_RELEASE) & (column(server, a.LOCKS_RELEASED) > 0)]
+    frees = server[
+        (server["name"] == a.SERVER_LOCK_RELEASE) & (column(server, a.LOCKS_RELEASED) > 0)
+    ]
     rows += [(s, "free", t) for s, t in zip(frees[a.SESSION_ID], frees["end_time"], strict=True)]
     expiries = server[server["name"] == a.SERVER_LOCK_EXPIRE]
-    rows += list(zip(expiries[a.SESSION_ID], column(expiries, a.EVICT_REASON, ""), expiries["end_time"], strict=True))
-    retrieves = server[(server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_end")]
-    begins = server[(server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_begin")]
+    rows += list(
+        zip(
+            expiries[a.SESSION_ID],
+            column(expiries, a.EVICT_REASON, ""),
+            expiries["end_time"],
+            strict=True,
+        )
+    )
+    retrieves = server[
+        (server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_end")
+    ]
+    begins = server[
+        (server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_begin")
+    ]
     if not retrieves.empty and a.REQUEST_IDS in begins:
         # A retrieve end carries no session ids; its begin (same parent span) does.
         sessions_by_parent = begins.set_index("parent_span_id")[a.REQUEST_IDS].to_dict()
@@ -116,7 +141,11 @@ def lock_hold_times(spans: pd.DataFrame) -> pd.DataFrame:
                 rows.append((session, "retrieve", t))
     releases = pd.DataFrame(rows, columns=["session_id", "released_by", "time"])
     releases = releases[releases["session_id"].isin(taken.index)]
-    releases["hold_ms"] = (releases["time"] - releases["session_id"].map(taken)).dt.total_seconds() * 1e3
+    if releases.empty:  # no lookup ever locked anything (e.g. a workload without reuse)
+        return pd.DataFrame(columns=_HOLD_COLUMNS)
+    releases["hold_ms"] = (
+        releases["time"] - releases["session_id"].map(taken)
+    ).dt.total_seconds() * 1e3
     return releases.drop(columns="time").reset_index(drop=True)
 
 

@@ -7,6 +7,7 @@ measurements.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,15 +37,18 @@ def axis_label(key: str) -> str:
 
 def _new(title: str, size: tuple[float, float] = (8, 5)) -> tuple[Figure, plt.Axes]:
     figure, axes = plt.subplots(figsize=(max(8.0, size[0]), size[1]), layout="constrained")
-    axes.set_title(title)
+    axes.set_title(textwrap.fill(title, 80))
     axes.grid(True, alpha=0.3)
     return figure, axes
 
 
 def _positions(values: Sequence[object]) -> tuple[list[float], list[str] | None]:
     """Numeric x positions, and tick labels when the values are categories."""
-    if all(isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool) for v in values):
-        return [float(v) for v in values], None
+    if all(
+        isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+        for v in values
+    ):
+        return [float(v) for v in values], None  # type: ignore[arg-type]
     categories = list(dict.fromkeys(str(v) for v in values))
     return [float(categories.index(str(v))) for v in values], categories
 
@@ -71,7 +75,9 @@ def hit_rate(
             else group[x].astype(float).tolist()
         )
         engine = labels[0]
-        name = ", ".join([str(engine), *(f"{k}={v}" for k, v in zip(series, labels[1:], strict=True))])
+        name = ", ".join(
+            [str(engine), *(f"{k}={v}" for k, v in zip(series, labels[1:], strict=True))]
+        )
         axes.plot(
             xs,
             group[metric] * 100,
@@ -119,8 +125,10 @@ def token_breakdown(table: pd.DataFrame, label: str, title: str) -> Figure:
 def latency_cdf(durations: Mapping[str, Mapping[str, Sequence[float]]], title: str) -> Figure:
     """CDFs of operation latency: ``durations[operation][run label]`` in ms, one panel per op."""
     operations = list(durations)
-    figure, panels = plt.subplots(1, len(operations), figsize=(5 * len(operations), 4.5), layout="constrained", squeeze=False)
-    figure.suptitle(title)
+    figure, panels = plt.subplots(
+        1, len(operations), figsize=(5 * len(operations), 4.5), layout="constrained", squeeze=False
+    )
+    figure.suptitle(textwrap.fill(title, 120))
     for axes, operation in zip(panels[0], operations, strict=True):
         for label, values in durations[operation].items():
             if len(values) == 0:
@@ -136,14 +144,31 @@ def latency_cdf(durations: Mapping[str, Mapping[str, Sequence[float]]], title: s
     return figure
 
 
-def grouped_bars(table: pd.DataFrame, label: str, columns: Mapping[str, str], ylabel: str, title: str, scale: float = 1.0) -> Figure:
+def grouped_bars(
+    table: pd.DataFrame,
+    label: str,
+    columns: Mapping[str, str],
+    ylabel: str,
+    title: str,
+    scale: float = 1.0,
+) -> Figure:
     """Bars of several ``columns`` (column → legend name) per row label."""
     figure, axes = _new(title, (max(6, 0.9 * len(table) + 3), 5))
     positions = np.arange(len(table))
     width = 0.8 / max(1, len(columns))
     for offset, (column, name) in enumerate(columns.items()):
-        axes.bar(positions + offset * width, table[column].fillna(0).astype(float) / scale, width, label=name)
-    axes.set_xticks(positions + width * (len(columns) - 1) / 2, table[label].astype(str), rotation=30, ha="right")
+        axes.bar(
+            positions + offset * width,
+            table[column].fillna(0).astype(float) / scale,
+            width,
+            label=name,
+        )
+    axes.set_xticks(
+        positions + width * (len(columns) - 1) / 2,
+        table[label].astype(str),
+        rotation=30,
+        ha="right",
+    )
     axes.set_ylabel(ylabel)
     axes.legend(fontsize="small")
     return figure
@@ -177,10 +202,22 @@ def timeline(spans: pd.DataFrame, trace_id: str, title: str) -> Figure:
     figure, axes = _new(title, (10, 0.35 * len(trace) + 2))
     for position, row in enumerate(trace.itertuples()):
         start_ms = (row.start_time - origin).total_seconds() * 1e3
-        side = "server" if ".server." in row.name else "connector" if ".connector." in row.name else "engine"
+        side = (
+            "server"
+            if ".server." in row.name
+            else "connector"
+            if ".connector." in row.name
+            else "engine"
+        )
         color = {"server": "tab:orange", "connector": "tab:blue", "engine": "tab:gray"}[side]
         axes.barh(position, max(row.duration_ms, 0.01), left=start_ms, color=color)
-        axes.text(start_ms, position, "  " * depth[row.span_id] + row.name, va="center", fontsize="x-small")
+        axes.text(
+            start_ms,
+            position,
+            "  " * depth[row.span_id] + row.name,
+            va="center",
+            fontsize="x-small",
+        )
     axes.invert_yaxis()
     axes.set_yticks([])
     axes.set_xlabel("time since the request's first span (ms)")

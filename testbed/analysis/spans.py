@@ -129,14 +129,21 @@ def _spans_of(table: pa.Table) -> pd.DataFrame:
             "start_time": pd.to_datetime(start, unit="ns", utc=True),
             "end_time": pd.to_datetime(end, unit="ns", utc=True),
             "duration_ms": (end - start) / 1e6,
-            "status": pd.Series(pc.struct_field(status, "code").to_numpy()).map(STATUSES).to_numpy(),
+            "status": pd.Series(pc.struct_field(status, "code").to_numpy())
+            .map(STATUSES)
+            .to_numpy(),
             "status_message": (
-                pc.fill_null(message, "").to_numpy(zero_copy_only=False) if message is not None else ""
+                pc.fill_null(message, "").to_numpy(zero_copy_only=False)
+                if message is not None
+                else ""
             ),
             "links": _links(spans),
         }
     )
-    resources = _pivot(pc.struct_field(pc.struct_field(resource_spans, "resource"), "attributes"), len(resource_spans))
+    resources = _pivot(
+        pc.struct_field(pc.struct_field(resource_spans, "resource"), "attributes"),
+        len(resource_spans),
+    )
     rows = resource_index.to_numpy()
     frame["service"] = _resource_column(resources, "service.name", rows)
     frame["run_id"] = _resource_column(resources, "kvcache.run_id", rows)
@@ -164,9 +171,15 @@ def _events_of(table: pa.Table) -> pd.DataFrame:
     time = pc.cast(pc.struct_field(events, "timeUnixNano"), pa.int64()).to_numpy()
     frame = pd.DataFrame(
         {
-            "trace_id": pc.take(pc.struct_field(spans, "traceId"), parent).to_numpy(zero_copy_only=False),
-            "span_id": pc.take(pc.struct_field(spans, "spanId"), parent).to_numpy(zero_copy_only=False),
-            "span_name": pc.take(pc.struct_field(spans, "name"), parent).to_numpy(zero_copy_only=False),
+            "trace_id": pc.take(pc.struct_field(spans, "traceId"), parent).to_numpy(
+                zero_copy_only=False
+            ),
+            "span_id": pc.take(pc.struct_field(spans, "spanId"), parent).to_numpy(
+                zero_copy_only=False
+            ),
+            "span_name": pc.take(pc.struct_field(spans, "name"), parent).to_numpy(
+                zero_copy_only=False
+            ),
             "event": pc.struct_field(events, "name").to_numpy(zero_copy_only=False),
             "time": pd.to_datetime(time, unit="ns", utc=True),
         }

@@ -85,22 +85,37 @@ def load_sweep_index(sweep_dir: Path | str) -> pd.DataFrame:
     return pd.read_parquet(path)
 
 
-def compare_to_oracle(index: pd.DataFrame, keys: list[str], metric: str = "token_hit_rate") -> pd.DataFrame:
+def compare_to_oracle(
+    index: pd.DataFrame, keys: list[str], metric: str = "token_hit_rate"
+) -> pd.DataFrame:
     """Each measured run's ``metric`` beside the oracle run with the same ``keys``, and the gap."""
     complete = index[index["status"] == "complete"] if "status" in index else index
     measured = complete[complete["engine"] != "oracle"]
-    oracle = complete[complete["engine"] == "oracle"][[*keys, metric]].rename(columns={metric: "oracle"})
+    oracle = complete[complete["engine"] == "oracle"][[*keys, metric]].rename(
+        columns={metric: "oracle"}
+    )
     table = measured[["run_id", "engine", *keys, metric]].merge(oracle, on=keys, how="left")
     table["gap"] = table[metric] - table["oracle"]
     return table.reset_index(drop=True)
 
 
-_X_PREFERENCE = ("chunk_size", "capacity_tokens", "capacity_bytes", "tp", "engine_blocks", "requests")
+_X_PREFERENCE = (
+    "chunk_size",
+    "capacity_tokens",
+    "capacity_bytes",
+    "tp",
+    "engine_blocks",
+    "requests",
+)
 
 
 def sweep_axes(sweep_dir: Path | str) -> tuple[str, list[str]]:
     """The x-axis of a sweep's figures (a numeric swept key when there is one) and the other
     swept keys, which become series. ``engine`` is never an axis: it tells runs from bounds."""
-    swept = [k for k in json.loads((Path(sweep_dir) / "sweep.json").read_text())["swept"] if k != "engine"]
+    swept = [
+        k
+        for k in json.loads((Path(sweep_dir) / "sweep.json").read_text())["swept"]
+        if k != "engine"
+    ]
     x = next((k for k in _X_PREFERENCE if k in swept), swept[0] if swept else "run_id")
     return x, [k for k in swept if k != x]

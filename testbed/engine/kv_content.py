@@ -33,7 +33,9 @@ def element_constants(num_layers: int, num_elements: int) -> np.ndarray:
     """Odd 64-bit multipliers, one per (layer, element): shape ``(num_layers, num_elements)``."""
     index = np.arange(num_layers * num_elements, dtype=np.uint64).reshape(num_layers, num_elements)
     with np.errstate(over="ignore"):
-        return (index * np.uint64(0xD1342543DE82EF95) + np.uint64(0x2545F4914F6CDD1D)) | np.uint64(1)
+        return (index * np.uint64(0xD1342543DE82EF95) + np.uint64(0x2545F4914F6CDD1D)) | np.uint64(
+            1
+        )
 
 
 def kv_values(hashes: np.ndarray, constants: np.ndarray) -> np.ndarray:

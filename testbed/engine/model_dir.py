@@ -64,7 +64,11 @@ def random_weights(model: TinyModel, seed: int) -> dict[str, torch.Tensor]:
     attention is not uniform and greedy tokens depend on the whole input."""
     generator = torch.Generator().manual_seed(seed)
     h, d, v = model.hidden_size, model.head_dim, model.vocab_size
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
     for i in range(model.num_hidden_layers):
         layer = f"model.layers.{i}."
         shapes |= {

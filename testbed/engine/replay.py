@@ -76,7 +76,8 @@ class ReplaySpec:
             raise ValueError(f"arrival must be 'trace' or 'all', got {self.arrival!r}")
         if self.chunk_size % self.block_size:
             raise ValueError(
-                f"chunk size {self.chunk_size} must be a multiple of the block size {self.block_size}"
+                f"chunk size {self.chunk_size} must be a multiple of the block size "
+                f"{self.block_size}"
             )
         if not 0.0 <= self.fault_drop_fraction <= 1.0:
             raise ValueError("fault_drop_fraction must be in [0, 1]")
@@ -93,11 +94,14 @@ class ReplayEngine:
     baseline the replay's overhead is measured against.
     """
 
-    def __init__(self, spec: ReplaySpec, server_url: str | None, work_dir: Path | None = None) -> None:
+    def __init__(
+        self, spec: ReplaySpec, server_url: str | None, work_dir: Path | None = None
+    ) -> None:
         self.spec = spec
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="kvtb-model-")
+        base_dir = work_dir if work_dir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         model_dir = write_model_dir(
-            (work_dir or Path(self._tmp.name)) / "model",
+            base_dir / "model",
             TinyModel(max_position_embeddings=spec.max_model_len),
         )
         connector = ConnectorConfig(
@@ -138,7 +142,11 @@ class ReplayEngine:
             )
             for rank in range(spec.tp if server_url else 0)
         ]
-        self.admin = RpcClient(server_url, role="replay-admin", timeout_s=spec.timeout_s) if server_url else None
+        self.admin = (
+            RpcClient(server_url, role="replay-admin", timeout_s=spec.timeout_s)
+            if server_url
+            else None
+        )
         self._rng = random.Random(spec.seed)
 
     def close(self) -> None:
@@ -189,7 +197,9 @@ class ReplayEngine:
             for request_id, failed in (outcomes[0].load_failed_tokens if outcomes else {}).items():
                 records[request_id].load_failed_tokens += failed
             self._account_admissions(so, records, admitted, invalid)
-            engine_outputs = self.scheduler.update_from_output(so, self._runner_output(so, outcomes, invalid))
+            engine_outputs = self.scheduler.update_from_output(
+                so, self._runner_output(so, outcomes, invalid)
+            )
             clock += spec.step_s(so.total_num_scheduled_tokens)
             result.steps += 1
             idle_steps = 0 if so.total_num_scheduled_tokens else idle_steps + 1
@@ -201,7 +211,7 @@ class ReplayEngine:
             for preempted in so.preempted_req_ids or ():
                 if preempted in records:
                     records[preempted].preemptions += 1
-            for output in (engine_outputs[0].outputs if engine_outputs else []):
+            for output in engine_outputs[0].outputs if engine_outputs else []:
                 record = records[output.request_id]
                 for token in output.new_token_ids:
                     for worker in self.workers:
@@ -303,7 +313,11 @@ class ReplayEngine:
         span.end()
 
     def _inject_faults(self, so) -> None:
-        if not self.spec.fault_drop_fraction or self.admin is None or so.kv_connector_metadata is None:
+        if (
+            not self.spec.fault_drop_fraction
+            or self.admin is None
+            or so.kv_connector_metadata is None
+        ):
             return
         for op in so.kv_connector_metadata.plan.retrieves:
             if self._rng.random() < self.spec.fault_drop_fraction:
@@ -325,4 +339,3 @@ class _Arrivals:
             request = self._next
             self._next = next(self._requests, None)
             yield request
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from testbed.telemetry import attributes as a
 
@@ -58,7 +59,7 @@ class EngineResult:
     """Generated tokens per request (engines with a real model)."""
 
 
-def request_span_attributes(record: RequestRecord) -> dict[str, object]:
+def request_span_attributes(record: RequestRecord) -> dict[str, Any]:
     """The attributes a finished request's ``kvcache.request`` span carries."""
     return {
         a.ENGINE_HIT_TOKENS: record.engine_hit_tokens,

@@ -76,9 +76,10 @@ class VllmEngine:
 
         self.spec = spec
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="kvtb-model-")
+        base_dir = work_dir if work_dir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         model = spec.model
         if model is None:
-            directory = (work_dir or Path(self._tmp.name)) / "model"
+            directory = base_dir / "model"
             tiny = TinyModel(max_position_embeddings=spec.max_model_len)
             model = str(write_model_dir(directory, tiny, weights_seed=spec.seed))
         connector = ConnectorConfig(
@@ -115,7 +116,9 @@ class VllmEngine:
             ),
         )
         self._engine_hits: dict[str, int] = {}
-        scheduler_connector = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): its scheduler is reachable.
+        core = self.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+        scheduler_connector = core.scheduler.connector
         scheduler_connector.scheduler_side.on_finished = self._record_engine_hit
 
     def _record_engine_hit(self, tracker) -> None:
@@ -144,6 +147,8 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+        from connector.vllm_connector import KVTBConnector
+
         engine = self.llm.llm_engine
         result = EngineResult(engine="vllm")
         records: dict[str, RequestRecord] = {}
@@ -155,7 +160,8 @@ class VllmEngine:
                 result.rejected.append(request.request_id)
                 continue
             span = telemetry.start_span(
-                a.REQUEST, attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: len(prompt)}
+                a.REQUEST,
+                attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: len(prompt)},
             )
             spans[request.request_id] = span
             records[request.request_id] = RequestRecord(
@@ -174,23 +180,28 @@ class VllmEngine:
                 trace_headers={"traceparent": traceparent} if traceparent else None,
             )
         worker_connector = get_kv_transfer_group()
+        assert isinstance(worker_connector, KVTBConnector)
         while engine.has_unfinished_requests():
             outputs = engine.step()
             for request_id, failed in worker_connector.take_load_failures().items():
                 records[request_id].load_failed_tokens += failed
             for output in outputs:
                 record = records[output.request_id]
-                if record.first_token_s is None and output.outputs and output.outputs[0].token_ids:
+                completions = output.outputs
+                assert isinstance(completions, list)  # a generation, not a pooling output
+                if record.first_token_s is None and completions and completions[0].token_ids:
                     record.first_token_s = time.perf_counter() - started
                 if not output.finished:
                     continue
                 record.finish_s = time.perf_counter() - started
-                tokens = list(output.outputs[0].token_ids)
+                tokens = list(completions[0].token_ids)
                 result.output_token_ids[output.request_id] = tokens
                 record.output_tokens = len(tokens)
                 # vLLM counts what the connector promised; take out what failed to load.
                 record.hit_tokens = (output.num_cached_tokens or 0) - record.load_failed_tokens
-                record.engine_hit_tokens = min(record.hit_tokens, self._engine_hits.pop(output.request_id, 0))
+                record.engine_hit_tokens = min(
+                    record.hit_tokens, self._engine_hits.pop(output.request_id, 0)
+                )
                 span = spans.pop(output.request_id)
                 span.set_attributes(request_span_attributes(record))
                 span.end()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # No hub access: the model directory is local. Replays size max_model_len from the workload.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -98,13 +100,17 @@ def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
 
 def build_kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
     model = config.model_config
+    assert isinstance(model.dtype, torch.dtype)  # resolved by ModelConfig
     spec = FullAttentionSpec(
         block_size=config.cache_config.block_size,
         num_kv_heads=model.get_num_kv_heads(config.parallel_config),
         head_size=model.get_head_size(),
         dtype=model.dtype,
     )
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_num_layers(config.parallel_config))]
+    layers = [
+        f"model.layers.{i}.self_attn.attn"
+        for i in range(model.get_num_layers(config.parallel_config))
+    ]
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
     )
@@ -116,6 +122,7 @@ def build_kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
 
 def build_scheduler(config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
     """vLLM's v1 scheduler; it creates the SCHEDULER-role connector itself."""
+    assert kv_cache_config.cache_hit_alignment_tokens is not None
     return Scheduler(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
@@ -126,7 +133,9 @@ def build_scheduler(config: VllmConfig, kv_cache_config: KVCacheConfig) -> Sched
     )
 
 
-def build_worker_connector(config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int) -> KVConnectorBase_V1:
+def build_worker_connector(
+    config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int
+) -> KVConnectorBase_V1:
     """The WORKER-role connector a model runner of TP rank ``rank`` would own."""
     rank_config = copy.copy(config)
     rank_config.parallel_config = copy.copy(config.parallel_config)
@@ -140,6 +149,7 @@ class RequestFactory:
     def __init__(self, config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
+        assert kv_cache_config.hash_block_size is not None
         self._hasher = get_request_block_hasher(kv_cache_config.hash_block_size, hash_fn)
 
     def make(

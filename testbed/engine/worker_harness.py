@@ -67,7 +67,9 @@ class WorkerHarness:
             torch.zeros((num_blocks, block_size, elements), dtype=torch.int16)
             for _ in range(profile.num_layers)
         ]
-        self._flat = [layer.view(num_blocks * block_size, elements).numpy() for layer in self.layers]
+        self._flat = [
+            layer.view(num_blocks * block_size, elements).numpy() for layer in self.layers
+        ]
         self._constants = _rank_constants(profile, tp, rank)
         self._requests: dict[str, _RequestKV] = {}
         connector.register_kv_caches(

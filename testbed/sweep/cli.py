@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +23,13 @@ from tqdm import tqdm
 
 from testbed.run import is_complete
 from testbed.runspec import RunSpec
-from testbed.sweep.executors import RunOutcome, require_ray, run_local, run_ray
+from testbed.sweep.executors import RayMissing, RunOutcome, require_ray, run_local, run_ray
 from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
 from testbed.sweep.spec import SweepSpec, load_sweep
 
 EXECUTORS = ("local", "ray")
 QUICKSTART = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.toml"
+LOCK_FILE = ".lock"
 DEMO_JOBS = 1  # two cores: a replay run already keeps two processes (engine, server) busy
 
 
@@ -69,11 +72,16 @@ def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions(
     if options.executor == "ray":
         require_ray()  # before anything is written
     sweep_dir = Path(out) / sweep.name
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(sweep_dir):
+        return _run_sweep(sweep, sweep_dir, options)
+
+
+def _run_sweep(sweep: SweepSpec, sweep_dir: Path, options: SweepOptions) -> SweepResult:
     write_manifest(sweep_dir, sweep)
     todo = [run for run in sweep.runs if not is_complete(sweep_dir / run.run_id)]
-    skipped = tuple(
-        sorted(set(sweep.run_ids) - {run.run_id for run in todo}, key=sweep.run_ids.index)
-    )
+    todo_ids = {run.run_id for run in todo}
+    skipped = tuple(run_id for run_id in sweep.run_ids if run_id not in todo_ids)
     display = _Display(sweep, len(skipped), enabled=options.progress)
     if options.executor == "local":
         outcomes = run_local(todo, sweep_dir, jobs=options.jobs, on_progress=display.run_progress)
@@ -100,6 +108,18 @@ def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions(
     )
 
 
+@contextlib.contextmanager
+def _exclusive(sweep_dir: Path) -> Iterator[None]:
+    """Holds the sweep directory's lock: a second invocation would clear runs in progress
+    (execute_run redoes unfinished run directories). The OS drops it when the process dies."""
+    with open(sweep_dir / LOCK_FILE, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{sweep_dir} is in use by another kvtb sweep") from None
+        yield
+
+
 def run_sweep_command(args: argparse.Namespace) -> int:
     """``kvtb sweep FILE``: 0 when every run is complete, 1 if any failed, 130 when interrupted."""
     sweep = load_sweep(args.file)
@@ -110,7 +130,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = run_sweep(sweep, args.out, options)
-    except RuntimeError as exc:  # e.g. Ray missing
+    except RayMissing as exc:
         print(f"kvtb sweep: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -165,7 +185,7 @@ class _Display:
             initial=num_skipped,
             unit="run",
             desc=f"sweep {sweep.name}",
-            disable=not enabled,
+            disable=None if enabled else True,  # None: only on a terminal
         )
         self._bars: dict[str, tqdm] = {}
 
@@ -173,7 +193,13 @@ class _Display:
         bar = self._bars.get(spec.run_id)
         if bar is None:
             desc = f"  {spec.run_id} {self._labels[spec.run_id]}"
-            bar = tqdm(total=total, unit="req", desc=desc, leave=False, disable=not self._enabled)
+            bar = tqdm(
+                total=total,
+                unit="req",
+                desc=desc,
+                leave=False,
+                disable=None if self._enabled else True,
+            )
             self._bars[spec.run_id] = bar
         bar.update(done - bar.n)
 

@@ -13,8 +13,10 @@ no run or server behind. A run that raises, or a child that dies, is a failed
   same ``out_dir`` path on every node, so on a cluster it must be shared storage, and
   ``kvtestbed`` must be importable on every node.
 
-Both are generators: closing one (``contextlib.closing``, or an exception such as
-KeyboardInterrupt in the consumer) stops every run still going.
+Both are generators: closing one (``contextlib.closing``), or an exception raised while it
+waits (KeyboardInterrupt), stops every run still going. Children are started with the
+``spawn`` method (no forked vLLM, torch or ZeroMQ state), so a script calling them needs the
+usual ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -117,11 +119,30 @@ class RunProcess:
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """Stops the run and all it started: SIGTERM to its group, SIGKILL after ``grace_s``."""
         if self.process.exitcode is None:
-            self._signal_group(signal.SIGTERM)
+            self.terminate()
             self.process.join(grace_s)
         self._signal_group(signal.SIGKILL)  # stragglers, e.g. a server whose run was killed
         self.process.join()
+        self._wait_group_gone()
         self._conn.close()
+
+    def terminate(self) -> None:
+        """Asks the run to stop (SIGTERM to its group) without waiting; :meth:`stop` finishes it."""
+        if self.process.exitcode is None:
+            self._signal_group(signal.SIGTERM)
+
+    def _wait_group_gone(self, timeout_s: float = 5.0) -> None:
+        # SIGKILL is delivered at once but a process takes a moment to die; callers (and a
+        # sweep about to exit) rely on nothing of the run being left when stop() returns.
+        # Bounded: an unreaped zombie still counts as a member of its group.
+        pid = self.process.pid
+        deadline = time.monotonic() + timeout_s
+        while pid is not None and time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.02)
 
     def _signal_group(self, signum: int) -> None:
         pid = self.process.pid
@@ -200,18 +221,21 @@ def run_local(
                     yield outcome
     finally:
         for run in running:
+            run.terminate()  # all at once: their grace periods overlap
+        for run in running:
             run.stop()
 
 
-RAY_MISSING = "the Ray executor needs Ray: pip install 'kvtestbed[ray]'"
+class RayMissing(RuntimeError):
+    """The Ray executor was asked for where Ray is not installed."""
 
 
 def require_ray() -> Any:
-    """The ``ray`` module, imported on first use; a RuntimeError saying how to install it."""
+    """The ``ray`` module, imported on first use (Ray is an optional dependency)."""
     try:
         import ray
     except ImportError:
-        raise RuntimeError(RAY_MISSING) from None
+        raise RayMissing("the Ray executor needs Ray: pip install 'kvtestbed[ray]'") from None
     return ray
 
 
@@ -229,6 +253,7 @@ def run_ray(
     each). Closing the generator cancels every task still going, which stops its run.
     """
     ray = require_ray()
+    out_dir = Path(out_dir).resolve()  # Ray workers have their own working directory
     started_here = False
     if not ray.is_initialized():
         if address is None:
@@ -237,7 +262,7 @@ def run_ray(
                 include_dashboard=False,
                 log_to_driver=False,
                 # Workers of a local instance import testbed from this checkout.
-                runtime_env={"env_vars": {"PYTHONPATH": str(_REPO_ROOT)}},
+                runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
             )
         else:
             ray.init(address=address, log_to_driver=False)
@@ -263,6 +288,10 @@ def run_ray(
             ray.wait(list(refs), num_returns=len(refs), timeout=_STOP_GRACE_S + 5)
         if started_here:
             ray.shutdown()
+
+
+def _python_path() -> str:
+    return os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def _ray_task(spec: RunSpec, out_dir: str) -> RunOutcome:

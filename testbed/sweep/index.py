@@ -41,7 +41,8 @@ _DTYPES = {int: "Int64", float: "Float64", bool: "boolean", str: "string"}  # nu
 def write_manifest(sweep_dir: Path, sweep: SweepSpec) -> None:
     """Writes ``sweep.toml`` and ``sweep.json`` (replacing an earlier version's)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    _write_text(sweep_dir / SWEEP_TOML, sweep.source_text)
+    if sweep.source_text:  # a sweep expanded from a mapping has no file to copy
+        _write_text(sweep_dir / SWEEP_TOML, sweep.source_text)
     manifest = {
         "name": sweep.name,
         "description": sweep.description,

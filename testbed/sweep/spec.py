@@ -95,14 +95,13 @@ def expand_sweep(
 
     combinations: list[tuple[str, dict[str, Any]]] = []
     matched = [False] * len(excludes)
-    for values in itertools.product(*grid.values()):
-        point = dict(zip(grid, values, strict=True))
-        hits = [_matches(_merge(base, point), exclude) for exclude in excludes]
+    for point_values in itertools.product(*grid.values()):
+        point = dict(zip(grid, point_values, strict=True))
+        merged = _merge(base, point)
+        hits = [_matches(merged, exclude) for exclude in excludes]
         matched = [m or h for m, h in zip(matched, hits, strict=True)]
         if not any(hits):
-            combinations.append(
-                (f"{source} [grid] combination {_describe(point)}", _merge(base, point))
-            )
+            combinations.append((f"{source} [grid] combination {_describe(point)}", merged))
     for number, (exclude, found) in enumerate(zip(excludes, matched, strict=True), start=1):
         if not found:
             raise ValueError(
@@ -112,8 +111,8 @@ def expand_sweep(
         combinations.append((f"{source} [[include]] #{number}", _merge(base, include)))
 
     runs: dict[str, RunSpec] = {}
-    for where, values in combinations:
-        spec = RunSpec.from_mapping(values, source=where)
+    for where, mapping in combinations:
+        spec = RunSpec.from_mapping(mapping, source=where)
         runs.setdefault(spec.run_id, spec)
     ordered = tuple(runs.values())
     try:

@@ -124,7 +124,8 @@ def traceparent_of(span: Span) -> str:
     span_context = span.get_span_context()
     if not span_context.is_valid:
         return ""
-    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{span_context.trace_flags:02x}"
+    ids = f"{span_context.trace_id:032x}-{span_context.span_id:016x}"
+    return f"00-{ids}-{span_context.trace_flags:02x}"
 
 
 def fail(span: Span, message: str) -> None:

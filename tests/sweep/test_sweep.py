@@ -6,6 +6,7 @@ engine with real cache servers to check that an interrupted sweep leaves none be
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -20,10 +21,12 @@ import pytest
 from testbed.cli import main as kvtb
 from testbed.runspec import RunSpec
 from testbed.sweep import SweepOptions, build_index, load_index, load_sweep, run_sweep
+from testbed.sweep import cli as sweep_cli
 from testbed.sweep.executors import RunProcess
 from testbed.sweep.index import ERROR_FILE, INDEX_FILE, SWEEP_FILE, SWEEP_TOML
 
 REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "experiments" / "quickstart.toml"
 QUIET = SweepOptions(progress=False)
 ORACLE_BASE = """
 [base]
@@ -57,14 +60,16 @@ def cache_servers(under: Path) -> list[int]:
     return pids
 
 
-def children_of(pid: int) -> list[int]:
+def run_processes_of(pid: int) -> list[int]:
+    """Pids of the run processes a sweep spawned (not, e.g., multiprocessing's resource tracker)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == pid:
+        if parent == pid and b"spawn_main" in cmdline:
             found.append(int(stat.parent.name))
     return found
 
@@ -305,7 +310,7 @@ def test_interrupted_sweep_leaves_no_server_and_resumes_with_only_the_missing_ru
             assert process.poll() is None, (tmp_path / "sweep.log").read_text()
             assert time.monotonic() < deadline, "no replay run started"
             time.sleep(0.2)
-        run_processes = children_of(process.pid)
+        run_processes = run_processes_of(process.pid)
         assert run_processes
 
         process.send_signal(signal.SIGINT)
@@ -369,3 +374,44 @@ def test_a_run_process_that_dies_without_a_word_is_a_failed_run(tmp_path):
     assert not outcome.ok and outcome.error == "run process exited with code -9"
     assert (tmp_path / spec.run_id / ERROR_FILE).read_text().startswith(outcome.error)
     assert json.loads((tmp_path / spec.run_id / "spec.json").read_text())["run_id"] == spec.run_id
+
+
+def test_quickstart_is_a_small_sweep_of_both_engines():
+    sweep = load_sweep(QUICKSTART)
+    assert sweep.name == "quickstart"
+    assert {run.engine for run in sweep.runs} == {"replay", "oracle"}
+    assert len(sweep.runs) <= 8 and all(run.requests <= 100 for run in sweep.runs)
+
+
+def test_demo_runs_its_sweep_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("testbed.report", reason="testbed.report is not written yet")
+    # The oracle half of the quickstart (the replay half runs in the interrupted-sweep test).
+    text = QUICKSTART.read_text().replace('engine = ["replay", "oracle"]', 'engine = ["oracle"]')
+    assert text != QUICKSTART.read_text()
+    monkeypatch.setattr(sweep_cli, "QUICKSTART", write(tmp_path, text, name="quickstart"))
+
+    assert sweep_cli.demo(tmp_path / "runs") == 0
+
+    report = Path(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("report: "))
+    assert report.is_file() and report.is_relative_to(tmp_path / "runs" / "quickstart")
+    assert (load_index(tmp_path / "runs" / "quickstart")["status"] == "complete").all()
+
+
+def test_ray_executor_without_ray_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray → ImportError
+    path = write(tmp_path, ORACLE_BASE)
+    out = tmp_path / "runs"
+
+    assert kvtb(["sweep", str(path), "--out", str(out), "--executor", "ray"]) == 2
+    assert "pip install 'kvtestbed[ray]'" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_sweep_directory_in_use_is_refused(tmp_path):
+    sweep = load_sweep(write(tmp_path, ORACLE_BASE, name="busy"))
+    (tmp_path / "runs" / "busy").mkdir(parents=True)
+    with open(tmp_path / "runs" / "busy" / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as another `kvtb sweep` holds it
+        with pytest.raises(ValueError, match="in use by another kvtb sweep"):
+            run_sweep(sweep, tmp_path / "runs", QUIET)
+    assert run_sweep(sweep, tmp_path / "runs", QUIET).executed == tuple(sweep.run_ids)

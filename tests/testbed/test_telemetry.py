@@ -18,9 +18,34 @@ from tests.support.cache_harness import Harness, cache_cycle
 C = 64
 
 CONNECTOR_ATTRIBUTES = {
-    a.CONNECTOR_LOOKUP: {a.SESSION_ID, a.TOKENS_REQUESTED, a.TOKENS_HIT, a.CHUNKS_HIT, a.WAIT_MS, a.OK},
-    a.CONNECTOR_STORE: {a.NUM_REQUESTS, a.CHUNKS, a.TOKENS, a.BLOCKS, a.BYTES, a.CHUNKS_WRITTEN, a.OK, a.COPY_MS},
-    a.CONNECTOR_RETRIEVE: {a.NUM_REQUESTS, a.CHUNKS, a.TOKENS, a.BLOCKS, a.BYTES, a.CHUNKS_MISSING, a.OK, a.LOCKS_RELEASED},
+    a.CONNECTOR_LOOKUP: {
+        a.SESSION_ID,
+        a.TOKENS_REQUESTED,
+        a.TOKENS_HIT,
+        a.CHUNKS_HIT,
+        a.WAIT_MS,
+        a.OK,
+    },
+    a.CONNECTOR_STORE: {
+        a.NUM_REQUESTS,
+        a.CHUNKS,
+        a.TOKENS,
+        a.BLOCKS,
+        a.BYTES,
+        a.CHUNKS_WRITTEN,
+        a.OK,
+        a.COPY_MS,
+    },
+    a.CONNECTOR_RETRIEVE: {
+        a.NUM_REQUESTS,
+        a.CHUNKS,
+        a.TOKENS,
+        a.BLOCKS,
+        a.BYTES,
+        a.CHUNKS_MISSING,
+        a.OK,
+        a.LOCKS_RELEASED,
+    },
     a.CONNECTOR_LOCK_RELEASE: {a.SESSION_ID, a.RANGE_START, a.RANGE_END, a.CHUNKS, a.OK},
     a.CONNECTOR_END_SESSION: {a.SESSION_ID, a.OK},
 }
@@ -65,7 +90,8 @@ def test_every_operation_leaves_a_span_on_both_sides_parented_across_processes(
             missing = CONNECTOR_ATTRIBUTES[span.name] - set(span.attributes)
             assert not missing, (span.name, missing)
     client_ids = {
-        (f"{s.context.trace_id:032x}", f"{s.context.span_id:016x}") for s in exporter.get_finished_spans()
+        (f"{s.context.trace_id:032x}", f"{s.context.span_id:016x}")
+        for s in exporter.get_finished_spans()
     }
     server_spans = load_spans(tmp_path / "server")
     assert set(SERVER_ATTRIBUTES) <= set(server_spans["name"])
@@ -80,7 +106,9 @@ def test_every_operation_leaves_a_span_on_both_sides_parented_across_processes(
     assert sorted(lookups[a.TOKENS_HIT]) == [0, 3 * C]
     commit = server_spans[server_spans[a.OP] == "store_commit"]
     assert commit[a.BYTES].sum() == outcome["stored_bytes"]
-    (request_trace,) = {f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans() if s.name == a.REQUEST}
+    (request_trace,) = {
+        f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans() if s.name == a.REQUEST
+    }
     cache_ops = server_spans[server_spans["name"] != a.SERVER_REGISTER]
     assert set(cache_ops["trace_id"]) == {request_trace}  # one trace, connector to server
 
@@ -103,20 +131,27 @@ def test_evictions_and_expired_locks_have_their_spans(start_server, tmp_path):
     (evict,) = _spans_with(spans, a.SERVER_EVICT).to_dict("records")
     assert evict[a.EVICTED_OBJECTS] == 1 and evict[a.EVICTED_BYTES] == object_bytes
     assert evict[a.EVICT_REASON] == "capacity" and evict[a.POLICY] == "lru"
-    assert [link.split(":")[1] for link in evict["links"]] == ["00000000000000a1"]  # the storing request
+    assert [link.split(":")[1] for link in evict["links"]] == [
+        "00000000000000a1"
+    ]  # the storing request
     expiry = _spans_with(spans, a.SERVER_LOCK_EXPIRE).iloc[0]
     assert expiry[a.CHUNKS] == 2 and expiry[a.LOCKS_RELEASED] == 2
     assert expiry[a.HELD_MS] >= 300 and expiry[a.SESSION_ID] == "engine:locker"
 
 
 def _traceparent(span_id: int) -> str:
-    return f"00-{'ab' * 16}-{span_id + 0xa0:016x}-01"
+    return f"00-{'ab' * 16}-{span_id + 0xA0:016x}-01"
 
 
-def test_span_files_load_back_exactly_as_the_in_memory_exporter_saw_them(start_server, tmp_path, memory_tracing):
+def test_span_files_load_back_exactly_as_the_in_memory_exporter_saw_them(
+    start_server, tmp_path, memory_tracing
+):
     tracing, exporter = memory_tracing
     server = start_server("--chunk-size", str(C))
-    with telemetry.traced(a.REQUEST, attributes={a.REQUEST_ID: "r"}) as root, Harness(server.url) as h:
+    with (
+        telemetry.traced(a.REQUEST, attributes={a.REQUEST_ID: "r"}) as root,
+        Harness(server.url) as h,
+    ):
         cache_cycle(h, C, traceparent=telemetry.traceparent_of(root))
     counts = tracing.shutdown()
     memory = exporter.get_finished_spans()
