@@ -40,8 +40,10 @@ def serve(
     *,
     on_ready: Callable[[str], None],
     stop: threading.Event,
+    parent_pid: int | None = None,
 ) -> None:
-    """Serves until ``stop`` is set. ``on_ready`` gets the bound endpoint."""
+    """Serves until ``stop`` is set (or, with ``parent_pid``, until that parent is gone).
+    ``on_ready`` gets the bound endpoint."""
     with CacheService(config) as service, zmq.Context() as context:
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.LINGER, 0)
@@ -49,7 +51,7 @@ def serve(
         try:
             port = _bind(socket, config)
             on_ready(f"tcp://{config.host}:{port}")
-            _loop(socket, service, config, stop)
+            _loop(socket, service, config, stop, parent_pid)
         finally:
             socket.close()
 
@@ -62,7 +64,11 @@ def _bind(socket: zmq.Socket, config: ServerConfig) -> int:
 
 
 def _loop(
-    socket: zmq.Socket, service: CacheService, config: ServerConfig, stop: threading.Event
+    socket: zmq.Socket,
+    service: CacheService,
+    config: ServerConfig,
+    stop: threading.Event,
+    parent_pid: int | None = None,
 ) -> None:
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
@@ -80,6 +86,9 @@ def _loop(
         if time.monotonic() >= next_tick:
             service.tick()
             next_tick = time.monotonic() + config.reap_interval_s
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("the process that started this server is gone; stopping")
+                stop.set()
 
 
 def handle_frames(
@@ -162,6 +171,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level (default: %(default)s)"
     )
+    parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="stop when the process that started the server exits (launchers use this)",
+    )
     tracing = parser.add_argument_group("tracing")
     tracing.add_argument(
         "--run-dir", type=Path, help="write spans to RUN_DIR/spans/ (OTLP JSON lines)"
@@ -225,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     try:
-        serve(config, on_ready=announce, stop=stop)
+        parent = os.getppid() if args.exit_with_parent else None
+        serve(config, on_ready=announce, stop=stop, parent_pid=parent)
     except zmq.ZMQError as exc:
         print(f"kvtb server: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1

@@ -45,7 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=Path("runs"),
         help="parent of the sweep directory (default: runs)",
     )
-    sweep.add_argument("--jobs", type=int, default=1, help="local runs in parallel (default: 1)")
+    sweep.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs in parallel (default: 1 locally, every CPU of a local Ray)",
+    )
     sweep.add_argument("--executor", choices=["local", "ray"], default="local")
     sweep.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     sweep.add_argument("--no-progress", action="store_true")

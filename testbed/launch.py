@@ -36,7 +36,8 @@ class ServerProcess:
         log_path: Path | None = None,
         startup_timeout_s: float = _STARTUP_TIMEOUT_S,
     ) -> None:
-        self.args = ["--port", "0", *args] if "--port" not in args else list(args)
+        port = [] if "--port" in args else ["--port", "0"]
+        self.args = ["--exit-with-parent", *port, *args]
         self._env = {**os.environ, **(env or {})}
         self._log_path = log_path
         self._startup_timeout_s = startup_timeout_s

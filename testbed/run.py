@@ -96,6 +96,8 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
         if spec.engine == "oracle":
             result = _run_oracle(spec, requests)
             server_stats = None
+            if options.on_progress is not None:
+                options.on_progress(len(requests), len(requests))
         else:
             result, server_stats = _run_with_server(spec, requests, run_dir, options)
     finally:

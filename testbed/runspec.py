@@ -122,7 +122,11 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """A short hash of the fields that differ from their defaults (so that adding a field
+        with a default later does not rename every existing run)."""
+        defaults = RunSpec().to_dict()
+        changed = {k: v for k, v in self.to_dict().items() if v != defaults[k]}
+        canonical = json.dumps(changed, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
     @classmethod
@@ -146,7 +150,7 @@ class RunSpec:
             if value in ("none", "unlimited"):
                 resolved[name] = value = None
             if not _matches(value, hints[name]):
-                raise ValueError(f"{source}: {name} = {value!r} is not a {hints[name]}")
+                raise ValueError(f"{source}: {name} = {value!r} is not {_type_name(hints[name])}")
             if hints[name] is float and isinstance(value, int):
                 resolved[name] = float(value)  # 1 and 1.0 must name the same run
         try:
@@ -173,3 +177,11 @@ def _matches(value: Any, annotation: Any) -> bool:
         if origin in (str, dict) and isinstance(value, origin):
             return True
     return False
+
+
+def _type_name(annotation: Any) -> str:
+    options = (
+        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    )
+    names = [("None" if o is type(None) else getattr(o, "__name__", str(o))) for o in options]
+    return "a value of type " + " or ".join(names)

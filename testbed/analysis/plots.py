@@ -83,7 +83,7 @@ def hit_rate(
             group[metric] * 100,
             marker="o",
             linestyle="--" if engine == "oracle" else "-",
-            label=name + (" (bound)" if engine == "oracle" else ""),
+            label=name,
         )
     if categories:
         axes.set_xticks(range(len(categories)), categories)

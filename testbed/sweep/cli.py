@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -123,8 +124,9 @@ def _exclusive(sweep_dir: Path) -> Iterator[None]:
 def run_sweep_command(args: argparse.Namespace) -> int:
     """``kvtb sweep FILE``: 0 when every run is complete, 1 if any failed, 130 when interrupted."""
     sweep = load_sweep(args.file)
+    jobs = args.jobs or ((os.cpu_count() or 1) if args.executor == "ray" else 1)
     options = SweepOptions(
-        executor=args.executor, jobs=args.jobs, address=args.address, progress=not args.no_progress
+        executor=args.executor, jobs=jobs, address=args.address, progress=not args.no_progress
     )
     # `kill` and batch schedulers send SIGTERM: stop as orderly as on Ctrl-C.
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -24,7 +24,11 @@ def test_request_metrics_follow_their_definitions():
     assert metrics.token_hit_rate(requests) == pytest.approx(200 / 400)
     assert metrics.external_token_hit_rate(requests) == pytest.approx(150 / 400)
     assert metrics.mean_request_hit_rate(requests) == pytest.approx((0.5 + 0.5) / 2)
-    assert metrics.token_breakdown(requests).to_dict() == {"engine": 50, "external": 150, "recomputed": 200}
+    assert metrics.token_breakdown(requests).to_dict() == {
+        "engine": 50,
+        "external": 150,
+        "recomputed": 200,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +36,9 @@ def server_spans(tmp_path_factory):
     from testbed.launch import ServerProcess
 
     run_dir = tmp_path_factory.mktemp("spans")
-    with ServerProcess(["--chunk-size", str(C), "--run-dir", str(run_dir)]) as server:
-        with Harness(server.url) as h:
-            cache_cycle(h, C)
+    args = ["--chunk-size", str(C), "--run-dir", str(run_dir)]
+    with ServerProcess(args) as server, Harness(server.url) as h:
+        cache_cycle(h, C)
     return load_spans(run_dir)
 
 
