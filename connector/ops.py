@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
-class StoreOp:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkOp:
+    """A contiguous run of one request's chunks and the blocks that hold them."""
+
     request_id: str
     session_id: str
     cache_salt: str
@@ -22,20 +24,18 @@ class StoreOp:
     traceparent: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class RetrieveOp:
-    request_id: str
-    session_id: str
-    cache_salt: str
-    chunk_hashes: list[bytes]
-    first_chunk: int
-    start_token: int
-    end_token: int
-    block_ids: list[int]
-    skip_first_n_tokens: int
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreOp(ChunkOp):
+    """Copy the blocks into the cache (chunks already there are skipped by the server)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetrieveOp(ChunkOp):
+    """Copy the chunks from the cache into the blocks."""
+
+    skip_first_n_tokens: int = 0
     """Tokens at the start of the range the engine already holds (its own prefix cache):
     their blocks are shared with other requests and must not be written."""
-    traceparent: str = ""
 
 
 @dataclass(slots=True)

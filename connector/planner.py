@@ -16,6 +16,7 @@ Pure functions over :class:`connector.tracker.RequestTracker`; no vLLM, no socke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from connector.ops import RetrieveOp, StoreOp
 from connector.tracker import Phase, RequestTracker
@@ -83,18 +84,9 @@ def plan_retrieve(tracker: RequestTracker, geometry: Geometry) -> RetrieveOp | N
     last_chunk = tracker.hit_tokens // chunk
     if last_chunk <= first_chunk:
         return None
-    start, end = first_chunk * chunk, last_chunk * chunk
     return RetrieveOp(
-        request_id=tracker.request_id,
-        session_id=tracker.session_id,
-        cache_salt=tracker.cache_salt,
-        chunk_hashes=tracker.chunk_hashes[first_chunk:last_chunk],
-        first_chunk=first_chunk,
-        start_token=start,
-        end_token=end,
-        block_ids=tracker.block_ids[start // geometry.block_size : end // geometry.block_size],
-        skip_first_n_tokens=tracker.engine_hit_tokens - start,
-        traceparent=tracker.traceparent,
+        **_chunk_range(tracker, geometry, first_chunk, last_chunk),
+        skip_first_n_tokens=tracker.engine_hit_tokens - first_chunk * chunk,
     )
 
 
@@ -119,15 +111,22 @@ def plan_store(
         return None
     first = tracker.num_stored_chunks
     tracker.num_stored_chunks = target
-    start, end = first * chunk, target * chunk
-    return StoreOp(
-        request_id=tracker.request_id,
-        session_id=tracker.session_id,
-        cache_salt=tracker.cache_salt,
-        chunk_hashes=tracker.chunk_hashes[first:target],
-        first_chunk=first,
-        start_token=start,
-        end_token=end,
-        block_ids=tracker.block_ids[start // geometry.block_size : end // geometry.block_size],
-        traceparent=tracker.traceparent,
-    )
+    return StoreOp(**_chunk_range(tracker, geometry, first, target))
+
+
+def _chunk_range(
+    tracker: RequestTracker, geometry: Geometry, first_chunk: int, last_chunk: int
+) -> dict[str, Any]:
+    """The fields of an op over chunks ``[first_chunk, last_chunk)`` of the request."""
+    start, end = first_chunk * geometry.chunk_size, last_chunk * geometry.chunk_size
+    return {
+        "request_id": tracker.request_id,
+        "session_id": tracker.session_id,
+        "cache_salt": tracker.cache_salt,
+        "chunk_hashes": tracker.chunk_hashes[first_chunk:last_chunk],
+        "first_chunk": first_chunk,
+        "start_token": start,
+        "end_token": end,
+        "block_ids": tracker.block_ids[start // geometry.block_size : end // geometry.block_size],
+        "traceparent": tracker.traceparent,
+    }

@@ -43,7 +43,13 @@ from connector.ops import StepPlan
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
-from connector.worker_client import RetrieveOutcome, WorkerClient, WorkerIdentity
+from connector.worker_client import (
+    RetrieveOutcome,
+    WorkerClient,
+    WorkerIdentity,
+    kv_world_size,
+    readers_per_object,
+)
 from testbed import protocol as p
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 
@@ -101,8 +107,8 @@ class KVTBConnector(KVConnectorBase_V1):
             client = SchedulerClient(
                 self.rpc,
                 model=model,
-                world_size=1 if mla else tp_size,
-                num_readers=tp_size if mla else 1,
+                world_size=kv_world_size(tp_size, mla),
+                num_readers=readers_per_object(tp_size, mla),
                 chunk_size=chunk_size,
             )
             self.scheduler_side = SchedulerSide(
@@ -117,15 +123,7 @@ class KVTBConnector(KVConnectorBase_V1):
         else:
             Geometry(chunk_size, self.block_size)  # validates the block size early
             self.worker = WorkerClient(
-                self.rpc,
-                WorkerIdentity(
-                    model=model,
-                    world_size=1 if mla else tp_size,
-                    kv_rank=0 if mla else tp_rank,
-                    tp_size=tp_size,
-                    mla=mla,
-                    writer=tp_rank == 0 or not mla,
-                ),
+                self.rpc, WorkerIdentity.for_rank(model, tp_size, tp_rank, mla)
             )
 
     def _server_chunk_size(self) -> int:

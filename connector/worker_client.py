@@ -36,9 +36,34 @@ class WorkerIdentity:
     """KV world size: TP ranks without MLA, 1 with MLA (one latent copy for all ranks)."""
     kv_rank: int
     tp_size: int = 1
+    tp_rank: int = 0
     mla: bool = False
     writer: bool = True
     """Whether this rank stores (with MLA only the first rank writes)."""
+
+    @classmethod
+    def for_rank(cls, model: str, tp_size: int, tp_rank: int, mla: bool) -> WorkerIdentity:
+        """TP rank ``tp_rank``'s identity: its own shard of the heads (KV rank = TP rank), or
+        with MLA the one latent copy all ranks share (KV rank 0, written by rank 0)."""
+        return cls(
+            model=model,
+            world_size=kv_world_size(tp_size, mla),
+            kv_rank=0 if mla else tp_rank,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            mla=mla,
+            writer=tp_rank == 0 or not mla,
+        )
+
+
+def kv_world_size(tp_size: int, mla: bool) -> int:
+    """KV ranks whose objects make up a chunk: every TP rank's shard, or one MLA latent."""
+    return 1 if mla else tp_size
+
+
+def readers_per_object(tp_size: int, mla: bool) -> int:
+    """Ranks that read each object: its own rank, or with MLA every TP rank."""
+    return tp_size if mla else 1
 
 
 @dataclass
@@ -318,6 +343,7 @@ class WorkerClient:
             a.NUM_REQUESTS: len(ops),
             a.REQUEST_IDS: [op.request_id for op in ops],
             a.KV_RANK: self.identity.kv_rank,
+            a.RANK: self.identity.tp_rank,
             a.CHUNKS: sum(len(op.chunk_hashes) for op in ops),
             a.TOKENS: sum(op.end_token - op.start_token for op in ops),
             a.BLOCKS: sum(len(op.block_ids) for op in ops),

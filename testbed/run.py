@@ -105,7 +105,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             tracing.shutdown()
     result.rejected = rejected + result.rejected
     wall_s = time.perf_counter() - started
-    records = pd.DataFrame([_record_row(r) for r in result.records])
+    records = pd.DataFrame([record.row() for record in result.records])
     records.to_parquet(run_dir / "metrics.parquet", index=False)
     summary = build_summary(spec, result, records, server_stats, run_dir, wall_s)
     summary.update(read_counts(run_dir))
@@ -190,22 +190,7 @@ def _run_engine(
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
-            replay = ReplaySpec(
-                profile=spec.kv_profile,
-                chunk_size=spec.chunk_size,
-                tp=spec.tp,
-                block_size=spec.block_size,
-                engine_blocks=spec.engine_blocks,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_num_seqs=spec.max_num_seqs,
-                max_model_len=max_model_len(requests, spec.block_size),
-                load_async=spec.load_async,
-                arrival=spec.arrival,
-                fault_drop_fraction=spec.fault_drop_fraction,
-                seed=spec.seed,
-                metadata_only=spec.metadata_only,
-                run_id=spec.run_id,
-            )
+            replay = ReplaySpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
             with ReplayEngine(replay, url, work_dir=run_dir) as engine:
                 return engine.run(requests, on_finish=finished)
         from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
@@ -269,22 +254,6 @@ def _unlimited_capacity(spec: RunSpec, requests: list[WorkloadRequest]) -> int:
     """A capacity no run of these requests can fill: every prompt token stored once."""
     tokens = sum(len(r.prompt_token_ids) for r in requests)
     return tokens * spec.kv_profile.stored_bytes_per_token(spec.tp) + (64 << 20)
-
-
-def _record_row(record: RequestRecord) -> dict[str, Any]:
-    return {
-        "request_id": record.request_id,
-        "group": record.group,
-        "arrival_s": record.arrival_s,
-        "prompt_tokens": record.prompt_tokens,
-        "output_tokens": record.output_tokens,
-        "engine_hit_tokens": record.engine_hit_tokens,
-        "external_hit_tokens": record.external_hit_tokens,
-        "recomputed_tokens": record.recomputed_tokens,
-        "load_failed_tokens": record.load_failed_tokens,
-        "preemptions": record.preemptions,
-        "ttft_ms": record.ttft_ms,
-    }
 
 
 def _resource(spec: RunSpec) -> dict[str, Any]:

@@ -42,6 +42,9 @@ class RunSpec:
     """Use the profile's MLA variant (one latent copy for all TP ranks)."""
     profile: str = "tiny"
     """KV shape: tiny (128 B/token), tiny-mla, llama3-8b, deepseek-mla."""
+    model: str | None = None
+    """vllm engine: a model name or path (GPU machines); None: the tiny model the testbed
+    writes (CPU)."""
     capacity_tokens: int | None = None
     """Cache capacity in tokens of KV (all ranks); None with capacity_bytes None: unlimited."""
     capacity_bytes: int | None = None
@@ -79,6 +82,8 @@ class RunSpec:
                 f"policy {self.policy!r} is not available with engine {self.engine}; "
                 f"choose one of {', '.join(valid_policies)}"
             )
+        if self.model is not None and self.engine != "vllm":
+            problems.append("model applies to the vllm engine only (replay uses KV profiles)")
         if self.requests is not None and self.requests < 1:
             problems.append(f"requests must be at least 1, got {self.requests}")
         for name in (

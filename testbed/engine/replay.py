@@ -40,6 +40,7 @@ from testbed.engine.vllm_setup import (
 )
 from testbed.engine.worker_harness import WorkerHarness
 from testbed.rpc import RpcClient
+from testbed.runspec import RunSpec
 from testbed.telemetry import attributes as a
 from testbed.workloads import WorkloadRequest
 
@@ -82,6 +83,25 @@ class ReplaySpec:
         if not 0.0 <= self.fault_drop_fraction <= 1.0:
             raise ValueError("fault_drop_fraction must be in [0, 1]")
         self.profile.heads_per_rank(self.tp)  # raises if TP cannot split the heads
+
+    @classmethod
+    def from_run_spec(cls, spec: RunSpec, max_model_len: int) -> ReplaySpec:
+        return cls(
+            profile=spec.kv_profile,
+            chunk_size=spec.chunk_size,
+            tp=spec.tp,
+            block_size=spec.block_size,
+            engine_blocks=spec.engine_blocks,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            max_num_seqs=spec.max_num_seqs,
+            max_model_len=max_model_len,
+            load_async=spec.load_async,
+            arrival=spec.arrival,
+            fault_drop_fraction=spec.fault_drop_fraction,
+            seed=spec.seed,
+            metadata_only=spec.metadata_only,
+            run_id=spec.run_id,
+        )
 
     def step_s(self, scheduled_tokens: int) -> float:
         return (self.step_overhead_ms * 1e-3) + self.prefill_token_us * 1e-6 * scheduled_tokens

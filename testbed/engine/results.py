@@ -35,6 +35,22 @@ class RequestRecord:
     def recomputed_tokens(self) -> int:
         return self.prompt_tokens - self.engine_hit_tokens - self.external_hit_tokens
 
+    def row(self) -> dict[str, Any]:
+        """The record as one row of a run's ``metrics.parquet``."""
+        return {
+            "request_id": self.request_id,
+            "group": self.group,
+            "arrival_s": self.arrival_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "engine_hit_tokens": self.engine_hit_tokens,
+            "external_hit_tokens": self.external_hit_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "load_failed_tokens": self.load_failed_tokens,
+            "preemptions": self.preemptions,
+            "ttft_ms": self.ttft_ms,
+        }
+
     @property
     def ttft_ms(self) -> float | None:
         if self.first_token_s is None:

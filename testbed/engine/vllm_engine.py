@@ -53,6 +53,7 @@ class VllmEngineSpec:
         block_size = spec.block_size if spec.block_size % 32 == 0 else 32
         return cls(
             chunk_size=spec.chunk_size,
+            model=spec.model,
             block_size=block_size,
             engine_blocks=spec.engine_blocks,
             max_num_seqs=spec.max_num_seqs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -129,7 +130,7 @@ def test_retrieve_releases_its_locks_even_when_it_fails(server):
         plan = h.allocate("b", blocks(40, 13), 3 * C)
         (op,) = plan.retrieves
         out_of_range = blocks(10_000, 12)  # the copy into these blocks fails
-        plan.retrieves[0] = type(op)(**{**_fields(op), "block_ids": out_of_range})
+        plan.retrieves[0] = dataclasses.replace(op, block_ids=out_of_range)
         assert h.stats().num_locks == 3
         (outcome,) = h.load(plan)
         assert outcome.finished == {"b"}
@@ -217,10 +218,6 @@ def test_a_chunk_gone_before_retrieve_fails_only_its_blocks(start_server):
         assert outcome.failed_block_ids == set(blocks(40, 4))
         assert blocks_equal(h.ranks[0].kv, blocks(4, 8), blocks(44, 8))
         assert h.stats().num_locks == 0
-
-
-def _fields(op):
-    return {name: getattr(op, name) for name in op.__slots__}
 
 
 @pytest.mark.parametrize("capacity_objects", [3, 7])

@@ -160,3 +160,16 @@ def test_the_integrity_check_catches_wrong_kv(server, monkeypatch):
     records, result, _ = replay(server, workload, engine_blocks=40)
     assert records["later"].external_hit_tokens == 768
     assert result.integrity_errors > 0
+
+
+def test_metadata_only_runs_the_same_paths_without_bytes(start_server):
+    server = start_server("--chunk-size", str(C), "--capacity", "64GiB", "--metadata-only")
+    shared = tokens(4, 1000)
+    flood = [request(f"flood{i}", tokens(300 + i, 1500), at=1.0 + i) for i in range(8)]
+    workload = [request("first", shared), *flood, request("later", shared, at=20.0)]
+    records, result, stats = replay(server, workload, engine_blocks=40, metadata_only=True)
+    assert result.metadata_only
+    assert records["later"].external_hit_tokens == 768  # hits are accounted as usual...
+    object_bytes = C * get_profile("tiny").bytes_per_token()
+    assert stats.stored_bytes == stats.num_objects * object_bytes  # ...and sizes too
+    assert stats.num_locks == 0

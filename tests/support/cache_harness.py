@@ -17,7 +17,13 @@ from connector.ops import StepPlan
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
-from connector.worker_client import RetrieveOutcome, WorkerClient, WorkerIdentity
+from connector.worker_client import (
+    RetrieveOutcome,
+    WorkerClient,
+    WorkerIdentity,
+    kv_world_size,
+    readers_per_object,
+)
 from testbed import protocol as p
 from testbed.rpc import RpcClient
 
@@ -51,8 +57,8 @@ class Harness:
         self.client = SchedulerClient(
             self.rpc,
             model=model,
-            world_size=1 if mla else tp,
-            num_readers=tp if mla else 1,
+            world_size=kv_world_size(tp, mla),
+            num_readers=readers_per_object(tp, mla),
             chunk_size=chunk_size,
         )
         self.side = SchedulerSide(
@@ -71,15 +77,7 @@ class Harness:
                 for _ in range(num_layers)
             )
             rpc = RpcClient(url, role=f"worker{rank}", timeout_s=timeout_s)
-            identity = WorkerIdentity(
-                model=model,
-                world_size=1 if mla else tp,
-                kv_rank=0 if mla else rank,
-                tp_size=tp,
-                mla=mla,
-                writer=rank == 0 or not mla,
-            )
-            worker = WorkerClient(rpc, identity)
+            worker = WorkerClient(rpc, WorkerIdentity.for_rank(model, tp, rank, mla))
             kv = PagedKV(layers, 0, BLOCK_SIZE)
             worker.register(kv)
             self.ranks.append(Rank(rpc, kv, worker))
