@@ -30,6 +30,8 @@ from testbed.sweep.index import COMPLETE, build_index, read_manifest
 from testbed.telemetry import attributes as a
 
 TABLE_COLUMNS = [
+    "summary_requests",
+    "requests_rejected",
     "token_hit_rate",
     "external_token_hit_rate",
     "mean_request_hit_rate",
@@ -56,8 +58,8 @@ def write_report(sweep_dir: Path) -> Path:
     runs = index[index["status"] == COMPLETE].copy()
     if runs.empty:
         raise ValueError(f"{sweep_dir} has no finished runs to report on (run `kvtb sweep` first)")
-    swept = [k for k in manifest["swept"] if k != "engine"]
     x, series = sweep_axes(sweep_dir)
+    swept = [x, *series] if x in runs else series
     runs["label"] = runs.apply(lambda row: _label(row, swept), axis=1)
     runs = runs.sort_values([x, *series, "engine"], kind="stable")
     out = sweep_dir / "report"
@@ -98,16 +100,18 @@ def _figures(
             ),
             "Mean per-request hit rate, request-weighted.",
         ),
-        (
-            "token_sources.png",
-            plots.token_breakdown(runs, "label", f"Where prompt tokens came from — {context}"),
-            "Prompt tokens per run: from vLLM's own prefix cache, from the external cache, "
-            "recomputed.",
-        ),
     ]
     measured = runs[runs["engine"] != "oracle"]
     if measured.empty:
         return figures
+    figures.append(
+        (
+            "token_sources.png",
+            plots.token_breakdown(measured, "label", f"Where prompt tokens came from — {context}"),
+            "Prompt tokens per measured run: from vLLM's own prefix cache, from the external "
+            "cache, recomputed.",
+        )
+    )
     spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
     holds = {
         label: metrics.lock_hold_times(frame)["hold_ms"].tolist() for label, frame in spans.items()
@@ -161,7 +165,7 @@ def _figures(
 
 
 def _label(row: pd.Series, swept: list[str]) -> str:
-    parts = [str(row["engine"])] + [f"{k}={row[k]}" for k in swept]
+    parts = [str(row["engine"])] + [f"{k}={plots.short_label(row[k])}" for k in swept]
     return " ".join(parts)
 
 
@@ -218,12 +222,18 @@ def _markdown(
         f"Swept: {', '.join(manifest['swept']) or 'nothing'}.",
         "",
     ]
-    shown = table.copy()
+    shown = table.rename(columns={"summary_requests": "served", "requests_rejected": "rejected"})
     for column in shown.columns:
         if column.endswith("rate"):
             shown[column] = shown[column].map(lambda v: f"{v:.2%}" if pd.notna(v) else "")
         elif column.endswith("_ms"):
             shown[column] = shown[column].map(lambda v: f"{v:.3f}" if pd.notna(v) else "")
+        elif pd.api.types.is_numeric_dtype(shown[column]) and not pd.api.types.is_bool_dtype(
+            shown[column]
+        ):
+            shown[column] = shown[column].map(lambda v: f"{v:.0f}" if pd.notna(v) else "")
+        elif column in ("workload",):
+            shown[column] = shown[column].map(plots.short_label)
     lines += [_markdown_table(shown), ""]
     if len(failed):
         lines += (

@@ -53,6 +53,15 @@ def _positions(values: Sequence[object]) -> tuple[list[float], list[str] | None]
     return [float(categories.index(str(v))) for v in values], categories
 
 
+def short_label(value: object) -> str:
+    """A value as a tick label: trace paths shortened to ``prefix:file-stem``."""
+    text = str(value)
+    prefix, colon, path = text.partition(":")
+    if colon and "/" in path:
+        return f"{prefix}:{path.rsplit('/', 1)[-1].split('.')[0]}"
+    return text
+
+
 def hit_rate(
     index: pd.DataFrame,
     x: str,
@@ -61,32 +70,35 @@ def hit_rate(
     metric: str = "token_hit_rate",
     title: str = "Token hit rate",
 ) -> Figure:
-    """``metric`` (a rate) against ``x``: one line per engine and series value; oracle dashed."""
+    """``metric`` (a rate) against ``x``, one line (numeric ``x``) or bar group (categories)
+    per engine and series value; oracle runs dashed or hatched."""
     figure, axes = _new(title)
-    all_x = index[x].tolist()
-    _, categories = _positions(all_x)
-    keys = ["engine", *series]
-    for labels, group in index.groupby(keys, sort=True, dropna=False):
+    _, categories = _positions(index[x].tolist())
+    groups = list(index.groupby(["engine", *series], sort=True, dropna=False))
+    width = 0.8 / max(1, len(groups))
+    for number, (labels, group) in enumerate(groups):
         labels = labels if isinstance(labels, tuple) else (labels,)
-        group = group.sort_values(x)
-        xs = (
-            [float(categories.index(str(v))) for v in group[x]]
-            if categories
-            else group[x].astype(float).tolist()
-        )
         engine = labels[0]
         name = ", ".join(
-            [str(engine), *(f"{k}={v}" for k, v in zip(series, labels[1:], strict=True))]
+            [
+                str(engine),
+                *(f"{k}={short_label(v)}" for k, v in zip(series, labels[1:], strict=True)),
+            ]
         )
-        axes.plot(
-            xs,
-            group[metric] * 100,
-            marker="o",
-            linestyle="--" if engine == "oracle" else "-",
-            label=name,
-        )
+        oracle = engine == "oracle"
+        if categories:
+            xs = [
+                categories.index(str(v)) + (number - (len(groups) - 1) / 2) * width
+                for v in group[x]
+            ]
+            axes.bar(xs, group[metric] * 100, width, label=name, hatch="//" if oracle else None,
+                     alpha=0.6 if oracle else 1.0)  # fmt: skip
+        else:
+            group = group.sort_values(x)
+            axes.plot(group[x].astype(float), group[metric] * 100, marker="o",
+                      linestyle="--" if oracle else "-", label=name)  # fmt: skip
     if categories:
-        axes.set_xticks(range(len(categories)), categories)
+        axes.set_xticks(range(len(categories)), [short_label(c) for c in categories])
     else:
         values = sorted(index[x].dropna().astype(float).unique())
         if x in ("chunk_size", "capacity_tokens", "capacity_bytes") and len(values) > 2:
@@ -101,23 +113,26 @@ def hit_rate(
 
 
 def token_breakdown(table: pd.DataFrame, label: str, title: str) -> Figure:
-    """Stacked bars per row of ``table``: prompt tokens from the engine's prefix cache, from the
-    external cache, and recomputed (columns ``engine_hit_tokens``, ``external_hit_tokens``,
-    ``recomputed_tokens``)."""
+    """Stacked bars per row of ``table``: the share of prompt tokens from the engine's prefix
+    cache, from the external cache, and recomputed (columns ``engine_hit_tokens``,
+    ``external_hit_tokens``, ``recomputed_tokens``). Shares, so that runs of different sizes
+    compare."""
     figure, axes = _new(title, (max(6, 0.9 * len(table) + 3), 5))
     positions = np.arange(len(table))
+    columns = {
+        "engine_hit_tokens": "engine prefix cache",
+        "external_hit_tokens": "external cache",
+        "recomputed_tokens": "recomputed",
+    }
+    totals = table[list(columns)].astype(float).sum(axis=1).to_numpy()
     bottom = np.zeros(len(table))
-    for column, name in (
-        ("engine_hit_tokens", "engine prefix cache"),
-        ("external_hit_tokens", "external cache"),
-        ("recomputed_tokens", "recomputed"),
-    ):
-        values = table[column].astype(float).to_numpy() / 1e3
+    for column, name in columns.items():
+        values = 100 * table[column].astype(float).to_numpy() / np.maximum(totals, 1)
         axes.bar(positions, values, bottom=bottom, label=name)
         bottom += values
     axes.set_xticks(positions, table[label].astype(str), rotation=30, ha="right")
-    axes.set_ylabel("prompt tokens (thousands)")
-    axes.set_ylim(0, bottom.max() * 1.25 if len(bottom) else 1)
+    axes.set_ylabel("share of prompt tokens (%)")
+    axes.set_ylim(0, 115)
     axes.legend(fontsize="small", loc="upper right", ncols=3)
     return figure
 

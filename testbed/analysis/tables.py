@@ -111,11 +111,20 @@ _X_PREFERENCE = (
 
 def sweep_axes(sweep_dir: Path | str) -> tuple[str, list[str]]:
     """The x-axis of a sweep's figures (a numeric swept key when there is one) and the other
-    swept keys, which become series. ``engine`` is never an axis: it tells runs from bounds."""
-    swept = [
-        k
-        for k in json.loads((Path(sweep_dir) / "sweep.json").read_text())["swept"]
-        if k != "engine"
-    ]
+    swept keys, which become series. ``engine`` is never an axis: it tells runs from bounds.
+    Keys that vary together (a linked grid dimension) make one series: the first of them."""
+    manifest = json.loads((Path(sweep_dir) / "sweep.json").read_text())
+    swept = [k for k in manifest["swept"] if k != "engine"]
     x = next((k for k in _X_PREFERENCE if k in swept), swept[0] if swept else "run_id")
-    return x, [k for k in swept if k != x]
+    index_path = Path(sweep_dir) / "index.parquet"
+    if not index_path.exists():
+        return x, [k for k in swept if k != x]
+    runs = pd.read_parquet(index_path).astype(str)
+    series: list[str] = []
+    for key in swept:
+        if key == x:
+            continue
+        before = runs.groupby(series).ngroups if series else 1
+        if runs.groupby([*series, key]).ngroups > before:
+            series.append(key)
+    return x, series

@@ -8,7 +8,10 @@ line, then the traceback) and ``index.parquet``.
 The index has the columns ``run_id``, ``status`` (``complete`` | ``failed``), ``error``
 (``None`` unless failed), every :class:`RunSpec` field (typed from its annotation, nullable;
 ``workload_params`` as a JSON string), then every summary field in first-seen order (missing
-ones null; a run's ``run_id`` and ``engine`` come from its spec). Runs of the sweep never
+ones null; ``run_id``, ``engine`` and ``metadata_only`` come from the spec; another summary
+field that shares a spec field's name is ``summary_<name>``, e.g. ``summary_requests``, the
+requests served, beside ``requests``, the number asked for).
+Runs of the sweep never
 attempted, or interrupted before finishing, have no row. Everything comes from files, so
 :func:`build_index` can be rerun at any time, e.g. after copying runs from other machines.
 """
@@ -35,6 +38,7 @@ COMPLETE = "complete"
 FAILED = "failed"
 
 _SPEC_KEYS = RunSpec.keys()
+_REPEATS_SPEC = {"run_id", "engine", "metadata_only"}  # summary fields that copy the spec
 _DTYPES = {int: "Int64", float: "Float64", bool: "boolean", str: "string"}  # nullable
 
 
@@ -115,8 +119,11 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
         value = spec.get(key)
         row[key] = json.dumps(value, sort_keys=True) if key == "workload_params" else value
     for key, value in summary.items():
-        if key not in row:
-            row[key] = value
+        if key in _REPEATS_SPEC:
+            continue
+        # A summary field named like a spec field (``requests``: served vs. asked for) keeps
+        # both, the summary's as ``summary_<name>``.
+        row[f"summary_{key}" if key in row else key] = value
     return row
 
 

@@ -7,6 +7,10 @@ file order), ``[[exclude]]`` tables that drop the grid combinations matching all
 and ``[[include]]`` tables of extra combinations (merged over ``[base]``, added after the
 grid). ``workload_params`` tables merge key by key over the base's.
 
+A grid entry whose values are tables varies several run keys *together* (one dimension of the
+grid; its name is free): ``setup = [{workload = "chat", engine_blocks = 64}, {workload =
+"mooncake:...", engine_blocks = 512}]`` gives each workload its own engine size.
+
 Every mistake is found before any run starts: unknown top-level keys, unknown run keys (the
 message names the key, the file and section, and lists the valid keys, from
 :meth:`RunSpec.from_mapping`), empty grid lists, excludes that match nothing (a misspelt
@@ -97,7 +101,7 @@ def expand_sweep(
     matched = [False] * len(excludes)
     for point_values in itertools.product(*grid.values()):
         point = dict(zip(grid, point_values, strict=True))
-        merged = _merge(base, point)
+        merged = _merge(base, _flatten(point))
         hits = [_matches(merged, exclude) for exclude in excludes]
         matched = [m or h for m, h in zip(matched, hits, strict=True)]
         if not any(hits):
@@ -120,7 +124,7 @@ def expand_sweep(
             name=name,
             description=description,
             runs=ordered,
-            swept=_swept(ordered, list(grid)),
+            swept=_swept(ordered, _grid_keys(grid)),
             source_text=source_text,
         )
     except ValueError as exc:
@@ -139,13 +143,40 @@ def _table(value: Any, where: str) -> dict[str, Any]:
 
 
 def _grid(value: Any, where: str) -> dict[str, list[Any]]:
-    grid = _table(value, where)
-    for key, values in grid.items():
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a table of run keys, got {value!r}")
+    for key, values in value.items():
         if not isinstance(values, list):
             raise ValueError(f"{where}: {key} must be a list of values, got {values!r}")
         if not values:
             raise ValueError(f"{where}: {key} is an empty list; give at least one value")
-    return grid
+        if all(isinstance(item, dict) for item in values):  # run keys varied together
+            for number, item in enumerate(values, start=1):
+                _table(item, f"{where} {key} #{number}")
+        else:
+            _table({key: values}, where)  # an unknown run key fails here
+    return dict(value)
+
+
+def _flatten(point: Mapping[str, Any]) -> dict[str, Any]:
+    """A grid point's run keys: linked dimensions (tables) contribute all their keys."""
+    flat: dict[str, Any] = {}
+    for key, value in point.items():
+        if isinstance(value, dict) and key != "workload_params":
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def _grid_keys(grid: Mapping[str, list[Any]]) -> list[str]:
+    keys: list[str] = []
+    for key, values in grid.items():
+        linked = all(isinstance(item, dict) for item in values) and key != "workload_params"
+        for name in [k for item in values for k in item] if linked else [key]:
+            if name not in keys:
+                keys.append(name)
+    return keys
 
 
 def _tables(value: Any, source: str, section: str) -> list[dict[str, Any]]:

@@ -415,3 +415,32 @@ def test_a_sweep_directory_in_use_is_refused(tmp_path):
         with pytest.raises(ValueError, match="in use by another kvtb sweep"):
             run_sweep(sweep, tmp_path / "runs", QUIET)
     assert run_sweep(sweep, tmp_path / "runs", QUIET).executed == tuple(sweep.run_ids)
+
+
+def test_a_linked_grid_dimension_varies_several_keys_together(tmp_path):
+    sweep = load_sweep(
+        write(
+            tmp_path,
+            ORACLE_BASE
+            + """
+[grid]
+setup = [
+    { workload = "chat", engine_blocks = 64, workload_params = { turns = 2 } },
+    { workload = "rag", engine_blocks = 512 },
+]
+chunk_size = [64, 128]
+""",
+        )
+    )
+    pairs = [(run.workload, run.engine_blocks, run.chunk_size) for run in sweep.runs]
+    assert pairs == [("chat", 64, 64), ("chat", 64, 128), ("rag", 512, 64), ("rag", 512, 128)]
+    assert sweep.runs[0].workload_params == {"turns": 2} and sweep.runs[2].workload_params == {}
+    assert {"workload", "engine_blocks", "chunk_size"} <= set(sweep.swept)
+    with pytest.raises(ValueError, match=r"\[grid\] setup #2: unknown key 'workloud'"):
+        load_sweep(
+            write(
+                tmp_path,
+                ORACLE_BASE + '[grid]\nsetup = [{workload = "chat"}, {workloud = "rag"}]\n',
+                "bad",
+            )
+        )

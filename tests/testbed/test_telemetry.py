@@ -194,3 +194,21 @@ def test_tracing_off_emits_nothing_and_changes_nothing(start_server, tmp_path, m
     assert plain_outcome == traced_outcome
     assert exporter.get_finished_spans() == ()
     assert not (tmp_path / "off" / "spans").exists() and not (tmp_path / "off-engine").exists()
+
+
+def test_traced_works_as_a_decorator_and_marks_errors(memory_tracing):
+    tracing, exporter = memory_tracing
+
+    @telemetry.traced("kvcache.test.decorated", attributes={a.CHUNKS: 3})
+    def work(fail: bool) -> int:
+        if fail:
+            raise RuntimeError("boom")
+        return 7
+
+    assert work(False) == 7
+    with pytest.raises(RuntimeError):
+        work(True)
+    tracing.force_flush()
+    spans = [s for s in exporter.get_finished_spans() if s.name == "kvcache.test.decorated"]
+    assert [s.status.status_code.name for s in spans] == ["UNSET", "ERROR"]
+    assert all(s.attributes[a.CHUNKS] == 3 for s in spans)

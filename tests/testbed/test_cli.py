@@ -1,0 +1,46 @@
+"""``kvtb`` refuses bad input with a message that names the problem, before doing any work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def kvtb(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "testbed.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+    )
+
+
+def test_bad_flag_values_and_config_keys_are_refused(tmp_path):
+    done = kvtb("run", "--chunk-size", "big", "--out", str(tmp_path))
+    assert done.returncode == 2 and "--chunk-size expects an integer, got 'big'" in done.stderr
+    config = tmp_path / "run.toml"
+    config.write_text('workload = "chat"\nchunk_sise = 128\n')
+    done = kvtb("run", "--config", str(config), "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert "unknown key 'chunk_sise'" in done.stderr and "chunk_size" in done.stderr
+    done = kvtb("run", "--engine", "oracle", "--policy", "fifo", "--out", str(tmp_path))
+    assert (
+        done.returncode == 2 and "policy 'fifo' is not available with engine oracle" in done.stderr
+    )
+    assert not any(tmp_path.glob("*/summary.json"))
+
+
+def test_an_oracle_run_writes_a_complete_run_directory(tmp_path):
+    done = kvtb("run", "--engine", "oracle", "--workload", "rag", "--requests", "30",
+                "--out", str(tmp_path), "--no-progress")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert {"spec.json", "env.json", "metrics.parquet", "summary.json"} <= {
+        p.name for p in run_dir.iterdir()
+    }
+    assert "token hit rate" in done.stdout
+    again = kvtb("run", "--engine", "oracle", "--workload", "rag", "--requests", "30",
+                 "--out", str(tmp_path), "--no-progress")  # fmt: skip
+    assert again.returncode == 0 and again.stdout == done.stdout  # the finished run is reused
