@@ -29,7 +29,7 @@ from testbed import protocol as p
 from testbed import telemetry
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.profiles import KVProfile
-from testbed.engine.results import EngineResult, RequestRecord, request_span_attributes
+from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.engine.vllm_setup import (
     RequestFactory,
     SchedulerSpec,
@@ -41,7 +41,6 @@ from testbed.engine.vllm_setup import (
 from testbed.engine.worker_harness import WorkerHarness
 from testbed.rpc import RpcClient
 from testbed.runspec import RunSpec
-from testbed.telemetry import attributes as a
 from testbed.workloads import WorkloadRequest
 
 SAMPLED_TOKEN = 7  # never a stop token: hand-made sampling params have no EOS
@@ -243,7 +242,7 @@ class ReplayEngine:
                     record.engine_hit_tokens = output.prefill_stats.num_local_cached_tokens
                 if output.finish_reason is not None:
                     record.finish_s = clock
-                    self._finish(record, spans.pop(output.request_id))
+                    close_request(record, spans.pop(output.request_id))
                     result.records.append(record)
                     if on_finish is not None:
                         on_finish(record)
@@ -266,17 +265,9 @@ class ReplayEngine:
         if total_tokens > spec.max_model_len or needed_blocks > spec.engine_blocks - 1:
             result.rejected.append(request.request_id)
             return
-        span = telemetry.start_span(
-            a.REQUEST,
-            attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: len(prompt)},
-        )
+        record, span = open_request(request, clock if spec.arrival == "all" else request.arrival_s)
+        records[request.request_id] = record
         spans[request.request_id] = span
-        records[request.request_id] = RequestRecord(
-            request_id=request.request_id,
-            group=request.group,
-            prompt_tokens=len(prompt),
-            arrival_s=clock if spec.arrival == "all" else request.arrival_s,
-        )
         for worker in self.workers:
             worker.add_request(request.request_id, prompt)
         self.scheduler.add_request(
@@ -327,10 +318,6 @@ class ReplayEngine:
             sampled_token_ids=sampled,
             kv_connector_output=connector_output,
         )
-
-    def _finish(self, record: RequestRecord, span: telemetry.Span) -> None:
-        span.set_attributes(request_span_attributes(record))
-        span.end()
 
     def _inject_faults(self, so) -> None:
         if (

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from testbed import telemetry
+from testbed.telemetry import Span
 from testbed.telemetry import attributes as a
+from testbed.workloads import WorkloadRequest
 
 
 @dataclass
@@ -75,8 +78,23 @@ class EngineResult:
     """Generated tokens per request (engines with a real model)."""
 
 
-def request_span_attributes(record: RequestRecord) -> dict[str, Any]:
-    """The attributes a finished request's ``kvcache.request`` span carries."""
+def open_request(request: WorkloadRequest, arrival_s: float) -> tuple[RequestRecord, Span]:
+    """A request's record and its ``kvcache.request`` span: the parent of the connector spans
+    of the request (engines pass its ``traceparent`` to vLLM as the request's trace headers)."""
+    prompt_tokens = len(request.prompt_token_ids)
+    span = telemetry.start_span(
+        a.REQUEST, attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: prompt_tokens}
+    )
+    return RequestRecord(request.request_id, request.group, prompt_tokens, arrival_s), span
+
+
+def close_request(record: RequestRecord, span: Span) -> None:
+    """Ends the request's span with what the request got from the caches."""
+    span.set_attributes(_request_attributes(record))
+    span.end()
+
+
+def _request_attributes(record: RequestRecord) -> dict[str, Any]:
     return {
         a.ENGINE_HIT_TOKENS: record.engine_hit_tokens,
         a.EXTERNAL_HIT_TOKENS: record.external_hit_tokens,

@@ -20,9 +20,8 @@ from pathlib import Path
 from connector.config import ConnectorConfig
 from testbed import telemetry
 from testbed.engine.model_dir import TinyModel, write_model_dir
-from testbed.engine.results import EngineResult, RequestRecord, request_span_attributes
+from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.runspec import RunSpec
-from testbed.telemetry import attributes as a
 from testbed.workloads import WorkloadRequest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -160,14 +159,9 @@ class VllmEngine:
             if len(prompt) + request.max_output_tokens > self.spec.max_model_len:
                 result.rejected.append(request.request_id)
                 continue
-            span = telemetry.start_span(
-                a.REQUEST,
-                attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: len(prompt)},
-            )
+            record, span = open_request(request, time.perf_counter() - started)
+            records[request.request_id] = record
             spans[request.request_id] = span
-            records[request.request_id] = RequestRecord(
-                request.request_id, request.group, len(prompt), time.perf_counter() - started
-            )
             traceparent = telemetry.traceparent_of(span)
             engine.add_request(
                 request.request_id,
@@ -203,9 +197,7 @@ class VllmEngine:
                 record.engine_hit_tokens = min(
                     record.hit_tokens, self._engine_hits.pop(output.request_id, 0)
                 )
-                span = spans.pop(output.request_id)
-                span.set_attributes(request_span_attributes(record))
-                span.end()
+                close_request(record, spans.pop(output.request_id))
                 result.records.append(record)
                 if on_finish is not None:
                     on_finish(record)
