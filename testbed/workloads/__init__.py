@@ -10,18 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from testbed.workloads.base import Workload, WorkloadOptions, WorkloadRequest, parse_params
+from testbed.workloads.chat import ChatParams, ChatWorkload
+from testbed.workloads.documents import DocQAParams, DocQAWorkload, RAGParams, RAGWorkload
+from testbed.workloads.generator import Generator
 from testbed.workloads.mooncake import BLOCK_TOKENS, MooncakeWorkload
-from testbed.workloads.synthetic import (
-    GENERATORS,
-    ChatParams,
-    ChatWorkload,
-    DocQAParams,
-    DocQAWorkload,
-    RAGParams,
-    RAGWorkload,
-    RandomParams,
-    RandomWorkload,
-)
+from testbed.workloads.no_reuse import RandomParams, RandomWorkload
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -43,7 +36,9 @@ __all__ = [
     "workload_choices",
 ]
 
-WORKLOADS = GENERATORS
+WORKLOADS: dict[str, type[Generator]] = {
+    cls.name: cls for cls in (ChatWorkload, DocQAWorkload, RAGWorkload, RandomWorkload)
+}
 """Generator name -> class (its docstring documents it, ``params_type`` its parameters)."""
 
 TRACE_PREFIXES: dict[str, type[MooncakeWorkload]] = {"mooncake": MooncakeWorkload}
