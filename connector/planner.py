@@ -56,7 +56,6 @@ def lock_release_after_alloc(
     ``num_external_tokens`` is what the engine agreed to load (0 when it will not load).
     """
     assert tracker.phase is Phase.LOOKUP and tracker.hit_tokens is not None
-    tracker.load_tokens = num_external_tokens
     tracker.num_stored_chunks = tracker.hit_tokens // geometry.chunk_size
     if not tracker.locks_held:
         tracker.phase = Phase.READY

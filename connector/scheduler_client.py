@@ -147,9 +147,6 @@ class SchedulerClient:
         if lookup is not None and lookup.hit_chunks is None:
             self._settle(lookup, 0, "abandoned before the answer arrived")
 
-    def has_lookup(self, session_id: str) -> bool:
-        return session_id in self._lookups
-
     def free_locks(
         self, session_id: str, start_token: int, end_token: int, parent: str = ""
     ) -> None:

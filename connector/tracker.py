@@ -43,14 +43,13 @@ class RequestTracker:
     """Chunk-aligned external hit; ``None`` until the lookup is answered."""
     engine_hit_tokens: int = 0
     """Tokens the engine's own prefix cache held when the request was allocated."""
-    load_tokens: int = 0
-    """Tokens beyond the engine's hit that the engine agreed to load."""
     locks_held: bool = False
     """The lookup's read locks are taken and not yet handed to a free or a retrieve."""
     block_ids: list[int] = field(default_factory=list)
     num_stored_chunks: int = 0
     """Chunks known to be in the cache or already planned for storing."""
     preemptions: int = 0
+    """Times the engine started the request over (it shows in the tracker's repr)."""
 
     def reset_after_preemption(self) -> None:
         """The engine dropped the request's blocks: start over from a new lookup."""
@@ -58,7 +57,6 @@ class RequestTracker:
         self.lookup_submitted = False
         self.hit_tokens = None
         self.engine_hit_tokens = 0
-        self.load_tokens = 0
         self.locks_held = False
         self.block_ids = []
         self.num_stored_chunks = 0

@@ -23,10 +23,6 @@ HASH_BYTES = 16
 _SEED = blake3.blake3(b"kvtestbed.keys.v1").digest(HASH_BYTES)
 
 
-def num_complete_chunks(num_tokens: int, chunk_size: int) -> int:
-    return num_tokens // chunk_size
-
-
 def chunk_hashes(
     token_ids: Sequence[int] | np.ndarray,
     chunk_size: int,
