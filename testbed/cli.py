@@ -5,6 +5,7 @@ kvtb run [--config F.toml] ...  one run into runs/<run_id>/
 kvtb sweep FILE.toml            a grid of runs (resumable), then its index
 kvtb report runs/<sweep>        tables and figures for a sweep
 kvtb export jaeger RUN_DIR -o F Jaeger-UI JSON of a run's spans
+kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
 kvtb demo                       the main job: a small sweep and its report
 """
 
@@ -64,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     jaeger.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
     jaeger.add_argument("-o", "--output", type=Path, required=True)
 
+    from testbed.explain_cli import add_explain_parser
+
+    add_explain_parser(commands)
+
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
     demo.add_argument("--out", type=Path, default=Path("runs"))
 
@@ -98,6 +103,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         count = export_jaeger(args.run_dirs, args.output)
         print(f"wrote {count} spans to {args.output}")
         return 0
+    if args.command == "explain":
+        from testbed.explain_cli import run_explain
+
+        return run_explain(args)
     if args.command == "demo":
         from testbed.sweep.cli import demo
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from testbed.analysis.chunklog import has_chunk_log, load_chunk_log
 from testbed.analysis.spans import load_events, load_spans
 from testbed.telemetry import attributes as a
 
@@ -45,7 +46,8 @@ def operations_table(spans: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class Run:
-    """A run directory: its spec, summary and per-request table; spans loaded on demand."""
+    """A run directory: its spec, summary and per-request table; spans, span events and the
+    chunk log loaded on demand."""
 
     path: Path
 
@@ -68,6 +70,12 @@ class Run:
     @cached_property
     def events(self) -> pd.DataFrame:
         return load_events(self.path)
+
+    @cached_property
+    def chunks(self) -> pd.DataFrame | None:
+        """The chunk event log (:mod:`testbed.analysis.chunklog`); ``None`` when no server
+        wrote one into this run directory."""
+        return load_chunk_log(self.path) if has_chunk_log(self.path) else None
 
 
 def load_run(path: Path | str) -> Run:

@@ -1,0 +1,445 @@
+"""Where every prompt token went: one row per request, each prompt token in exactly one category.
+
+:func:`attribution` reads a run's telemetry, and nothing else: the connector's request spans
+(one per vLLM request: ``P``, ``E``, ``H``, ``L``, lookup status), the attempt-0 retrieve items
+of every TP rank (the first failed token of each), and the server's chunk event log
+(:mod:`testbed.analysis.chunklog`: each chunk's lookup status, and whether an object of it had
+been committed before). METRICS.md defines every category; in short, for a request with prompt
+tokens ``P``, chunk size ``C``:
+
+- ``engine`` ``[0, E)``: vLLM's own prefix cache; ``external`` ``[E, E+X)``: loaded from the
+  cache server, ``X`` = tokens below the first failed block over all TP ranks;
+  ``load_failed`` ``[E+X, E+L)``: promised, not loaded; ``last_token`` ``P-1``;
+- every other token ``t`` in ``[E+L, P-1)``: ``partial_chunk`` if ``t >= floor(P/C)*C``, else
+  ``unavailable`` if the lookup failed, ``engine_only`` if the server held chunk ``t // C`` at
+  lookup, else the cause of that chunk's lookup status: ``in_flight``, ``capacity`` (absent,
+  but committed before the lookup) or ``cold`` (never committed before); a chunk that hit
+  behind an earlier miss takes the cause of the nearest earlier chunk that missed.
+
+Without a chunk log (an external server that wrote its log elsewhere) the chunks a lookup
+missed count as ``cold`` and ``causes_resolved`` is False for the requests concerned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from testbed.analysis.tables import Run
+from testbed.telemetry import attributes as a
+
+CATEGORIES = (
+    "engine",
+    "external",
+    "cold",
+    "capacity",
+    "partial_chunk",
+    "last_token",
+    "load_failed",
+    "in_flight",
+    "unavailable",
+    "engine_only",
+)
+"""Every prompt token is in exactly one of these (summary.json's ``tokens`` table)."""
+MISS_CAUSES = CATEGORIES[2:]
+"""The categories of tokens the engine computed (every category but engine and external)."""
+CHUNK_CAUSES = ("in_flight", "capacity", "cold")
+"""The causes read from the chunk log."""
+LOOKUP_OK, LOOKUP_UNAVAILABLE, LOOKUP_NONE = "ok", "unavailable", "none"
+CHUNK_HIT, CHUNK_IN_FLIGHT, CHUNK_ABSENT = "hit", "in_flight", "absent"
+
+COLUMNS = (
+    "request_id",
+    "workload_request_id",
+    "session_id",
+    "group",
+    "trace_id",
+    "span_id",
+    "prompt_tokens",
+    "engine_hit_tokens",
+    "external_hit_tokens",
+    "recomputed_tokens",
+    "load_failed_tokens",
+    "promised_tokens",
+    "server_hit_tokens",
+    "lookup_status",
+    "chunk_size",
+    "tp_size",
+    *CATEGORIES,
+    "causes_resolved",
+)
+
+
+def attribution(run: Run | Path | str) -> pd.DataFrame:
+    """One row per connector request span of ``run`` (a run directory or a :class:`Run`).
+
+    Columns: ``request_id`` (vLLM's), ``workload_request_id`` and ``group`` (from the parent
+    engine span, when there is one), ``session_id``, ``trace_id``, ``span_id``,
+    ``prompt_tokens`` P, ``engine_hit_tokens`` E, ``external_hit_tokens`` X,
+    ``recomputed_tokens`` R = P - E - X, ``load_failed_tokens`` L - X, ``promised_tokens`` L,
+    ``server_hit_tokens`` H (nullable: no successful lookup), ``lookup_status``,
+    ``chunk_size``, ``tp_size``, one column per :data:`CATEGORIES` entry (they sum to P) and
+    ``causes_resolved``. ``attrs["chunk_log"]`` says whether a chunk log was found;
+    ``attrs["clamped_requests"]`` counts requests whose E or L exceeded what the prompt allows
+    (``E + L <= P - 1``) and were clamped to it.
+    """
+    run = as_run(run)
+    requests = connector_requests(run.spans)
+    return attribute(requests, run.spans, run.events, run.chunks)
+
+
+def token_causes(attr: pd.DataFrame) -> pd.Series:
+    """Sums of every category over the requests of ``attr`` (summary.json's ``tokens``)."""
+    return pd.Series(
+        {name: int(attr[name].sum()) if len(attr) else 0 for name in CATEGORIES}, dtype="int64"
+    )
+
+
+def as_run(run: Run | Path | str) -> Run:
+    return run if isinstance(run, Run) else Run(Path(run))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def connector_requests(spans: pd.DataFrame) -> pd.DataFrame:
+    """The connector request spans as a frame: ids, P, E, H, L, lookup status, geometry, and
+    the workload id and group of the parent engine span."""
+    rows = spans[spans["name"] == a.CONNECTOR_REQUEST].reset_index(drop=True)
+    hit = _numbers(rows, a.TOKENS_HIT)
+    status = _strings(rows, a.LOOKUP_STATUS)
+    implied = np.where(hit.notna(), LOOKUP_OK, LOOKUP_UNAVAILABLE)
+    frame = pd.DataFrame(
+        {
+            "request_id": _strings(rows, a.REQUEST_ID).to_numpy(),
+            "session_id": _strings(rows, a.SESSION_ID).to_numpy(),
+            "trace_id": rows["trace_id"].to_numpy(),
+            "span_id": rows["span_id"].array,
+            "parent_span_id": rows["parent_span_id"].to_numpy(),
+            "start_time": rows["start_time"].to_numpy(),
+            "prompt_tokens": _ints(rows, a.PROMPT_TOKENS),
+            "engine_hit_tokens": _ints(rows, a.ENGINE_HIT_TOKENS),
+            "promised_tokens": _ints(rows, a.PROMISED_TOKENS),
+            "server_hit_tokens": hit.astype("Int64").to_numpy(),
+            "lookup_status": np.where(status == "", implied, status),
+            "chunk_size": _ints(rows, a.CHUNK_SIZE, fallback=f"resource.{a.CHUNK_SIZE}"),
+            "tp_size": np.maximum(_ints(rows, a.TP_SIZE, fallback=f"resource.{a.TP_SIZE}"), 1),
+        }
+    )
+    if len(frame) and (frame["chunk_size"] < 1).any():
+        raise ValueError(
+            f"{a.CONNECTOR_REQUEST} spans without {a.CHUNK_SIZE}: the chunk size is needed"
+        )
+    engine = spans[spans["name"] == a.REQUEST]
+    parents = pd.DataFrame(
+        {
+            "parent_span_id": engine["span_id"].to_numpy(),
+            "workload_request_id": _strings(engine, a.REQUEST_ID).to_numpy(),
+            "group": _strings(engine, a.REQUEST_GROUP).replace("", None).to_numpy(),
+        }
+    ).drop_duplicates("parent_span_id")
+    frame = frame.merge(parents, on="parent_span_id", how="left")
+    return frame
+
+
+def retrieve_items(spans: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+    """Attempt-0 retrieve items, one row each: ``request_id``, ``rank`` (TP rank of the worker
+    that retrieved), ``failed``, ``first_failed_token`` (the item's first failed token;
+    +inf when it loaded everything), ``span_id``."""
+    columns = ["request_id", "rank", "failed", "first_failed_token", "span_id"]
+    if events.empty or a.REQUEST_ID not in events:
+        return pd.DataFrame(columns=columns)
+    is_item = (events["span_name"] == a.CONNECTOR_RETRIEVE) & (events["event"] == a.ITEM_EVENT)
+    items = events[is_item]
+    items = items[_numbers(items, a.REQUEST_ATTEMPT).fillna(0).to_numpy() == 0]
+    ranks = spans.drop_duplicates("span_id").set_index("span_id")["rank"]
+    first_failed = _numbers(items, a.FIRST_FAILED_TOKEN)
+    # An item failed if it says so (kvcache.ok false), or, without kvcache.ok, if it names a
+    # first failed token.
+    ok = _numbers(items, a.OK).to_numpy()
+    failed = np.where(np.isnan(ok), first_failed.notna().to_numpy(), ok == 0)
+    # A failed item without a first failed token failed from the first token it was to load.
+    to_load = _numbers(items, a.RANGE_START).fillna(0) + _numbers(
+        items, a.SKIP_FIRST_N_TOKENS
+    ).fillna(0)
+    token = np.where(failed, first_failed.fillna(to_load).to_numpy(dtype=float), np.inf)
+    return pd.DataFrame(
+        {
+            "request_id": _strings(items, a.REQUEST_ID).to_numpy(),
+            "rank": pd.to_numeric(items["span_id"].map(ranks)).fillna(0).astype("int64").to_numpy(),
+            "failed": failed,
+            "first_failed_token": token,
+            "span_id": items["span_id"].to_numpy(),
+        }
+    )
+
+
+def first_lookup_rows(chunks: pd.DataFrame) -> pd.DataFrame:
+    """The lookup rows of each session's first settled lookup, ordered by session and position:
+    ``session_id`` (categorical, the log's categories), ``position``, ``status``, ``cause``
+    (the chunk's own: ``hit``, ``in_flight``, ``capacity`` or ``cold``), ``effective`` (a hit
+    behind an earlier miss takes that miss's cause), ``seq``, ``server``, ``span_id``,
+    ``object_key`` (:func:`object_keys`)."""
+    is_lookup = (chunks["event"] == "lookup").to_numpy()
+    keys = object_keys(chunks)
+    lookups = chunks[is_lookup]
+    lookup_keys = keys[is_lookup]
+    session = lookups["session_id"].cat.codes.to_numpy()
+    server = lookups["server"].cat.codes.to_numpy()
+    span = lookups["span_id"].cat.codes.to_numpy()
+    # A session's first settled lookup: the (server, span) of its earliest row.
+    order = np.lexsort((lookups["seq"].to_numpy(), lookups["time_ns"].to_numpy()))
+    first = np.full(len(lookups["session_id"].cat.categories), -1, dtype=np.int64)
+    earliest = order[::-1]  # assigning in reverse leaves each session's earliest row
+    first[session[earliest]] = earliest
+    leader = first[session]
+    keep = (server == server[leader]) & (span == span[leader])
+    picked = np.flatnonzero(keep)
+    picked = picked[np.lexsort((lookups["position"].to_numpy()[picked], session[picked]))]
+    rows = lookups.iloc[picked]
+    cause = _own_causes(chunks, keys, rows, lookup_keys[picked])
+    effective = _behind_misses(cause, session[picked])
+    return pd.DataFrame(
+        {
+            "session_id": rows["session_id"].array,
+            "position": rows["position"].to_numpy(),
+            "status": rows["status"].array,
+            "cause": pd.Categorical.from_codes(cause, _CAUSES),
+            "effective": pd.Categorical.from_codes(effective, _CAUSES),
+            "seq": rows["seq"].to_numpy(),
+            "server": rows["server"].array,
+            "span_id": rows["span_id"].array,
+            "object_key": lookup_keys[picked],
+        }
+    )
+
+
+_CAUSES = (CHUNK_HIT, "in_flight", "capacity", "cold")  # codes 0..3
+
+
+def _own_causes(
+    chunks: pd.DataFrame, keys: np.ndarray, rows: pd.DataFrame, row_keys: np.ndarray
+) -> np.ndarray:
+    """Cause codes of lookup ``rows`` (see :data:`_CAUSES`): hit, in flight, or absent and
+    then capacity if an object of the chunk was committed (same server process) before."""
+    commits = (chunks["event"] == "commit").to_numpy()
+    first_commit = np.full(int(keys.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(first_commit, keys[commits], chunks["seq"].to_numpy()[commits])
+    committed_before = first_commit[row_keys] < rows["seq"].to_numpy()
+    status = rows["status"]
+    return np.select(
+        [
+            (status == CHUNK_HIT).to_numpy(),
+            (status == CHUNK_IN_FLIGHT).to_numpy(),
+            committed_before,
+        ],
+        [0, 1, 2],
+        default=3,
+    ).astype(np.int8)
+
+
+def _behind_misses(cause: np.ndarray, session: np.ndarray) -> np.ndarray:
+    """Each row's cause, a hit taking the cause of the nearest earlier miss of its session
+    (rows ordered by session and position)."""
+    index = np.arange(len(cause))
+    last_miss = np.maximum.accumulate(np.where(cause != 0, index, -1)) if len(cause) else index
+    same_session = (last_miss >= 0) & (session[np.maximum(last_miss, 0)] == session)
+    return np.where(same_session, cause[np.maximum(last_miss, 0)], cause).astype(np.int8)
+
+
+def object_keys(chunks: pd.DataFrame) -> np.ndarray:
+    """One integer per row (in row order) naming the object identity the row is about:
+    (server process, namespace, chunk hash). Ranks share it: a lookup is chunk-level."""
+    hashes, _ = pd.factorize(chunks["chunk_hash"])
+    namespaces = chunks["namespace"].cat.codes.to_numpy().astype(np.int64)
+    servers = chunks["server"].cat.codes.to_numpy().astype(np.int64)
+    hash_width = int(hashes.max(initial=0)) + 1
+    namespace_width = int(namespaces.max(initial=0)) + 1
+    return (servers * namespace_width + namespaces) * hash_width + hashes.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accounting
+# ---------------------------------------------------------------------------------------------
+
+
+def attribute(
+    requests: pd.DataFrame,
+    spans: pd.DataFrame,
+    events: pd.DataFrame,
+    chunks: pd.DataFrame | None,
+) -> pd.DataFrame:
+    """:func:`attribution` over given inputs (``requests`` from :func:`connector_requests`)."""
+    requests = requests.reset_index(drop=True)
+    P = requests["prompt_tokens"].to_numpy(dtype=np.int64)
+    C = requests["chunk_size"].to_numpy(dtype=np.int64)
+    last = np.maximum(P - 1, 0)
+    E = np.clip(requests["engine_hit_tokens"].to_numpy(dtype=np.int64), 0, last)
+    L = np.clip(requests["promised_tokens"].to_numpy(dtype=np.int64), 0, last - E)
+    clamped = int(
+        (
+            (requests["engine_hit_tokens"].to_numpy() != E)
+            | (requests["promised_tokens"].to_numpy() != L)
+        ).sum()
+    )
+    X = loaded_tokens(requests, E, L, retrieve_items(spans, events))
+    status = requests["lookup_status"].astype(str).to_numpy()
+    H = pd.to_numeric(requests["server_hit_tokens"]).fillna(0).to_numpy(dtype=np.int64)
+    regions = _regions(P, C, E, L, H, status)
+
+    out = pd.DataFrame(
+        {
+            "request_id": requests["request_id"],
+            "workload_request_id": requests.get("workload_request_id"),
+            "session_id": requests["session_id"],
+            "group": requests.get("group"),
+            "trace_id": requests["trace_id"],
+            "span_id": requests["span_id"],
+            "prompt_tokens": P,
+            "engine_hit_tokens": E,
+            "external_hit_tokens": X,
+            "recomputed_tokens": P - E - X,
+            "load_failed_tokens": L - X,
+            "promised_tokens": L,
+            "server_hit_tokens": requests["server_hit_tokens"].astype("Int64"),
+            "lookup_status": status,
+            "chunk_size": C,
+            "tp_size": requests["tp_size"].to_numpy(dtype=np.int64),
+            "engine": E,
+            "external": X,
+            "partial_chunk": regions["partial_chunk"],
+            "last_token": (P > 0).astype(np.int64),
+            "load_failed": L - X,
+            "unavailable": regions["unavailable"],
+            "engine_only": regions["engine_only"],
+        }
+    )
+    causes, resolved = _chunk_causes(requests, regions, chunks)
+    for name in CHUNK_CAUSES:
+        out[name] = causes[name]
+    out["causes_resolved"] = resolved
+    out = out[list(COLUMNS)]
+    out.attrs["chunk_log"] = chunks is not None
+    out.attrs["clamped_requests"] = clamped
+    return out
+
+
+def loaded_tokens(
+    requests: pd.DataFrame, E: np.ndarray, L: np.ndarray, items: pd.DataFrame
+) -> np.ndarray:
+    """X per request: ``min(min over TP ranks of f_rank, E + L) - E`` (vLLM recomputes from
+    the first failed block), where f_rank is the rank's first failed token, +inf when it
+    loaded everything, and E when a rank has no retrieve item although L > 0."""
+    tp = requests["tp_size"].to_numpy(dtype=np.int64)
+    ids = requests["request_id"].astype(str)
+    if len(items):
+        tp_of = pd.Series(tp, index=ids.to_numpy())
+        tp_of = tp_of[~tp_of.index.duplicated()]
+        expected = items["request_id"].map(tp_of).fillna(0)
+        items = items[(items["rank"] >= 0) & (items["rank"] < expected)]
+    per_rank = items.groupby(["request_id", "rank"])["first_failed_token"].min().reset_index()
+    per_request = per_rank.groupby("request_id").agg(
+        first_failed=("first_failed_token", "min"), num_ranks=("rank", "nunique")
+    )
+    first_failed = ids.map(per_request["first_failed"]).to_numpy(dtype=float)
+    num_ranks = ids.map(per_request["num_ranks"]).fillna(0).to_numpy(dtype=np.int64)
+    first_failed = np.where(num_ranks < tp, E, np.nan_to_num(first_failed, nan=np.inf))
+    loaded = np.minimum(first_failed, E + L) - E
+    return np.where(L > 0, np.clip(loaded, 0, L), 0).astype(np.int64)
+
+
+def _regions(
+    P: np.ndarray, C: np.ndarray, E: np.ndarray, L: np.ndarray, H: np.ndarray, status: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The token counts settled by arithmetic, and the region ``[chunk_start, chunk_end)``
+    whose tokens take their chunk's cause from the chunk log."""
+    last = np.maximum(P - 1, 0)
+    low = E + L  # tokens below were hit, loaded or failed to load
+    complete_end = (P // C) * C  # the end of the prompt's last complete chunk
+    partial = np.clip(last - np.maximum(low, complete_end), 0, None)
+    full_end = np.minimum(last, complete_end)
+    rest = np.clip(full_end - low, 0, None)
+    unavailable = status == LOOKUP_UNAVAILABLE
+    held_end = (H // C) * C  # the server held these chunks at lookup
+    engine_only = np.where(unavailable, 0, np.clip(np.minimum(full_end, held_end) - low, 0, None))
+    chunk_start = np.maximum(low, held_end)
+    return {
+        "partial_chunk": partial,
+        "unavailable": np.where(unavailable, rest, 0),
+        "engine_only": engine_only,
+        "chunk_start": chunk_start,
+        "chunk_end": np.where(unavailable, chunk_start, np.maximum(full_end, chunk_start)),
+    }
+
+
+def _chunk_causes(
+    requests: pd.DataFrame, regions: dict[str, np.ndarray], chunks: pd.DataFrame | None
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Tokens of ``[chunk_start, chunk_end)`` per chunk cause, and whether each request's
+    causes came from the log (missing lookup rows count as cold, unresolved)."""
+    num = len(requests)
+    start, end = regions["chunk_start"], regions["chunk_end"]
+    need = end - start
+    counts = {name: np.zeros(num, dtype=np.int64) for name in CHUNK_CAUSES}
+    if chunks is None:
+        counts["cold"] = need.copy()
+        return counts, need == 0
+    rows = first_lookup_rows(chunks)
+    # The request of each lookup row, through the session id (one request per session).
+    categories = pd.Index(rows["session_id"].cat.categories.astype(str))
+    wanted = np.flatnonzero(need > 0)
+    codes = categories.get_indexer(requests["session_id"].astype(str).to_numpy()[wanted])
+    request_of = np.full(len(categories), -1, dtype=np.int64)
+    request_of[codes[codes >= 0]] = wanted[codes >= 0]
+    request = request_of[rows["session_id"].cat.codes.to_numpy()]
+    joined = request >= 0
+    request = request[joined]
+    size = requests["chunk_size"].to_numpy(dtype=np.int64)[request]
+    position = rows["position"].to_numpy(dtype=np.int64)[joined]
+    tokens = np.clip(
+        np.minimum((position + 1) * size, end[request])
+        - np.maximum(position * size, start[request]),
+        0,
+        None,
+    )
+    effective = rows["effective"].cat.codes.to_numpy()[joined]
+    per_cause = {
+        name: np.bincount(request, weights=tokens * (effective == code), minlength=num)
+        for code, name in enumerate(_CAUSES)
+    }
+    for name in CHUNK_CAUSES:
+        counts[name] = per_cause[name].astype(np.int64)
+    assigned = sum(per_cause.values()).astype(np.int64)
+    # Tokens of chunks the log says nothing about (no lookup rows, or a hit with no miss
+    # before it, which a consistent log does not have): cold, unresolved.
+    unexplained = need - assigned + per_cause[CHUNK_HIT].astype(np.int64)
+    counts["cold"] = counts["cold"] + unexplained
+    return counts, unexplained == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns
+# ---------------------------------------------------------------------------------------------
+
+
+def _numbers(frame: pd.DataFrame, name: str) -> pd.Series:
+    if name not in frame:
+        return pd.Series(np.nan, index=frame.index, dtype=float)
+    return pd.to_numeric(frame[name]).astype(float)
+
+
+def _ints(frame: pd.DataFrame, name: str, fallback: str | None = None) -> np.ndarray:
+    values = _numbers(frame, name)
+    if fallback is not None and fallback in frame:
+        values = values.fillna(pd.to_numeric(frame[fallback], errors="coerce"))
+    return values.fillna(0).to_numpy(dtype=np.int64)
+
+
+def _strings(frame: pd.DataFrame, name: str) -> pd.Series:
+    if name not in frame:
+        return pd.Series("", index=frame.index, dtype=object)
+    return frame[name].astype(object).where(frame[name].notna(), "").astype(str)

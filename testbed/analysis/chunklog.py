@@ -1,0 +1,261 @@
+"""A run's chunk event log: the server's per-chunk record of lookups, stores and evictions.
+
+Every cache server writing to a run directory (``kvtb server --run-dir``) appends to
+``<run_dir>/chunks/server-<pid>.msgpack``: a stream of msgpack maps, each one columnar batch
+``{"columns": {name: [values, ...]}}`` whose lists have equal lengths. At the end of a run,
+:func:`write_chunk_parquet` turns the streams into ``<run_dir>/chunks.parquet`` (dictionary
+encoded, zstd) and removes them; :func:`load_chunk_log` reads the Parquet file when there is
+one, else the streams. Both give the same DataFrame, one row per event:
+
+==============  ============  ====================================================================
+column          dtype         meaning
+==============  ============  ====================================================================
+``server``      category      the stream the row came from (``server-<pid>``): ``seq`` orders rows
+                              within one server process only
+``seq``         int64         row order within the server process (the true order of events)
+``time_ns``     int64         unix time in ns (server clock)
+``event``       category      ``lookup`` ``reserve`` ``commit`` ``abort`` ``touch`` ``evict``
+                              ``drop`` ``expire``
+``chunk_hash``  object        the chunk's 16-byte prefix hash (``bytes``)
+``kv_rank``     int16         the object's KV rank; -1 on lookup rows (chunk level, all ranks)
+``namespace``   category      ``"{model}|{world_size}|{cache_salt}"``
+``session_id``  category      ``"{engine_id}:{request_id}"``; ``""`` where none (e.g. evict)
+``position``    int32         chunk index within the request (lookup, reserve, commit); else -1
+``status``      category      lookup rows: ``hit`` ``in_flight`` ``absent``; else ``""``
+``cause``       category      touch: ``store`` ``retrieve`` ``end_session``; evict: ``capacity``;
+                              drop: ``drop``; else ``""``
+``span_id``     category      hex id of the server span that caused the row
+``nbytes``      int64         object bytes (0 on lookup rows)
+==============  ============  ====================================================================
+
+A batch that lacks a column gets its neutral value (``""``, -1 for ``kv_rank`` and
+``position``, 0 for ``nbytes``); columns the reader does not know are ignored. A stream cut
+short (a server killed mid-write) loses only its unfinished last batch, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+CHUNKS_DIR = "chunks"
+"""The servers' raw streams: ``<run_dir>/chunks/server-<pid>.msgpack``."""
+CHUNK_PARQUET = "chunks.parquet"
+STREAM_SUFFIX = ".msgpack"
+
+INT_COLUMNS: dict[str, tuple[str, int]] = {  # name -> (dtype, value when a batch lacks it)
+    "seq": ("int64", 0),
+    "time_ns": ("int64", 0),
+    "kv_rank": ("int16", -1),
+    "position": ("int32", -1),
+    "nbytes": ("int64", 0),
+}
+CATEGORY_COLUMNS = ("event", "namespace", "session_id", "status", "cause", "span_id")
+COLUMNS = (
+    "server",
+    "seq",
+    "time_ns",
+    "event",
+    "chunk_hash",
+    "kv_rank",
+    "namespace",
+    "session_id",
+    "position",
+    "status",
+    "cause",
+    "span_id",
+    "nbytes",
+)
+
+
+class _Columns(msgspec.Struct):
+    seq: list[int] | None = None
+    time_ns: list[int] | None = None
+    event: list[str] | None = None
+    chunk_hash: list[bytes] | None = None
+    kv_rank: list[int] | None = None
+    namespace: list[str] | None = None
+    session_id: list[str] | None = None
+    position: list[int] | None = None
+    status: list[str] | None = None
+    cause: list[str] | None = None
+    span_id: list[str] | None = None
+    nbytes: list[int] | None = None
+
+
+class _Batch(msgspec.Struct):
+    columns: _Columns
+
+
+_batch_decoder = msgspec.msgpack.Decoder(_Batch)
+_raw_decoder = msgspec.msgpack.Decoder(msgspec.Raw)
+_TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
+
+
+def has_chunk_log(run_dir: Path | str) -> bool:
+    """Whether a server wrote a chunk log into ``run_dir`` (Parquet or raw streams)."""
+    run_dir = Path(run_dir)
+    return (run_dir / CHUNK_PARQUET).is_file() or bool(_streams(run_dir))
+
+
+def load_chunk_log(run_dir: Path | str) -> pd.DataFrame:
+    """The run's chunk events (see the module docstring); ``FileNotFoundError`` without any."""
+    run_dir = Path(run_dir)
+    parquet = run_dir / CHUNK_PARQUET
+    if parquet.is_file():
+        return _typed(pd.read_parquet(parquet))
+    streams = _streams(run_dir)
+    if not streams:
+        raise FileNotFoundError(
+            f"{run_dir} has no chunk log ({CHUNK_PARQUET} or {CHUNKS_DIR}/*{STREAM_SUFFIX}): "
+            "was its cache server started with --run-dir pointing here?"
+        )
+    return _from_streams(streams)
+
+
+def write_chunk_parquet(run_dir: Path | str, *, remove_raw: bool = True) -> tuple[int, int]:
+    """Converts the raw streams of ``run_dir`` into ``chunks.parquet``; returns (rows, bytes of
+    the file). Call it once every server writing to the run has stopped. ``(0, 0)`` and no
+    file when no server wrote a stream. With ``remove_raw`` the streams are deleted once the
+    Parquet file is in place."""
+    run_dir = Path(run_dir)
+    streams = _streams(run_dir)
+    if not streams:
+        return 0, 0
+    frame = _from_streams(streams)
+    table = pa.Table.from_pandas(frame, schema=_parquet_schema(frame), preserve_index=False)
+    target = run_dir / CHUNK_PARQUET
+    tmp = target.with_name(target.name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    tmp.replace(target)
+    if remove_raw:
+        for path in streams:
+            path.unlink()
+        directory = run_dir / CHUNKS_DIR
+        if not any(directory.iterdir()):
+            directory.rmdir()
+    return len(frame), target.stat().st_size
+
+
+def _parquet_schema(frame: pd.DataFrame) -> pa.Schema:
+    fields = []
+    for name in COLUMNS:
+        if name in INT_COLUMNS:
+            fields.append(pa.field(name, pa.from_numpy_dtype(np.dtype(INT_COLUMNS[name][0]))))
+        elif name == "chunk_hash":
+            fields.append(pa.field(name, pa.binary()))
+        else:
+            fields.append(pa.field(name, pa.dictionary(pa.int32(), pa.string())))
+    return pa.schema(fields)
+
+
+def _streams(run_dir: Path) -> list[Path]:
+    directory = run_dir / CHUNKS_DIR
+    return sorted(directory.glob(f"*{STREAM_SUFFIX}")) if directory.is_dir() else []
+
+
+def _from_streams(paths: list[Path]) -> pd.DataFrame:
+    values: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    for path in paths:
+        for batch in _batches(path):
+            _append(values, batch.columns, path.stem)
+    frame = pd.DataFrame(
+        {
+            "server": _categorical(values["server"]),
+            **{
+                name: np.asarray(values[name], dtype=dtype)
+                for name, (dtype, _) in INT_COLUMNS.items()
+            },
+            **{name: _categorical(values[name]) for name in CATEGORY_COLUMNS},
+            "chunk_hash": _objects(values["chunk_hash"]),
+        }
+    )
+    return _typed(frame)
+
+
+def _categorical(values: list[str]) -> pd.Categorical:
+    """Strings as a categorical, factorized once (no intermediate string column)."""
+    codes, uniques = pd.factorize(_objects(values))
+    return pd.Categorical.from_codes(codes, pd.Index(uniques, dtype=object).astype(str))
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
+
+
+def _batches(path: Path) -> list[_Batch]:
+    """The batches of one stream. msgspec decodes exactly one object per call; the end of each
+    map is found by a cheap untyped pass (``Raw`` skips without building objects)."""
+    data = path.read_bytes()
+    view = memoryview(data)
+    batches: list[_Batch] = []
+    position = 0
+    while position < len(data):
+        rest = view[position:]
+        try:
+            _raw_decoder.decode(rest)
+            end = len(rest)
+        except msgspec.DecodeError as exc:
+            match = _TRAILING.search(str(exc))
+            if match is None:
+                log.warning(
+                    "%s: unreadable data from byte %d on (%s); %d rows of batches before it kept",
+                    path,
+                    position,
+                    exc,
+                    sum(len(b.columns.seq or []) for b in batches),
+                )
+                break
+            end = int(match.group(1))
+        batches.append(_batch_decoder.decode(rest[:end]))
+        position += end
+    return batches
+
+
+def _append(values: dict[str, list[Any]], columns: _Columns, server: str) -> None:
+    lengths = {
+        len(getattr(columns, name))
+        for name in COLUMNS[1:]
+        if getattr(columns, name, None) is not None
+    }
+    if len(lengths) > 1:
+        raise ValueError(f"chunk log batch of {server} has columns of different lengths {lengths}")
+    num_rows = lengths.pop() if lengths else 0
+    values["server"].extend([server] * num_rows)
+    for name in COLUMNS[1:]:
+        column = getattr(columns, name)
+        if column is None:
+            column = [_default(name)] * num_rows
+        values[name].extend(column)
+
+
+def _default(name: str) -> Any:
+    if name in INT_COLUMNS:
+        return INT_COLUMNS[name][1]
+    return b"" if name == "chunk_hash" else ""
+
+
+def _typed(frame: pd.DataFrame) -> pd.DataFrame:
+    """The dtypes of the module docstring, whichever source the frame came from."""
+    frame = frame.reindex(columns=list(COLUMNS))
+    for name, (dtype, default) in INT_COLUMNS.items():
+        frame[name] = frame[name].fillna(default).astype(dtype)
+    for name in ("server", *CATEGORY_COLUMNS):
+        column = frame[name]
+        if not isinstance(column.dtype, pd.CategoricalDtype):
+            column = column.fillna("").astype(str).astype("category")
+        frame[name] = column
+    frame["chunk_hash"] = frame["chunk_hash"].astype(object)
+    return frame

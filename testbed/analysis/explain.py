@@ -1,0 +1,505 @@
+"""Why did this request miss? One request's story, from its spans and the chunk log.
+
+:func:`explain` (or :class:`Explainer` for many requests of one run) returns a
+:class:`RequestStory`: the request's lookup (server hit ``H``, each chunk's status), where its
+prompt tokens went as token ranges (the categories of :mod:`testbed.analysis.attribution`),
+and the first token the engine had to compute, with why:
+
+- ``capacity``: the evict (or drop) span that removed the chunk, and the request that had
+  stored it (the commit row's session id, ``"{engine_id}:{request_id}"``);
+- ``cold``: no request had stored the chunk before this lookup (and who stored it later);
+- ``in_flight``: the request whose store had reserved the chunk but not committed it;
+- ``load_failed``: the ranks whose retrieve failed, their first failed tokens, ranks with no
+  retrieve at all, and the span that removed the chunk after the lookup if the log shows one;
+- ``unavailable``: the lookup's error;
+- ``engine_only``, ``partial_chunk``, ``last_token``: what the arithmetic says.
+
+``str(story)`` is the readable form ``kvtb explain RUN REQUEST_ID`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from testbed.analysis import attribution as acc
+from testbed.analysis.tables import Run
+from testbed.telemetry import attributes as a
+
+_HITS = ("engine", "external")
+_REMOVALS = ("evict", "drop", "expire")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Prompt tokens ``[start_token, end_token)``, all of one category."""
+
+    start_token: int
+    end_token: int
+    category: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end_token - self.start_token
+
+
+@dataclass(frozen=True)
+class ChunkLookup:
+    """One chunk as the request's first lookup saw it."""
+
+    position: int
+    status: str
+    """hit, in_flight or absent."""
+    cause: str
+    """hit, in_flight, capacity or cold: the chunk's own."""
+    effective: str
+    """The cause its tokens take: a hit behind an earlier miss takes that miss's cause."""
+
+
+@dataclass(frozen=True)
+class Miss:
+    """The first prompt token the engine computed, and why."""
+
+    cause: str
+    start_token: int
+    position: int | None
+    """The chunk whose state explains the miss (for a hit behind a miss, the earlier miss)."""
+    reason: str
+    """One sentence."""
+    chunk_hash: str | None = None
+    evict_span_id: str | None = None
+    evict_cause: str | None = None
+    """capacity (evicted for room), drop (an admin or fault drop) or expire."""
+    storer_session_id: str | None = None
+    storer_request_id: str | None = None
+    storer_workload_request_id: str | None = None
+    failed_ranks: dict[int, int] = field(default_factory=dict)
+    """load_failed: TP rank → first failed token of its retrieve."""
+    missing_ranks: tuple[int, ...] = ()
+    """load_failed: TP ranks with no retrieve item although tokens were promised."""
+    retrieve_span_ids: tuple[str, ...] = ()
+    lookup_error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestStory:
+    request_id: str
+    workload_request_id: str | None
+    session_id: str
+    group: str | None
+    trace_id: str
+    prompt_tokens: int
+    chunk_size: int
+    tp_size: int
+    engine_hit_tokens: int
+    server_hit_tokens: int | None
+    promised_tokens: int
+    external_hit_tokens: int
+    lookup_status: str
+    tokens: dict[str, int]
+    """Every category of :data:`testbed.analysis.attribution.CATEGORIES` (they sum to P)."""
+    segments: tuple[Segment, ...]
+    lookup: tuple[ChunkLookup, ...]
+    first_miss: Miss | None
+    causes_resolved: bool
+
+    def __str__(self) -> str:
+        names = [f"workload {self.workload_request_id}"] if self.workload_request_id else []
+        names += [f"group {self.group}"] if self.group else []
+        names += [f"session {self.session_id}", f"trace {self.trace_id}"]
+        lines = [
+            f"request {self.request_id} ({', '.join(names)})",
+            f"  {self.prompt_tokens} prompt tokens, chunk size {self.chunk_size}, "
+            f"TP {self.tp_size}",
+            "  lookup: " + self._lookup_line(),
+            f"  vLLM's own prefix cache: {self.engine_hit_tokens} tokens; promised to load: "
+            f"{self.promised_tokens}; loaded: {self.external_hit_tokens}",
+        ]
+        if self.lookup:
+            lines.append("  chunks: " + ", ".join(_chunk_text(c) for c in self.lookup))
+        lines.append("  tokens:")
+        ranges = [f"[{s.start_token}, {s.end_token})" for s in self.segments]
+        range_width = max((len(r) for r in ranges), default=0)
+        count_width = len(str(self.prompt_tokens))
+        for text, segment in zip(ranges, self.segments, strict=True):
+            count = f"{segment.num_tokens:>{count_width}}"
+            lines.append(f"    {text:<{range_width}}  {count}  {segment.category}")
+        if self.first_miss is None:
+            lines.append("  no miss: every prompt token was a hit")
+        else:
+            miss = self.first_miss
+            where = f" (chunk {miss.position})" if miss.position is not None else ""
+            lines.append(f"  first miss: token {miss.start_token}{where}: {miss.cause}")
+            lines.append(f"    {miss.reason}")
+        if not self.causes_resolved:
+            lines.append(
+                "  note: the chunk log does not cover this request's lookup; chunks it missed "
+                "count as cold"
+            )
+        return "\n".join(lines)
+
+    def _lookup_line(self) -> str:
+        if self.lookup_status == acc.LOOKUP_UNAVAILABLE:
+            return "unavailable (the cache server did not answer)"
+        if self.lookup_status == acc.LOOKUP_NONE:
+            return "none (the prompt has no complete chunk)"
+        hit = self.server_hit_tokens or 0
+        chunks = f" ({hit // self.chunk_size} of {len(self.lookup)} chunks)" if self.lookup else ""
+        return f"ok, server hit {hit} tokens{chunks}"
+
+
+def explain(run: Run | Path | str, request_id: str) -> RequestStory:
+    """The story of one request: ``request_id`` is vLLM's (the connector span's), the
+    workload's (the engine span's) or the session id."""
+    return Explainer(run).explain(request_id)
+
+
+class Explainer:
+    """Stories of the requests of one run (the run's tables are computed once)."""
+
+    def __init__(self, run: Run | Path | str) -> None:
+        self.run = acc.as_run(run)
+
+    @cached_property
+    def attribution(self) -> pd.DataFrame:
+        return acc.attribute(self.requests, self.run.spans, self.run.events, self.run.chunks)
+
+    @cached_property
+    def requests(self) -> pd.DataFrame:
+        return acc.connector_requests(self.run.spans)
+
+    @cached_property
+    def lookups(self) -> pd.DataFrame:
+        chunks = self.run.chunks
+        return acc.first_lookup_rows(chunks) if chunks is not None else pd.DataFrame()
+
+    @cached_property
+    def items(self) -> pd.DataFrame:
+        return acc.retrieve_items(self.run.spans, self.run.events)
+
+    @cached_property
+    def _keys(self) -> np.ndarray:
+        chunks = self.run.chunks
+        return acc.object_keys(chunks) if chunks is not None else np.empty(0, dtype=np.int64)
+
+    def find(self, request_id: str) -> int:
+        """The row of ``request_id`` (vLLM's id, the workload's id or the session id)."""
+        table = self.attribution
+        for column in ("request_id", "workload_request_id", "session_id"):
+            matches = np.flatnonzero((table[column].astype(str) == str(request_id)).to_numpy())
+            if len(matches):
+                return int(matches[0])
+        raise LookupError(
+            f"no request {request_id!r} in {self.run.path}: give vLLM's request id, the "
+            f"workload's or the session id ({len(table)} requests have connector spans)"
+        )
+
+    def explain(self, request_id: str) -> RequestStory:
+        row = self.attribution.iloc[self.find(request_id)]
+        chunks = self._chunk_lookups(str(row["session_id"]))
+        segments = _segments(row, chunks)
+        first = next((s for s in segments if s.category not in _HITS), None)
+        hit = row["server_hit_tokens"]
+        return RequestStory(
+            request_id=str(row["request_id"]),
+            workload_request_id=_text(row["workload_request_id"]),
+            session_id=str(row["session_id"]),
+            group=_text(row["group"]),
+            trace_id=str(row["trace_id"]),
+            prompt_tokens=int(row["prompt_tokens"]),
+            chunk_size=int(row["chunk_size"]),
+            tp_size=int(row["tp_size"]),
+            engine_hit_tokens=int(row["engine_hit_tokens"]),
+            server_hit_tokens=None if pd.isna(hit) else int(hit),
+            promised_tokens=int(row["promised_tokens"]),
+            external_hit_tokens=int(row["external_hit_tokens"]),
+            lookup_status=str(row["lookup_status"]),
+            tokens={name: int(row[name]) for name in acc.CATEGORIES},
+            segments=tuple(segments),
+            lookup=tuple(chunks),
+            first_miss=None if first is None else self._miss(row, first, chunks),
+            causes_resolved=bool(row["causes_resolved"]),
+        )
+
+    # --- the first miss ----------------------------------------------------------------------
+
+    def _chunk_lookups(self, session_id: str) -> list[ChunkLookup]:
+        if self.lookups.empty:
+            return []
+        rows = self.lookups[self.lookups["session_id"] == session_id]
+        return [
+            ChunkLookup(int(r.position), str(r.status), str(r.cause), str(r.effective))
+            for r in rows.itertuples()
+        ]
+
+    def _miss(self, row: pd.Series, segment: Segment, chunks: list[ChunkLookup]) -> Miss:
+        C, P = int(row["chunk_size"]), int(row["prompt_tokens"])
+        start, cause = segment.start_token, segment.category
+        position = start // C
+        if cause == "last_token":
+            return Miss(cause, start, None, "vLLM always computes the last prompt token itself.")
+        if cause == "partial_chunk":
+            return Miss(
+                cause,
+                start,
+                position,
+                f"tokens [{start}, {P - 1}) lie in the prompt's incomplete last chunk "
+                f"(chunk size {C}): never stored, never looked up.",
+            )
+        if cause == "engine_only":
+            return Miss(
+                cause,
+                start,
+                position,
+                f"the server held {int(row['server_hit_tokens'])} tokens at lookup, but vLLM "
+                f"loaded only {int(row['promised_tokens'])} tokens beyond its own hit of "
+                f"{int(row['engine_hit_tokens'])}: vLLM's prefix cache or its block allocation "
+                "decided, and nothing more was loaded.",
+            )
+        if cause == "unavailable":
+            error = self._lookup_error(row)
+            return Miss(
+                cause,
+                start,
+                position,
+                f"the lookup did not succeed ({error or 'no reply'}); the request ran without "
+                "the cache.",
+                lookup_error=error,
+            )
+        if cause == "load_failed":
+            return self._load_failed(row, start)
+        return self._chunk_miss(row, start, cause, position, chunks)
+
+    def _chunk_miss(
+        self, row: pd.Series, start: int, cause: str, position: int, chunks: list[ChunkLookup]
+    ) -> Miss:
+        source = _source_chunk(chunks, position)
+        if source is None:
+            return Miss(
+                cause,
+                start,
+                position,
+                "the chunk log has no lookup of this request: the chunk counts as cold.",
+            )
+        lookup = self._lookup_row(str(row["session_id"]), source)
+        assert lookup is not None  # the chunk's lookup row is where its cause came from
+        history = self._history(int(lookup["object_key"]))
+        before = history[history["seq"] < lookup["seq"]]
+        after = history[history["seq"] > lookup["seq"]]
+        chunk_hash = _hex(lookup["chunk_hash"]) if "chunk_hash" in lookup else None
+        label = f"chunk {source} ({chunk_hash[:16]}…)" if chunk_hash else f"chunk {source}"
+        if cause == "capacity":
+            commits = before[before["event"] == "commit"]
+            committed_seq = commits["seq"].iloc[-1] if len(commits) else -1
+            removals = before[before["event"].isin(_REMOVALS) & (before["seq"] > committed_seq)]
+            removal = removals.iloc[0] if len(removals) else None
+            storer = self._storer(str(commits["session_id"].iloc[-1]) if len(commits) else "")
+            removed = (
+                "it was gone before the lookup, with no evict or drop row in the log"
+                if removal is None
+                else f"{_removal_text(str(removal['event']))} by span {removal['span_id']}"
+            )
+            return Miss(
+                cause, start, source,
+                f"{label} was stored by {_request_text(storer)} and {removed} before this lookup.",
+                chunk_hash=chunk_hash,
+                evict_span_id=None if removal is None else str(removal["span_id"]),
+                evict_cause=None if removal is None else _removal_cause(removal),
+                storer_session_id=storer[0], storer_request_id=storer[1],
+                storer_workload_request_id=storer[2],
+            )  # fmt: skip
+        if cause == "in_flight":
+            reserves = before[before["event"] == "reserve"]
+            session = str(reserves.iloc[-1]["session_id"]) if len(reserves) else ""
+            storer = self._storer(session)
+            commits = after[(after["event"] == "commit") & (after["session_id"] == session)]
+            when = " (it committed after the lookup)" if len(commits) else ""
+            return Miss(
+                cause, start, source,
+                f"{label} was being stored by {_request_text(storer)}: reserved, not yet "
+                f"committed, when this request looked it up{when}.",
+                chunk_hash=chunk_hash, storer_session_id=storer[0] or None,
+                storer_request_id=storer[1], storer_workload_request_id=storer[2],
+            )  # fmt: skip
+        aborted = before[before["event"] == "abort"]
+        later = after[after["event"] == "commit"]
+        reason = f"no earlier request stored {label} before this lookup"
+        if len(aborted):
+            reason += f" (a store by session {aborted.iloc[-1]['session_id']} was aborted)"
+        if len(later):
+            reason += f"; it was first stored afterwards by session {later.iloc[0]['session_id']}"
+        return Miss(cause, start, source, reason + ".", chunk_hash=chunk_hash)
+
+    def _load_failed(self, row: pd.Series, start: int) -> Miss:
+        C, tp = int(row["chunk_size"]), int(row["tp_size"])
+        items = self.items[self.items["request_id"] == str(row["request_id"])]
+        failed = items[items["failed"]]
+        per_rank = failed.groupby("rank")["first_failed_token"].min()
+        ranks = {int(r): int(t) for r, t in per_rank.items()}
+        missing = tuple(sorted(set(range(tp)) - set(items["rank"].astype(int))))
+        parts = [f"rank {r} failed from token {t}" for r, t in ranks.items()]
+        parts += [f"rank {r} sent no retrieve" for r in missing]
+        position = start // C
+        reason = (
+            f"vLLM was promised tokens [{int(row['engine_hit_tokens'])}, "
+            f"{int(row['engine_hit_tokens']) + int(row['promised_tokens'])}) but "
+            + (", ".join(parts) or "the load failed")
+            + f"; vLLM recomputes from the first failed block (token {start})."
+        )
+        evict_span_id = evict_cause = None
+        lookup = self._lookup_row(str(row["session_id"]), position)
+        if lookup is not None:
+            history = self._history(int(lookup["object_key"]))
+            removals = history[history["event"].isin(_REMOVALS) & (history["seq"] > lookup["seq"])]
+            if len(removals):
+                removal = removals.iloc[0]
+                evict_span_id, evict_cause = str(removal["span_id"]), _removal_cause(removal)
+                reason += (
+                    f" The chunk was {_removal_text(str(removal['event']))} by span "
+                    f"{evict_span_id} after the lookup."
+                )
+        return Miss(
+            "load_failed", start, position, reason,
+            evict_span_id=evict_span_id, evict_cause=evict_cause, failed_ranks=ranks,
+            missing_ranks=missing,
+            retrieve_span_ids=tuple(dict.fromkeys(items["span_id"].astype(str))),
+        )  # fmt: skip
+
+    # --- lookups into the tables -------------------------------------------------------------
+
+    def _lookup_row(self, session_id: str, position: int) -> pd.Series | None:
+        if self.lookups.empty:
+            return None
+        rows = self.lookups[
+            (self.lookups["session_id"] == session_id) & (self.lookups["position"] == position)
+        ]
+        if rows.empty:
+            return None
+        lookup = rows.iloc[0].copy()
+        chunks = self.run.chunks
+        assert chunks is not None
+        match = chunks[
+            (chunks["event"] == "lookup")
+            & (chunks["seq"] == lookup["seq"])
+            & (chunks["server"] == lookup["server"])
+        ]
+        lookup["chunk_hash"] = match["chunk_hash"].iloc[0] if len(match) else None
+        return lookup
+
+    def _history(self, object_key: int) -> pd.DataFrame:
+        """Every log row about one object (all KV ranks), in order."""
+        chunks = self.run.chunks
+        assert chunks is not None
+        return chunks[self._keys == object_key].sort_values("seq", kind="stable")
+
+    def _storer(self, session_id: str) -> tuple[str, str | None, str | None]:
+        """(session id, vLLM request id, workload request id) of a session."""
+        if not session_id:
+            return "", None, None
+        request_id = session_id.partition(":")[2] or session_id
+        table = self.attribution
+        match = table[table["session_id"] == session_id]
+        workload = _text(match["workload_request_id"].iloc[0]) if len(match) else None
+        return session_id, request_id, workload
+
+    def _lookup_error(self, row: pd.Series) -> str | None:
+        spans = self.run.spans
+        lookups = spans[
+            (spans["name"] == a.CONNECTOR_LOOKUP) & (spans["parent_span_id"] == row["span_id"])
+        ]
+        for _, lookup in lookups.iterrows():
+            error = _text(lookup.get(a.ERROR)) or _text(lookup.get("status_message"))
+            if error:
+                return error
+        return None
+
+
+def _segments(row: pd.Series, chunks: list[ChunkLookup]) -> list[Segment]:
+    """The request's prompt as token ranges of one category each (same rules as
+    :func:`testbed.analysis.attribution.attribute`, one request at a time)."""
+    P, C = int(row["prompt_tokens"]), int(row["chunk_size"])
+    E, X, L = (int(row[c]) for c in ("engine_hit_tokens", "external_hit_tokens", "promised_tokens"))
+    hit = row["server_hit_tokens"]
+    H = 0 if pd.isna(hit) else int(hit)
+    last = max(P - 1, 0)
+    low = E + L
+    complete_end = (P // C) * C
+    full_end = min(last, complete_end)
+    pieces = [(0, E, "engine"), (E, E + X, "external"), (E + X, low, "load_failed")]
+    if row["lookup_status"] == acc.LOOKUP_UNAVAILABLE:
+        pieces.append((low, full_end, "unavailable"))
+    else:
+        held_end = (H // C) * C
+        pieces.append((low, min(full_end, held_end), "engine_only"))
+        effective = {c.position: c.effective for c in chunks}
+        begin = max(low, held_end)
+        for position in range(begin // C, -(-full_end // C)):
+            cause = effective.get(position, "cold")
+            cause = "cold" if cause == acc.CHUNK_HIT else cause
+            pieces.append((max(position * C, begin), min((position + 1) * C, full_end), cause))
+    pieces.append((max(low, complete_end), last, "partial_chunk"))
+    if P > 0:
+        pieces.append((last, P, "last_token"))
+    merged: list[Segment] = []
+    for start, end, category in pieces:
+        if end <= start:
+            continue
+        if merged and merged[-1].category == category and merged[-1].end_token == start:
+            merged[-1] = Segment(merged[-1].start_token, end, category)
+        else:
+            merged.append(Segment(start, end, category))
+    return merged
+
+
+def _source_chunk(chunks: list[ChunkLookup], position: int) -> int | None:
+    """The chunk whose own miss explains ``position``: itself, or for a hit behind a miss the
+    nearest earlier chunk that missed."""
+    own = {c.position: c for c in chunks}
+    for candidate in range(position, -1, -1):
+        chunk = own.get(candidate)
+        if chunk is None:
+            return None
+        if chunk.cause != acc.CHUNK_HIT:
+            return candidate
+    return None
+
+
+def _request_text(storer: tuple[str, str | None, str | None]) -> str:
+    session, request_id, workload = storer
+    if not session:
+        return "an unknown request"
+    names = [f"workload {workload}"] if workload else []
+    return f"request {request_id} ({', '.join([*names, f'session {session}'])})"
+
+
+def _removal_text(event: str) -> str:
+    return {"evict": "evicted for room", "drop": "dropped", "expire": "expired"}.get(event, event)
+
+
+def _removal_cause(removal: pd.Series) -> str:
+    return str(removal["cause"]) or str(removal["event"])
+
+
+def _chunk_text(chunk: ChunkLookup) -> str:
+    if chunk.status == acc.CHUNK_HIT:
+        return f"{chunk.position} hit" + (
+            f" (behind a miss: {chunk.effective})" if chunk.effective != acc.CHUNK_HIT else ""
+        )
+    if chunk.status == chunk.cause:
+        return f"{chunk.position} {chunk.status}"
+    return f"{chunk.position} {chunk.status} ({chunk.cause})"
+
+
+def _hex(value: object) -> str | None:
+    return value.hex() if isinstance(value, bytes | bytearray) else None
+
+
+def _text(value: object) -> str | None:
+    if value is None or (not isinstance(value, str) and bool(pd.isna(value))):
+        return None
+    text = str(value)
+    return text or None
