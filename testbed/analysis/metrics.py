@@ -7,11 +7,13 @@ Per-request metrics take a *requests* frame (columns ``prompt_tokens``, ``engine
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 
 import numpy as np
 import pandas as pd
 
+from testbed.protocol import ErrorCode
 from testbed.telemetry import attributes as a
 
 OPERATIONS = {
@@ -154,3 +156,129 @@ def column(frame: pd.DataFrame, name: str, default: object = 0) -> pd.Series:
     if name not in frame:
         return pd.Series(default, index=frame.index)
     return frame[name].fillna(default)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-run truth from spans: what this run stored, retrieved, evicted and failed. Connector
+# spans are the run's own; a server span counts for the run whose connector span caused it
+# (same trace), so runs sharing one cache server each count their own operations.
+# ---------------------------------------------------------------------------------------------
+
+_SERVER_PREFIX = "kvcache.server."
+_CONNECTOR_PREFIX = "kvcache.connector."
+ERROR_CODES = frozenset(typing.get_args(ErrorCode))
+
+
+def run_spans(spans: pd.DataFrame, run_id: str | None = None) -> pd.DataFrame:
+    """The spans of one run: its own (``run_id`` column; all when ``run_id`` is None) and the
+    server spans in the traces they started."""
+    if run_id is None or spans.empty:
+        return spans
+    server = spans["name"].str.startswith(_SERVER_PREFIX)
+    own = ~server & (spans["run_id"].astype(str) == run_id)
+    traces = set(spans.loc[own, "trace_id"])
+    return spans[own | (server & spans["trace_id"].isin(traces))]
+
+
+def run_stored_bytes(spans: pd.DataFrame, events: pd.DataFrame, run_id: str | None = None) -> int:
+    """Bytes this run's stores committed: Σ ``kvcache.bytes`` of the connector store items
+    (0 for an item whose commit failed); without items, of the store spans that succeeded."""
+    stores = _connector(spans, a.CONNECTOR_STORE, run_id)
+    items = _items(events, stores)
+    if a.BYTES in items and items[a.BYTES].notna().any():
+        return int(pd.to_numeric(items[a.BYTES]).fillna(0).sum())
+    ok = column(stores, a.OK, False).astype(bool)
+    return int(pd.to_numeric(column(stores[ok], a.BYTES)).sum())
+
+
+def run_retrieved_bytes(spans: pd.DataFrame, run_id: str | None = None) -> int:
+    """Bytes this run's retrieves copied out of the cache: Σ ``kvcache.bytes`` of its
+    connector retrieve spans (the connector writes 0 for a retrieve the server did not
+    confirm)."""
+    retrieves = _connector(spans, a.CONNECTOR_RETRIEVE, run_id)
+    return int(pd.to_numeric(column(retrieves, a.BYTES)).sum())
+
+
+def run_evictions(spans: pd.DataFrame, run_id: str | None = None) -> tuple[int, int] | None:
+    """(objects, bytes) evicted for room by this run's stores: server evict spans with reason
+    ``capacity`` in the run's traces. ``None`` when the run holds no server spans (an external
+    server that wrote its spans elsewhere)."""
+    spans = run_spans(spans, run_id)
+    if not _has_server_spans(spans):
+        return None
+    evict = spans[
+        (spans["name"] == a.SERVER_EVICT) & (column(spans, a.EVICT_REASON, "") == "capacity")
+    ]
+    return (
+        int(pd.to_numeric(column(evict, a.EVICTED_OBJECTS)).sum()),
+        int(pd.to_numeric(column(evict, a.EVICTED_BYTES)).sum()),
+    )
+
+
+def run_server_errors(spans: pd.DataFrame, run_id: str | None = None) -> int | None:
+    """Server spans with an error status in the run's traces (``None`` without server spans)."""
+    spans = run_spans(spans, run_id)
+    if not _has_server_spans(spans):
+        return None
+    server = spans[spans["name"].str.startswith(_SERVER_PREFIX)]
+    return int((server["status"] == "ERROR").sum())
+
+
+def run_error_replies(spans: pd.DataFrame, run_id: str | None = None) -> int:
+    """This run's connector spans that received an error reply: their error (``kvcache.error``,
+    else the status message) is ``"<code>: <message>"`` with a protocol error code."""
+    connector = _connector(spans, None, run_id)
+    if connector.empty:
+        return 0
+    errors = column(connector, a.ERROR, "").astype(str)
+    errors = errors.where(errors != "", connector["status_message"].fillna("").astype(str))
+    codes = errors.str.partition(": ")[0]
+    return int((errors.str.contains(": ", regex=False) & codes.isin(ERROR_CODES)).sum())
+
+
+def run_transfer_failures(
+    spans: pd.DataFrame, events: pd.DataFrame, name: str, run_id: str | None = None
+) -> int:
+    """Items of this run's connector ``name`` spans (store or retrieve) with ``kvcache.ok``
+    false: requests whose store did not commit, or whose load failed on a rank."""
+    items = _items(events, _connector(spans, name, run_id))
+    return int((pd.to_numeric(column(items, a.OK, True)) == 0).sum())
+
+
+def run_totals(
+    spans: pd.DataFrame, events: pd.DataFrame, run_id: str | None = None
+) -> dict[str, int | None]:
+    """Every per-run figure above, under its summary.json name (METRICS.md, Bytes)."""
+    evicted = run_evictions(spans, run_id)
+    return {
+        "stored_bytes": run_stored_bytes(spans, events, run_id),
+        "retrieved_bytes": run_retrieved_bytes(spans, run_id),
+        "evicted_objects": None if evicted is None else evicted[0],
+        "evicted_bytes": None if evicted is None else evicted[1],
+        "server_errors": run_server_errors(spans, run_id),
+        "error_replies": run_error_replies(spans, run_id),
+        "store_failures": run_transfer_failures(spans, events, a.CONNECTOR_STORE, run_id),
+        "retrieve_failures": run_transfer_failures(spans, events, a.CONNECTOR_RETRIEVE, run_id),
+    }
+
+
+def _connector(spans: pd.DataFrame, name: str | None, run_id: str | None) -> pd.DataFrame:
+    if spans.empty:
+        return spans
+    selected = (
+        spans["name"].str.startswith(_CONNECTOR_PREFIX) if name is None else spans["name"] == name
+    )
+    if run_id is not None:
+        selected &= spans["run_id"].astype(str) == run_id
+    return spans[selected]
+
+
+def _items(events: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
+    """The ``kvcache.item`` events of ``spans``."""
+    if events.empty or spans.empty:
+        return events.iloc[0:0]
+    return events[(events["event"] == a.ITEM_EVENT) & events["span_id"].isin(set(spans["span_id"]))]
+
+
+def _has_server_spans(spans: pd.DataFrame) -> bool:
+    return bool(len(spans)) and bool(spans["name"].str.startswith(_SERVER_PREFIX).any())
