@@ -10,7 +10,9 @@ Writes ``<sweep>/report/``: ``report.md`` (what was run, the comparison table, t
 - ``latency_cdf.png``: CDFs of lookup, store and retrieve latency (connector side), per run;
 - ``bytes.png``: bytes stored, retrieved and evicted per run;
 - ``lock_hold.png``: how long read locks were held, per run;
-- ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary).
+- ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary);
+- ``token_causes.png``: where every prompt token went, per run (the ten categories of
+  METRICS.md), beside the miss-cause table (3C table) in ``report.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from matplotlib.figure import Figure
 
 matplotlib.use("Agg")  # files only, no display
 
-from testbed.analysis import metrics, plots
+from testbed.analysis import attribution_plots, metrics, plots
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import sweep_axes
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
@@ -66,6 +68,21 @@ def write_report(sweep_dir: Path) -> Path:
     out.mkdir(exist_ok=True)
     context = _context(manifest, runs, swept)
     figures = _figures(sweep_dir, runs, x, series, swept, context)
+    measured = runs[runs["engine"] != "oracle"]
+    causes = attribution_plots.tokens_by_run(
+        {row.label: sweep_dir / row.run_id for row in measured.itertuples()}
+    )
+    if len(causes):
+        figures.append(
+            (
+                "token_causes.png",
+                attribution_plots.where_tokens_went(
+                    causes, "label", f"Where every prompt token went — {context}"
+                ),
+                "Every prompt token of every request in one category (METRICS.md): hits in "
+                "vLLM's prefix cache or the cache server, or the cause of its miss.",
+            )
+        )
     for name, figure, _ in figures:
         figure.savefig(out / name, dpi=110)
         plots.close(figure)
@@ -73,7 +90,8 @@ def write_report(sweep_dir: Path) -> Path:
     table.to_csv(out / "runs.csv", index=False)
     report = out / "report.md"
     captions = [(name, caption) for name, _, caption in figures]
-    report.write_text(_markdown(manifest, context, table, captions, index))
+    misses = attribution_plots.miss_cause_table(causes) if len(causes) else None
+    report.write_text(_markdown(manifest, context, table, captions, index, misses))
     return report
 
 
@@ -212,6 +230,7 @@ def _markdown(
     table: pd.DataFrame,
     figures: list[tuple[str, str]],
     index: pd.DataFrame,
+    misses: pd.DataFrame | None = None,
 ) -> str:
     lines = [f"# Sweep report: {context}", ""]
     if manifest.get("description"):
@@ -241,6 +260,18 @@ def _markdown(
             + [f"- `{r.run_id}`: {r.error}" for r in failed.itertuples()]
             + [""]
         )
+    if misses is not None:
+        lines += [
+            "## Miss causes",
+            "",
+            "Prompt tokens the engine computed, by cause (METRICS.md), with each cause's share "
+            "of them: the 3C table of cache studies, for KV reuse. `cold` is the compulsory "
+            "miss and `capacity` the capacity miss; there are no conflict misses (the cache is "
+            "fully associative); the other causes belong to a KV cache behind an engine.",
+            "",
+            _markdown_table(misses),
+            "",
+        ]
     lines += ["## Figures", ""]
     for name, caption in figures:
         lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
