@@ -4,12 +4,15 @@
 commit, machine), ``spans/`` (OTLP JSON lines from the engine and the server, with span
 counts), ``server.log``, ``metrics.parquet`` (one row per request) and, last,
 ``summary.json``. A directory without ``summary.json`` is an unfinished run: it is cleared
-and redone. Every process the run starts is stopped before it returns.
+and redone. A finished run is reused only if its ``spec.json`` equals the resolved spec
+(:meth:`RunSpec.differences`); otherwise it is redone, with a log line naming the fields that
+differ. Every process the run starts is stopped before it returns.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import shutil
@@ -35,6 +38,8 @@ from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import TracingConfig, configure_tracing, read_counts
 from testbed.workloads import WorkloadRequest, make_workload
 
+log = logging.getLogger(__name__)
+
 SUMMARY = "summary.json"
 REPLAY_VOCAB = 32_000
 VLLM_VOCAB = 1024  # the tiny model's vocabulary
@@ -55,15 +60,39 @@ def is_complete(run_dir: Path) -> bool:
     return (run_dir / SUMMARY).is_file()
 
 
+def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
+    """``None`` when ``run_dir`` holds no finished run; else how the finished run's
+    ``spec.json`` differs from ``spec`` (empty: it is a run of exactly ``spec``, reusable)."""
+    if not is_complete(run_dir):
+        return None
+    path = run_dir / "spec.json"
+    if not path.is_file():
+        return ["spec.json is missing"]
+    return spec.differences(json.loads(path.read_text()))
+
+
+def is_reusable(run_dir: Path, spec: RunSpec) -> bool:
+    """Whether ``run_dir`` holds a finished run of exactly ``spec``."""
+    return reuse_differences(run_dir, spec) == []
+
+
 def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()) -> dict[str, Any]:
     """Runs ``spec`` into ``out_dir/<run_id>/`` and returns its summary (existing if complete)."""
     run_dir = Path(out_dir) / spec.run_id
-    if is_complete(run_dir):
+    differences = reuse_differences(run_dir, spec)
+    if differences == []:
         return json.loads((run_dir / SUMMARY).read_text())
+    if differences:
+        log.warning(
+            "run %s: the finished run in %s was made from another spec (%s); redoing it",
+            spec.run_id,
+            run_dir,
+            "; ".join(differences),
+        )
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a half-written run is redone from scratch
     run_dir.mkdir(parents=True)
-    _write_json(run_dir / "spec.json", {"run_id": spec.run_id, **spec.to_dict()})
+    _write_json(run_dir / "spec.json", spec.document())
     _write_json(run_dir / "env.json", environment())
     requests = list(
         make_workload(

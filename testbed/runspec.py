@@ -2,8 +2,16 @@
 
 Every ``kvtb run`` flag is a field here (``--chunk-size`` ↔ ``chunk_size``), and so is every key
 of a sweep's ``[base]`` and ``[grid]``. :func:`RunSpec.from_mapping` rejects unknown keys with
-the list of valid ones; :attr:`RunSpec.run_id` is a short hash of the spec's canonical JSON, so
-the same experiment always lands in the same directory (and a finished one is not redone).
+the list of valid ones.
+
+Run identity: :attr:`RunSpec.run_id` is a short hash of :data:`SPEC_SCHEMA` and *every* field
+of the resolved spec (defaults included), so the same experiment always lands in the same
+directory and two different resolved specs never share one. A finished run is reused only if
+its ``spec.json`` (:meth:`RunSpec.document`) equals today's resolved spec
+(:meth:`RunSpec.differences` is empty); a field it lacks is a difference, unless
+:data:`SPEC_MIGRATIONS` says which value the runs made before the field existed had.
+Changing a default therefore changes the id of every spec that relies on it: the old runs are
+not reused, they are redone under a new id.
 """
 
 from __future__ import annotations
@@ -25,6 +33,21 @@ ENGINES = ("replay", "vllm", "oracle")
 SERVER_POLICIES = tuple(sorted(POLICIES))
 ORACLE_POLICIES = ("lru", "belady")  # capacity None: the infinite cache
 MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
+
+SPEC_SCHEMA = 2
+"""What the fields mean, as a version; part of every run id and of ``spec.json``. Bump it when
+a field's meaning changes while its name and value stay (e.g. a capacity counted in another
+unit), so that no run made under the old meaning is reused. Version 1: ``spec.json`` without
+``spec_schema``, ids hashed from the fields that differed from their defaults."""
+SPEC_MIGRATIONS: dict[str, Any] = {}
+"""Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
+value that runs made before it existed implicitly had (the value that reproduces exactly what
+they did). While a field has that value it is left out of the run id (older ids stay), and a
+``spec.json`` that lacks the field compares as holding it. Empty: no field has been added since
+version 2."""
+DOCUMENT_ONLY_KEYS = ("run_id", "spec_schema", "effective")
+"""``spec.json`` keys that are not fields: the id, the schema, and ``effective`` (what an
+engine actually ran where it differs from the spec), none of them compared."""
 
 
 @dataclass(frozen=True)
@@ -127,12 +150,39 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
-        """A short hash of the fields that differ from their defaults (so that adding a field
-        with a default later does not rename every existing run)."""
-        defaults = RunSpec().to_dict()
-        changed = {k: v for k, v in self.to_dict().items() if v != defaults[k]}
-        canonical = json.dumps(changed, sort_keys=True, separators=(",", ":"))
+        """A short hash of :data:`SPEC_SCHEMA` and every field (see the module docstring)."""
+        fields = {
+            key: value
+            for key, value in _as_stored(self.to_dict()).items()
+            if not (key in SPEC_MIGRATIONS and value == _as_stored(SPEC_MIGRATIONS[key]))
+        }
+        canonical = json.dumps(
+            {"spec_schema": SPEC_SCHEMA, "fields": fields}, sort_keys=True, separators=(",", ":")
+        )
         return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    def document(self) -> dict[str, Any]:
+        """What ``spec.json`` holds: the run id, the schema version and every field."""
+        return {"run_id": self.run_id, "spec_schema": SPEC_SCHEMA, **self.to_dict()}
+
+    def differences(self, stored: Mapping[str, Any]) -> list[str]:
+        """How a run's ``spec.json`` differs from this spec, one line per field; empty when the
+        run is a run of exactly this spec (after :data:`SPEC_MIGRATIONS`)."""
+        expected = _as_stored(self.to_dict())
+        found = {k: v for k, v in stored.items() if k not in DOCUMENT_ONLY_KEYS}
+        for key, value in SPEC_MIGRATIONS.items():
+            found.setdefault(key, _as_stored(value))
+        lines = []
+        schema = stored.get("spec_schema", 1)
+        if schema != SPEC_SCHEMA:
+            lines.append(f"spec_schema: {schema!r} in spec.json, now {SPEC_SCHEMA}")
+        for key, value in expected.items():
+            if key not in found:
+                lines.append(f"{key}: missing in spec.json, now {value!r}")
+            elif found[key] != value or type(found[key]) is not type(value):
+                lines.append(f"{key}: {found[key]!r} in spec.json, now {value!r}")
+        lines += [f"{key}: in spec.json, no longer a field" for key in found if key not in expected]
+        return lines
 
     @classmethod
     def keys(cls) -> list[str]:
@@ -162,6 +212,12 @@ class RunSpec:
             return cls(**resolved)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+def _as_stored(value: Any) -> Any:
+    """``value`` as ``spec.json`` holds it (JSON types), so that comparisons see what a
+    finished run's file says."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 def _matches(value: Any, annotation: Any) -> bool:

@@ -1,11 +1,12 @@
 """Running a sweep: ``kvtb sweep`` and ``kvtb demo``, and :func:`run_sweep` behind both.
 
 :func:`run_sweep` writes ``OUT/<name>/sweep.toml`` and ``sweep.json``, skips every run that is
-already complete, executes the others (local processes or Ray tasks, see
-:mod:`testbed.sweep.executors`), then builds ``index.parquet``. Running it again does nothing
-new; after a crash or Ctrl-C it finishes only the runs that are missing (a half-written run is
-redone by ``execute_run``). Failed runs are recorded (and retried by the next invocation);
-they never stop the sweep.
+already complete (a finished run of exactly its spec: ``testbed.run.is_reusable``; one made
+from another spec is redone, with a log line saying which fields differ), executes the
+others (local processes or Ray tasks, see :mod:`testbed.sweep.executors`), then builds
+``index.parquet``. Running it again does nothing new; after a crash or Ctrl-C it finishes only
+the runs that are missing (a half-written run is redone by ``execute_run``). Failed runs are
+recorded (and retried by the next invocation); they never stop the sweep.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import sys
@@ -22,11 +24,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from testbed.run import is_complete
+from testbed.run import is_reusable, reuse_differences
 from testbed.runspec import RunSpec
 from testbed.sweep.executors import RayMissing, RunOutcome, require_ray, run_local, run_ray
 from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
 from testbed.sweep.spec import SweepSpec, load_sweep
+
+log = logging.getLogger(__name__)
 
 EXECUTORS = ("local", "ray")
 QUICKSTART = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.toml"
@@ -80,7 +84,19 @@ def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions(
 
 def _run_sweep(sweep: SweepSpec, sweep_dir: Path, options: SweepOptions) -> SweepResult:
     write_manifest(sweep_dir, sweep)
-    todo = [run for run in sweep.runs if not is_complete(sweep_dir / run.run_id)]
+    todo = []
+    for run in sweep.runs:
+        differences = reuse_differences(sweep_dir / run.run_id, run)
+        if differences == []:
+            continue  # finished, and a run of exactly this spec
+        if differences:
+            log.warning(
+                "sweep %s: run %s was finished from another spec (%s); it will be redone",
+                sweep.name,
+                run.run_id,
+                "; ".join(differences),
+            )
+        todo.append(run)
     todo_ids = {run.run_id for run in todo}
     skipped = tuple(run_id for run_id in sweep.run_ids if run_id not in todo_ids)
     display = _Display(sweep, len(skipped), enabled=options.progress)
@@ -137,7 +153,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         sweep_dir = Path(args.out) / sweep.name
-        complete = sum(is_complete(sweep_dir / run_id) for run_id in sweep.run_ids)
+        complete = sum(is_reusable(sweep_dir / run.run_id, run) for run in sweep.runs)
         print(
             f"\nkvtb sweep: interrupted with {complete} of {len(sweep.runs)} runs complete; "
             "run the same command again to finish the others",

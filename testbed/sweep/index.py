@@ -64,9 +64,7 @@ def record_failure(run_dir: Path, spec: RunSpec, error: str, details: str = "") 
     """Marks ``run_dir`` failed: ``error.txt``, and ``spec.json`` if the run had not written it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / SPEC_FILE).is_file():
-        _write_text(
-            run_dir / SPEC_FILE, json.dumps({"run_id": spec.run_id, **spec.to_dict()}, indent=1)
-        )
+        _write_text(run_dir / SPEC_FILE, json.dumps(spec.document(), indent=1, default=str))
     first_line = " ".join(error.split()) or "run failed"
     _write_text(run_dir / ERROR_FILE, f"{first_line}\n\n{details}")
 
