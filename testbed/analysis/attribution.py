@@ -413,7 +413,7 @@ def _chunk_causes(
     }
     for name in CHUNK_CAUSES:
         counts[name] = per_cause[name].astype(np.int64)
-    assigned = sum(per_cause.values()).astype(np.int64)
+    assigned = np.sum(list(per_cause.values()), axis=0).astype(np.int64)
     # Tokens of chunks the log says nothing about (no lookup rows, or a hit with no miss
     # before it, which a consistent log does not have): cold, unresolved.
     unexplained = need - assigned + per_cause[CHUNK_HIT].astype(np.int64)
