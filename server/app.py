@@ -1,10 +1,19 @@
 """The cache server process: a ZeroMQ ROUTER loop around :class:`server.service.CacheService`.
 
 ``python -m server`` / ``kvtb server``. Binds loopback by default and prints one readiness
-line on stdout, ``KVTB_SERVER_READY endpoint=tcp://HOST:PORT pid=PID``, once it accepts
-requests (so launchers can start it with ``--port 0``). Malformed, oversized or unknown frames
-get an ``Error`` reply; nothing a client sends can stop the loop. SIGTERM/SIGINT stop it
-cleanly: spans are flushed and the shared-memory pool is removed.
+line on stdout once it accepts requests (so launchers can start it with ``--port 0``)::
+
+    KVTB_SERVER_READY endpoint=tcp://HOST:PORT pid=PID epoch=N token_file=PATH prefault_ms=X
+
+Nothing a client sends can stop the loop: a frame that cannot be decoded (malformed,
+oversized, nested, an unknown op) gets an ``Error`` reply; frames larger than twice
+``--max-message-bytes`` make ZeroMQ drop the connection. Clients are known by the routing id
+ZeroMQ gives their connection (unique per connection for the server's life); a client that
+chose its own routing id (``ZMQ_ROUTING_ID``) could reuse another's after it left, so its
+requests are refused. A client silent past ``--client-timeout`` is reaped: everything it owned
+is released. SIGTERM, SIGINT
+and SIGHUP stop the server cleanly: spans and the chunk log are flushed, the pool and its
+token file removed; files of earlier servers that were killed are reclaimed at start.
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from server.auth import Credentials, server_credentials, write_token_file
+from server.chunk_log import ChunkLog
 from server.config import ServerConfig
+from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed import protocol as p
 from testbed.sizes import parse_bytes
@@ -32,28 +44,97 @@ from testbed.telemetry.setup import TracingConfig, configure_tracing
 log = logging.getLogger("server")
 
 READY_PREFIX = "KVTB_SERVER_READY"
-_MAX_BATCH = 256  # requests handled per poll wake-up before TTLs are checked again
+_MAX_BATCH = 256  # requests handled per poll wake-up before slices and TTLs run again
+Reply = tuple[bytes, p.Reply]
 
 
 def serve(
     config: ServerConfig,
     *,
-    on_ready: Callable[[str], None],
+    on_ready: Callable[[dict[str, str]], None],
     stop: threading.Event,
     parent_pid: int | None = None,
 ) -> None:
     """Serves until ``stop`` is set (or, with ``parent_pid``, until that parent is gone).
-    ``on_ready`` gets the bound endpoint."""
-    with CacheService(config) as service, zmq.Context() as context:
-        socket = context.socket(zmq.ROUTER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
+    ``on_ready`` gets the readiness fields (endpoint, pid, epoch, token_file, prefault_ms)."""
+    reclaimed = reclaim_dead_server_files()
+    if reclaimed:
+        log.warning("removed %d files of servers that no longer run", len(reclaimed))
+    token_path = config.token_file or default_token_path()
+    credentials = server_credentials(config.token_file)
+    with zmq.Context() as context:
+        socket = _router(context, config)
+        authenticator = _curve(context, socket, config)
         try:
             port = _bind(socket, config)
-            on_ready(f"tcp://{config.host}:{port}")
-            _loop(socket, service, config, stop, parent_pid)
+            if config.token_file is None or not token_path.exists():
+                write_token_file(token_path, credentials)
+            try:
+                _serve_bound(
+                    config, credentials, socket, port, token_path, on_ready, stop, parent_pid
+                )
+            finally:
+                if config.token_file is None:
+                    token_path.unlink(missing_ok=True)
         finally:
             socket.close()
+            if authenticator is not None:
+                authenticator.stop()
+
+
+def _serve_bound(
+    config: ServerConfig,
+    credentials: Credentials,
+    socket: zmq.Socket,
+    port: int,
+    token_path: Path,
+    on_ready: Callable[[dict[str, str]], None],
+    stop: threading.Event,
+    parent_pid: int | None,
+) -> None:
+    chunk_log = ChunkLog(config.run_dir) if config.run_dir is not None else None
+    with CacheService(config, credentials, chunk_log=chunk_log) as service:
+        prefault = getattr(service.pool, "prefault", None)
+        prefault_s = prefault() if callable(prefault) else 0.0
+        on_ready(
+            {
+                "endpoint": f"tcp://{config.host}:{port}",
+                "pid": str(os.getpid()),
+                "epoch": str(service.epoch),
+                "token_file": str(token_path),
+                "prefault_ms": f"{float(prefault_s or 0.0) * 1e3:.1f}",
+            }
+        )
+        _loop(socket, service, config, stop, parent_pid)
+
+
+def _router(context: zmq.Context, config: ServerConfig) -> zmq.Socket:
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
+    return socket
+
+
+def _curve(context: zmq.Context, socket: zmq.Socket, config: ServerConfig):  # type: ignore[no-untyped-def]
+    if config.curve_dir is None:
+        return None
+    from zmq.auth import load_certificate
+    from zmq.auth.thread import ThreadAuthenticator
+
+    secret_file = config.curve_dir / "server.key_secret"
+    if not secret_file.is_file():
+        raise ValueError(
+            f"--curve-dir {config.curve_dir} has no server.key_secret (make one with "
+            "zmq.auth.create_certificates(DIR, 'server'))"
+        )
+    public, secret = load_certificate(secret_file)
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(config.curve_dir))
+    socket.curve_secretkey = secret
+    socket.curve_publickey = public
+    socket.curve_server = True
+    return authenticator
 
 
 def _bind(socket: zmq.Socket, config: ServerConfig) -> int:
@@ -74,15 +155,16 @@ def _loop(
     poller.register(socket, zmq.POLLIN)
     next_tick = time.monotonic() + config.reap_interval_s
     while not stop.is_set():
-        timeout_ms = max(0.0, next_tick - time.monotonic()) * 1e3
+        timeout_ms = 0.0 if service.busy else max(0.0, next_tick - time.monotonic()) * 1e3
         if poller.poll(int(min(timeout_ms, 100.0))):
             for _ in range(_MAX_BATCH):
                 try:
                     frames = socket.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                identity, reply = handle_frames(service, frames, config.max_message_bytes)
-                socket.send_multipart([identity, p.encode(reply)])
+                _send(socket, service, handle_frames(service, frames, config.max_message_bytes))
+        if service.busy:
+            _send(socket, service, service.advance())
         if time.monotonic() >= next_tick:
             service.tick()
             next_tick = time.monotonic() + config.reap_interval_s
@@ -91,26 +173,53 @@ def _loop(
                 stop.set()
 
 
-def handle_frames(
-    service: CacheService, frames: list[bytes], max_bytes: int
-) -> tuple[bytes, p.Reply]:
-    """Identity and reply for one ROUTER message; every malformed input gets an Error."""
+def _send(socket: zmq.Socket, service: CacheService, replies: list[Reply]) -> None:
+    for identity, reply in replies:
+        try:
+            socket.send_multipart([identity, p.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError:  # the peer's queue is full or it went away
+            service.counters.dropped_frames += 1
+
+
+def handle_frames(service: CacheService, frames: list[bytes], max_bytes: int) -> list[Reply]:
+    """Replies for one ROUTER message; every malformed input gets an Error (never raises)."""
     identity = frames[0]
     body = frames[1:]
-    if len(body) != 1:
-        return identity, service.error(
-            0, "malformed", f"expected exactly one frame per request, got {len(body)}"
+    if not identity.startswith(b"\x00"):
+        # ZeroMQ's own routing ids start with a zero byte, which applications may not use.
+        message = (
+            "clients must not set ZMQ_ROUTING_ID: connections are identified by the routing id "
+            "the server gives them, so that no client can take over another's"
         )
+        return [(identity, service.forbidden(message))]
+    if len(body) != 1:
+        return [
+            (
+                identity,
+                service.error(0, "malformed", f"expected one frame per request, got {len(body)}"),
+            )
+        ]
     frame = body[0]
     if len(frame) > max_bytes:
-        return identity, service.error(
-            0, "too_large", f"request of {len(frame)} bytes exceeds the limit of {max_bytes}"
-        )
+        message = f"request of {len(frame)} bytes exceeds the limit of {max_bytes}"
+        return [(identity, service.error(0, "too_large", message))]
     try:
         request = p.decode_request(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return identity, service.error(0, "malformed", f"cannot decode request: {exc}"[:500])
-    return identity, service.handle(identity, request)
+        return [(identity, service.error(0, "malformed", f"cannot decode request: {exc}"[:500]))]
+    except Exception as exc:  # RecursionError, MemoryError, ...: never fatal
+        message = f"cannot decode request: {type(exc).__name__}"
+        return [(identity, service.error(0, "malformed", message))]
+    try:
+        return service.handle(identity, request)
+    except Exception as exc:  # handle() never raises; this is the last line of defence
+        log.exception("unexpected error handling a request")
+        return [(identity, service.error(request.rid, "internal", f"{type(exc).__name__}"))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -142,31 +251,48 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--policy", default=d.policy, help="eviction policy: lru, fifo, lfu (default: %(default)s)"
     )
-    parser.add_argument(
-        "--read-lock-ttl",
-        type=float,
-        default=d.read_lock_ttl_s,
-        help="seconds (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--session-ttl", type=float, default=d.session_ttl_s, help="seconds (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--client-timeout",
-        type=float,
-        default=d.client_timeout_s,
-        help="seconds without a message before a client is reaped (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--lookup-pending-timeout",
-        type=float,
-        default=d.lookup_pending_timeout_s,
-        help="seconds (default: %(default)s)",
-    )
-    parser.add_argument(
+    ttls = parser.add_argument_group("deadlines (seconds)")
+    for flag, name in (
+        ("--read-lock-ttl", "read_lock_ttl_s"),
+        ("--session-ttl", "session_ttl_s"),
+        ("--client-timeout", "client_timeout_s"),
+        ("--lookup-pending-timeout", "lookup_pending_timeout_s"),
+        ("--op-ttl", "op_ttl_s"),
+    ):
+        ttls.add_argument(
+            flag, type=float, default=getattr(d, name), help=f"(default: {getattr(d, name):g})"
+        )
+    limits = parser.add_argument_group("limits (memory outside the pool, time per request)")
+    limits.add_argument(
         "--max-message-bytes",
         default=str(d.max_message_bytes),
-        help="largest accepted frame (default: 64MiB)",
+        help="largest frame (default: 64MiB)",
+    )
+    for name in (
+        "max_chunks_per_request",
+        "max_sessions",
+        "max_sessions_per_client",
+        "max_tracked_chunks",
+        "min_object_bytes",
+    ):
+        limits.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=getattr(d, name),
+            help=f"(default: {getattr(d, name)})",
+        )
+    security = parser.add_argument_group("credentials")
+    security.add_argument(
+        "--token-file",
+        type=Path,
+        help="keep the client and admin tokens in this 0600 file (created if missing, reused "
+        "if present); default: a new file beside the pool, removed on exit",
+    )
+    security.add_argument(
+        "--curve-dir",
+        type=Path,
+        help="ZeroMQ CURVE keys (server.key_secret, allowed clients' *.key); required with a "
+        "non-loopback --host",
     )
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level (default: %(default)s)"
@@ -176,9 +302,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help="stop when the process that started the server exits (launchers use this)",
     )
-    tracing = parser.add_argument_group("tracing")
+    tracing = parser.add_argument_group("telemetry")
     tracing.add_argument(
-        "--run-dir", type=Path, help="write spans to RUN_DIR/spans/ (OTLP JSON lines)"
+        "--run-dir",
+        type=Path,
+        help="write spans to RUN_DIR/spans/ (OTLP JSON lines) and the chunk event log to "
+        "RUN_DIR/chunks/",
     )
     tracing.add_argument("--run-id", default="", help="kvcache.run_id resource attribute")
     tracing.add_argument(
@@ -197,15 +326,31 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host,
         port=args.port,
         chunk_size=args.chunk_size,
-        capacity_bytes=parse_bytes(args.capacity),
+        capacity_bytes=_size("--capacity", args.capacity),
         metadata_only=args.metadata_only,
         policy=args.policy,
         read_lock_ttl_s=args.read_lock_ttl,
         session_ttl_s=args.session_ttl,
         client_timeout_s=args.client_timeout,
         lookup_pending_timeout_s=args.lookup_pending_timeout,
-        max_message_bytes=parse_bytes(args.max_message_bytes),
+        op_ttl_s=args.op_ttl,
+        max_message_bytes=_size("--max-message-bytes", args.max_message_bytes),
+        max_chunks_per_request=args.max_chunks_per_request,
+        max_sessions=args.max_sessions,
+        max_sessions_per_client=args.max_sessions_per_client,
+        max_tracked_chunks=args.max_tracked_chunks,
+        min_object_bytes=args.min_object_bytes,
+        token_file=args.token_file,
+        curve_dir=args.curve_dir,
+        run_dir=args.run_dir,
     )
+
+
+def _size(flag: str, text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,11 +363,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtb server: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
 
-    def announce(endpoint: str) -> None:
-        print(f"{READY_PREFIX} endpoint={endpoint} pid={os.getpid()}", flush=True)
+    def announce(fields: dict[str, str]) -> None:
+        line = " ".join(f"{key}={value}" for key, value in fields.items())
+        print(f"{READY_PREFIX} {line}", flush=True)
 
     tracing = configure_tracing(
         TracingConfig(
@@ -242,8 +388,16 @@ def run(args: argparse.Namespace) -> int:
         parent = os.getppid() if args.exit_with_parent else None
         serve(config, on_ready=announce, stop=stop, parent_pid=parent)
     except zmq.ZMQError as exc:
-        print(f"kvtb server: cannot bind {config.host}:{config.port}: {exc}", file=sys.stderr)
+        hint = " (is another server using that port? pick another with --port, or 0)"
+        in_use = exc.errno == zmq.EADDRINUSE
+        print(
+            f"kvtb server: cannot bind {config.host}:{config.port}: {exc}{hint if in_use else ''}",
+            file=sys.stderr,
+        )
         return 1
+    except (ValueError, OSError) as exc:
+        print(f"kvtb server: {exc}", file=sys.stderr)
+        return 2
     finally:
         if tracing is not None:
             tracing.shutdown()

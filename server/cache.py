@@ -1,4 +1,4 @@
-"""The cache index: objects, capacity, eviction, read locks and pins. Pure Python.
+"""The cache index: objects, capacity, eviction, lock groups and pins. Pure Python.
 
 Invariants (checked by :meth:`KVCache.check_invariants`, which the tests call):
 
@@ -6,23 +6,33 @@ Invariants (checked by :meth:`KVCache.check_invariants`, which the tests call):
   alignment, in metadata-only mode too, so both modes evict alike), reserved or committed,
   and never exceeds ``capacity_bytes``;
 - only committed objects with no read lock and no pin are ever evicted;
-- an object's ``locks`` equals the sum of its lock entries' counts.
+- an object's ``locks`` equals the lock units all lock groups hold on it;
+- the eviction heap holds a valid entry for every evictable object.
 
-A *read lock* is taken by a lookup on behalf of a session (one unit per expected reader) and
-released by a retrieve, an explicit free, the lock TTL, or the death of the client that took
-it. A *pin* protects an object while a worker copies out of it (retrieve begin → end).
+A *lock group* is what one lookup took: for each chunk of its hit, ``num_readers`` lock units
+on the object of every KV rank, named by a random handle. Units go back by a retrieve (one
+unit per reading rank), an explicit free of a token range, the group's TTL, or the death of
+the client that took it. A *pin* protects an object while a worker copies out of it
+(retrieve begin → end). Eviction order comes from the policy's priority keys over one lazy
+heap (see ``server.policies``): O(log n) per eviction for every policy.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from server.policies import EvictionPolicy
 from server.pool import ExtentAllocator, align
+
+# Estimated index memory per object, lock-group chunk and session (CPython objects, dict and
+# heap entries); reported in stats so that memory outside the pool is visible.
+OBJECT_INDEX_BYTES = 640
+LOCKED_CHUNK_INDEX_BYTES = 120
 
 
 class ObjectKey(NamedTuple):
@@ -33,7 +43,7 @@ class ObjectKey(NamedTuple):
     cache_salt: str
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class CacheObject:
     key: ObjectKey
     nbytes: int
@@ -41,9 +51,16 @@ class CacheObject:
     """Pool offset; ``None`` in metadata-only mode."""
     origin: str = ""
     """``traceparent`` of the store that wrote the object (eviction spans link to it)."""
+    storer: str = ""
+    """Session id of the request whose store wrote the object."""
     committed: bool = False
     locks: int = 0
     pins: int = 0
+    inserted: int = 0
+    last_access: int = 0
+    hits: int = 0
+    version: int = 0
+    """Bumped whenever the object's heap entry goes stale (priority or evictability)."""
 
     @property
     def footprint(self) -> int:
@@ -54,18 +71,51 @@ class CacheObject:
         return self.committed and self.locks == 0 and self.pins == 0
 
 
-@dataclass(slots=True)
-class _LockEntry:
-    count: int
-    client: bytes
+class Space(NamedTuple):
+    """What names a chunk's objects besides its hash: one per KV rank of ``world_size``."""
+
+    model: str
+    world_size: int
+    cache_salt: str
+
+    def key(self, chunk_hash: bytes, kv_rank: int) -> ObjectKey:
+        return _new_key(ObjectKey, (self[0], self[1], kv_rank, chunk_hash, self[2]))
+
+    def keys(self, chunk_hash: bytes) -> list[ObjectKey]:
+        model, world_size, salt = self
+        return [
+            _new_key(ObjectKey, (model, world_size, rank, chunk_hash, salt))
+            for rank in range(world_size)
+        ]
+
+
+_new_key = tuple.__new__  # builds an ObjectKey without NamedTuple's Python-level __new__
+
+
+@dataclass(slots=True, eq=False)
+class LockGroup:
+    """The read locks of one lookup: for chunk ``i`` and KV rank ``r``, ``units[i * W + r]``
+    lock units are left on ``space.key(hashes[i], r)`` (``W`` the world size). Compact: about
+    60 bytes per chunk, the keys are rebuilt when needed."""
+
+    handle: bytes
+    session_id: str
+    owner: bytes
+    space: Space
+    hashes: list[bytes]
+    units: array
     taken_at: float
     expires_at: float
-    generation: int
+    num_units: int = 0
+
+    @property
+    def keys(self) -> list[ObjectKey]:
+        return [key for h in self.hashes for key in self.space.keys(h)]
 
 
 @dataclass(frozen=True)
 class Released:
-    """Locks that went away together (an expiry sweep or a client's death)."""
+    """Locks that went away together (an expiry or a client's death)."""
 
     session_id: str
     keys: list[ObjectKey]
@@ -78,9 +128,20 @@ class Eviction:
     """Objects evicted together to make room (or dropped for another reason)."""
 
     reason: str
-    keys: list[ObjectKey] = field(default_factory=list)
+    objects: list[CacheObject] = field(default_factory=list)
     nbytes: int = 0
-    origins: list[str] = field(default_factory=list)
+
+    @property
+    def keys(self) -> list[ObjectKey]:
+        return [obj.key for obj in self.objects]
+
+    @property
+    def origins(self) -> list[str]:
+        return [obj.origin for obj in self.objects if obj.origin]
+
+    def add(self, obj: CacheObject) -> None:
+        self.objects.append(obj)
+        self.nbytes += obj.footprint
 
 
 class KVCache:
@@ -98,13 +159,20 @@ class KVCache:
         self.clock = clock
         self.read_lock_ttl_s = read_lock_ttl_s
         self.used_bytes = 0
+        self.num_locks = 0
+        self.num_pins = 0
+        self.eviction_work = 0
+        """Heap entries examined by victim selection (a machine-independent cost measure)."""
         self._objects: dict[ObjectKey, CacheObject] = {}
-        self._by_hash: dict[bytes, set[ObjectKey]] = {}
-        self._locks: dict[tuple[str, ObjectKey], _LockEntry] = {}
-        self._locks_by_session: dict[str, set[ObjectKey]] = {}
-        self._sessions_by_client: dict[bytes, set[str]] = {}
-        self._expiry: list[tuple[float, int, str, ObjectKey]] = []
-        self._generation = itertools.count()
+        self._by_hash: dict[bytes, list[ObjectKey]] = {}  # lists: most hashes have one key
+        self._events = itertools.count(1)
+        self._heap: list[tuple[tuple[int, ...], int, ObjectKey, int]] = []
+        self._entries = itertools.count()
+        self.groups: dict[bytes, LockGroup] = {}
+        self._groups_by_owner: dict[bytes, set[bytes]] = {}
+        self._expiry: list[tuple[float, int, bytes]] = []
+        self.locked_chunks = 0
+        """Chunks tracked by live lock groups (their memory is bounded by the service)."""
 
     # -----------------------------------------------------------------------------------------
     # Objects
@@ -120,8 +188,14 @@ class KVCache:
         obj = self._objects.get(key)
         return obj if obj is not None and obj.committed else None
 
+    def objects(self) -> Iterable[CacheObject]:
+        return self._objects.values()
+
+    def keys_with_hash(self, chunk_hash: bytes) -> list[ObjectKey]:
+        return sorted(self._by_hash.get(chunk_hash, ()))
+
     def reserve(
-        self, key: ObjectKey, nbytes: int, origin: str, eviction: Eviction
+        self, key: ObjectKey, nbytes: int, origin: str, storer: str, eviction: Eviction
     ) -> CacheObject | None:
         """A new uncommitted object of ``nbytes``, evicting into ``eviction`` to make room.
 
@@ -132,48 +206,71 @@ class KVCache:
         placed, offset = self._make_room(nbytes, eviction)
         if not placed:
             return None
-        obj = CacheObject(key=key, nbytes=nbytes, offset=offset, origin=origin)
+        stamp = next(self._events)
+        obj = CacheObject(
+            key=key,
+            nbytes=nbytes,
+            offset=offset,
+            origin=origin,
+            storer=storer,
+            inserted=stamp,
+            last_access=stamp,
+        )
         self._objects[key] = obj
-        self._by_hash.setdefault(key.chunk_hash, set()).add(key)
+        self._by_hash.setdefault(key.chunk_hash, []).append(key)
         self.used_bytes += obj.footprint
         return obj
 
     def commit(self, obj: CacheObject) -> None:
         obj.committed = True
-        self.policy.inserted(obj.key)
+        obj.last_access = next(self._events)
+        self._mark(obj)
 
     def remove(self, obj: CacheObject) -> None:
         """Drops an object (an aborted reservation or an eviction victim)."""
         del self._objects[obj.key]
         same_hash = self._by_hash[obj.key.chunk_hash]
-        same_hash.discard(obj.key)
+        same_hash.remove(obj.key)
         if not same_hash:
             del self._by_hash[obj.key.chunk_hash]
         self.used_bytes -= obj.footprint
         if obj.offset is not None and self.allocator is not None:
             self.allocator.free(obj.offset)
-        if obj.committed:
-            self.policy.removed(obj.key)
-
-    def keys_with_hash(self, chunk_hash: bytes) -> list[ObjectKey]:
-        return sorted(self._by_hash.get(chunk_hash, ()))
+        obj.version += 1
 
     def drop(self, obj: CacheObject, eviction: Eviction) -> int:
-        """Removes a committed, unpinned object even if locked; returns the locks released."""
+        """Removes a committed, unpinned object even if locked; returns the lock units freed."""
         assert obj.committed and obj.pins == 0
         released = 0
-        for session_id, key in [k for k in self._locks if k[1] == obj.key]:
-            released += self.unlock(session_id, key)
-        eviction.keys.append(obj.key)
-        eviction.nbytes += obj.footprint
-        if obj.origin:
-            eviction.origins.append(obj.origin)
+        if obj.locks:
+            for group in list(self.groups.values()):
+                released += self._release_key(group, obj.key)
+        eviction.add(obj)
         self.remove(obj)
         return released
 
-    def touch(self, key: ObjectKey) -> None:
-        if key in self._objects:
-            self.policy.accessed(key)
+    def touch(self, key: ObjectKey, hit: bool = False) -> None:
+        """Refreshes an object's recency (``hit``: it also counts as a use for LFU)."""
+        obj = self._objects.get(key)
+        if obj is not None:
+            self.touch_object(obj, hit)
+
+    def touch_object(self, obj: CacheObject, hit: bool = False) -> None:
+        obj.last_access = next(self._events)
+        if hit:
+            obj.hits += 1
+        if self.policy.refresh_on_access:
+            self._mark(obj)
+
+    def index_bytes(self) -> int:
+        """Estimated memory of objects and lock bookkeeping outside the pool."""
+        return len(self._objects) * OBJECT_INDEX_BYTES + self.locked_chunks * (
+            LOCKED_CHUNK_INDEX_BYTES
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Eviction
+    # -----------------------------------------------------------------------------------------
 
     def _make_room(self, nbytes: int, eviction: Eviction) -> tuple[bool, int | None]:
         """``(True, pool offset)`` for ``nbytes`` (offset ``None`` in metadata-only mode), or
@@ -191,133 +288,220 @@ class KVCache:
             victim = self._next_victim()
             if victim is None:
                 return False, None
-            eviction.keys.append(victim.key)
-            eviction.nbytes += victim.footprint
-            if victim.origin:
-                eviction.origins.append(victim.origin)
+            eviction.add(victim)
             self.remove(victim)
 
+    def _mark(self, obj: CacheObject) -> None:
+        """The object's priority or evictability changed: its old heap entry is stale."""
+        obj.version += 1
+        if obj.evictable:
+            entry = (self.policy.priority(obj), next(self._entries), obj.key, obj.version)
+            heapq.heappush(self._heap, entry)
+            if len(self._heap) > 2 * len(self._objects) + 1024:
+                self._compact()
+
     def _next_victim(self) -> CacheObject | None:
-        for key in self.policy.candidates():
-            obj = self._objects[key]  # type: ignore[index]
-            if obj.evictable:
+        while self._heap:
+            _, _, key, version = heapq.heappop(self._heap)
+            self.eviction_work += 1
+            obj = self._objects.get(key)
+            if obj is not None and obj.version == version and obj.evictable:
                 return obj
         return None
 
+    def _compact(self) -> None:
+        """Rebuilds the heap from the evictable objects (amortised O(1) per push)."""
+        self._heap = [
+            (self.policy.priority(obj), next(self._entries), obj.key, obj.version)
+            for obj in self._objects.values()
+            if obj.evictable
+        ]
+        heapq.heapify(self._heap)
+
     # -----------------------------------------------------------------------------------------
-    # Read locks
+    # Lock groups
     # -----------------------------------------------------------------------------------------
 
-    @property
-    def num_locks(self) -> int:
-        return sum(entry.count for entry in self._locks.values())
-
-    def lock(self, session_id: str, client: bytes, key: ObjectKey, count: int) -> None:
-        obj = self._objects[key]
+    def lock_group(
+        self,
+        handle: bytes,
+        session_id: str,
+        owner: bytes,
+        space: Space,
+        hashes: list[bytes],
+        num_readers: int,
+        objects: list[CacheObject] | None = None,
+    ) -> LockGroup:
+        """Takes ``num_readers`` units on every object of ``hashes`` (all committed;
+        ``objects``: those objects in chunk-then-rank order, when the caller has them)."""
         now = self.clock()
-        generation = next(self._generation)
-        expires_at = now + self.read_lock_ttl_s
-        entry = self._locks.get((session_id, key))
-        if entry is None:
-            self._locks[(session_id, key)] = _LockEntry(count, client, now, expires_at, generation)
-            self._locks_by_session.setdefault(session_id, set()).add(key)
-            self._sessions_by_client.setdefault(client, set()).add(session_id)
-        else:
-            entry.count += count
-            entry.expires_at = expires_at
-            entry.generation = generation
-        obj.locks += count
-        heapq.heappush(self._expiry, (expires_at, generation, session_id, key))
+        world = space.world_size
+        group = LockGroup(
+            handle=handle,
+            session_id=session_id,
+            owner=owner,
+            space=space,
+            hashes=hashes,
+            units=array("H", [num_readers]) * (len(hashes) * world),
+            taken_at=now,
+            expires_at=now + self.read_lock_ttl_s,
+            num_units=num_readers * len(hashes) * world,
+        )
+        if objects is None:
+            objects = [self._objects[key] for h in hashes for key in space.keys(h)]
+        for obj in objects:
+            self._add_locks(obj, num_readers)
+        self.groups[handle] = group
+        self._groups_by_owner.setdefault(owner, set()).add(handle)
+        self.locked_chunks += len(hashes)
+        heapq.heappush(self._expiry, (group.expires_at, next(self._entries), handle))
+        if len(self._expiry) > 2 * len(self.groups) + 1024:
+            self._expiry = [(g.expires_at, next(self._entries), h) for h, g in self.groups.items()]
+            heapq.heapify(self._expiry)
+        return group
 
-    def unlock(self, session_id: str, key: ObjectKey, count: int | None = None) -> int:
-        """Releases ``count`` of the session's lock units on ``key`` (all if ``None``)."""
-        entry = self._locks.get((session_id, key))
-        if entry is None:
-            return 0
-        released = entry.count if count is None else min(count, entry.count)
-        entry.count -= released
-        self._objects[key].locks -= released
-        if entry.count == 0:
-            self._drop_entry(session_id, key)
+    def release_range(self, group: LockGroup, first_chunk: int, last_chunk: int) -> int:
+        """Releases every unit on chunks ``[first_chunk, last_chunk)``; returns the units."""
+        released = 0
+        world = group.space.world_size
+        for index in range(max(0, first_chunk), min(last_chunk, len(group.hashes))):
+            for rank in range(world):
+                released += self._release_units(group, index, rank, None)
+        self._maybe_drop_group(group)
         return released
 
-    def locked_keys(self, session_id: str) -> set[ObjectKey]:
-        return set(self._locks_by_session.get(session_id, ()))
+    def release_reader(self, group: LockGroup, keys: Iterable[ObjectKey]) -> int:
+        """One reader finished with ``keys`` (a retrieve): one unit each, where held."""
+        positions = {h: i for i, h in enumerate(group.hashes)}
+        released = 0
+        for key in keys:
+            index = positions.get(key.chunk_hash)
+            if index is not None and group.space.key(key.chunk_hash, key.kv_rank) == key:
+                released += self._release_units(group, index, key.kv_rank, 1)
+        self._maybe_drop_group(group)
+        return released
 
-    def unlock_session(self, session_id: str) -> int:
-        return sum(self.unlock(session_id, key) for key in self.locked_keys(session_id))
+    def release_group(self, group: LockGroup) -> int:
+        """Releases everything the group still holds and forgets it."""
+        released = self.release_range(group, 0, len(group.hashes))
+        self._forget_group(group)
+        return released
 
-    def unlock_client(self, client: bytes) -> list[Released]:
-        """Releases every lock a (dead) client took."""
+    def chunks_held(self, group: LockGroup, first_chunk: int, last_chunk: int) -> int:
+        """Chunks in ``[first_chunk, last_chunk)`` on which the group still holds a unit."""
+        world = group.space.world_size
+        return sum(
+            1
+            for index in range(max(0, first_chunk), min(last_chunk, len(group.hashes)))
+            if any(group.units[index * world : (index + 1) * world])
+        )
+
+    def groups_of(self, owner: bytes) -> list[LockGroup]:
+        return [self.groups[h] for h in sorted(self._groups_by_owner.get(owner, ()))]
+
+    def expire_groups(self) -> list[Released]:
+        """Releases lock groups whose TTL passed; one :class:`Released` each."""
+        now = self.clock()
         released = []
-        now = self.clock()
-        for session_id in sorted(self._sessions_by_client.get(client, ())):
-            keys = sorted(self.locked_keys(session_id))
-            held = [now - self._locks[(session_id, key)].taken_at for key in keys]
-            num = self.unlock_session(session_id)
-            if num:
-                released.append(Released(session_id, keys, num, max(held)))
-        self._sessions_by_client.pop(client, None)
+        while self._expiry and self._expiry[0][0] <= now:
+            _, _, handle = heapq.heappop(self._expiry)
+            group = self.groups.get(handle)
+            if group is None or group.expires_at > now:
+                continue
+            keys = group.keys
+            units = self.release_group(group)
+            if units:
+                released.append(Released(group.session_id, keys, units, now - group.taken_at))
         return released
 
-    def expire_locks(self) -> list[Released]:
-        """Releases lock entries whose TTL passed; one :class:`Released` per session."""
-        now = self.clock()
-        by_session: dict[str, tuple[list[ObjectKey], int, float]] = {}
-        while self._expiry and self._expiry[0][0] <= now:
-            _, generation, session_id, key = heapq.heappop(self._expiry)
-            entry = self._locks.get((session_id, key))
-            if entry is None or entry.generation != generation:
-                continue  # already released, or re-locked with a later expiry
-            keys, num, held = by_session.get(session_id, ([], 0, 0.0))
-            keys.append(key)
-            by_session[session_id] = (keys, num + entry.count, max(held, now - entry.taken_at))
-            self.unlock(session_id, key)
-        return [Released(s, keys, num, held) for s, (keys, num, held) in by_session.items()]
+    def _release_key(self, group: LockGroup, key: ObjectKey) -> int:
+        if group.space.key(key.chunk_hash, key.kv_rank) != key:
+            return 0
+        released = 0
+        for index, chunk_hash in enumerate(group.hashes):
+            if chunk_hash == key.chunk_hash:
+                released += self._release_units(group, index, key.kv_rank, None)
+        self._maybe_drop_group(group)
+        return released
 
-    def _drop_entry(self, session_id: str, key: ObjectKey) -> None:
-        entry = self._locks.pop((session_id, key))
-        keys = self._locks_by_session[session_id]
-        keys.discard(key)
-        if not keys:
-            del self._locks_by_session[session_id]
-            sessions = self._sessions_by_client.get(entry.client)
-            if sessions is not None:
-                sessions.discard(session_id)
-                if not sessions:
-                    del self._sessions_by_client[entry.client]
+    def _release_units(self, group: LockGroup, index: int, rank: int, count: int | None) -> int:
+        slot = index * group.space.world_size + rank
+        held = group.units[slot]
+        released = held if count is None else min(count, held)
+        if released:
+            group.units[slot] = held - released
+            group.num_units -= released
+            obj = self._objects.get(group.space.key(group.hashes[index], rank))
+            if obj is not None:
+                self._add_locks(obj, -released)
+        return released
+
+    def _add_locks(self, obj: CacheObject, delta: int) -> None:
+        was_locked = obj.locks > 0
+        obj.locks += delta
+        self.num_locks += delta
+        if was_locked != (obj.locks > 0):
+            self._mark(obj)
+
+    def _maybe_drop_group(self, group: LockGroup) -> None:
+        if group.handle in self.groups and group.num_units == 0:
+            self._forget_group(group)
+
+    def _forget_group(self, group: LockGroup) -> None:
+        if self.groups.pop(group.handle, None) is None:
+            return
+        self.locked_chunks -= len(group.hashes)
+        handles = self._groups_by_owner.get(group.owner)
+        if handles is not None:
+            handles.discard(group.handle)
+            if not handles:
+                del self._groups_by_owner[group.owner]
 
     # -----------------------------------------------------------------------------------------
     # Pins
     # -----------------------------------------------------------------------------------------
 
-    @property
-    def num_pins(self) -> int:
-        return sum(obj.pins for obj in self._objects.values())
-
     def pin(self, obj: CacheObject) -> None:
         obj.pins += 1
+        self.num_pins += 1
+        if obj.pins == 1:
+            self._mark(obj)
 
     def unpin(self, key: ObjectKey) -> None:
         obj = self._objects.get(key)
         if obj is not None and obj.pins > 0:
             obj.pins -= 1
+            self.num_pins -= 1
+            if obj.pins == 0:
+                self._mark(obj)
 
     # -----------------------------------------------------------------------------------------
     # Checks
     # -----------------------------------------------------------------------------------------
-
-    def objects(self) -> Iterable[CacheObject]:
-        return self._objects.values()
 
     def check_invariants(self) -> None:
         used = sum(obj.footprint for obj in self._objects.values())
         assert used == self.used_bytes, (used, self.used_bytes)
         assert self.used_bytes <= self.capacity_bytes, (self.used_bytes, self.capacity_bytes)
         per_object: dict[ObjectKey, int] = {}
-        for (_, key), entry in self._locks.items():
-            assert entry.count > 0
-            per_object[key] = per_object.get(key, 0) + entry.count
+        for group in self.groups.values():
+            assert group.num_units == sum(group.units) > 0, group.handle
+            world = group.space.world_size
+            for index, chunk_hash in enumerate(group.hashes):
+                for rank in range(world):
+                    key = group.space.key(chunk_hash, rank)
+                    count = group.units[index * world + rank]
+                    per_object[key] = per_object.get(key, 0) + count
+        locks = 0
+        pins = 0
+        live = {(key, version) for _, _, key, version in self._heap}
         for obj in self._objects.values():
             assert obj.locks == per_object.get(obj.key, 0), (obj.key, obj.locks)
             assert obj.pins >= 0
+            locks += obj.locks
+            pins += obj.pins
+            if obj.evictable:
+                assert (obj.key, obj.version) in live, obj.key
+        assert locks == self.num_locks, (locks, self.num_locks)
+        assert pins == self.num_pins, (pins, self.num_pins)
+        assert self.locked_chunks == sum(len(g.hashes) for g in self.groups.values())

@@ -1,40 +1,35 @@
-"""Eviction policies: small strategy classes behind a name.
+"""Eviction policies: small priority-key classes behind a name (SGLang's ``evict_policy.py``).
 
-A policy only orders objects; the cache decides what may go (never a locked, pinned or
-uncommitted object) and walks :meth:`EvictionPolicy.candidates` until enough bytes are free.
+A policy only says how to order objects: :meth:`EvictionPolicy.priority` gives the key of an
+object's current state, lowest evicted first. The cache (``server.cache``) keeps one lazy heap
+of the evictable objects' keys, pushing a fresh entry whenever an object's priority or its
+evictability changes, so every policy costs O(log n) per eviction. The cache alone decides
+what may go: never a locked, pinned or uncommitted object.
+
+Priorities use the cache's monotonic event counter (``inserted``, ``last_access``), so keys
+are unique and never compare the objects themselves.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from typing import ClassVar, Protocol
 
 
-class EvictionPolicy(ABC):
-    name: str
+class PolicyState(Protocol):
+    """What a policy may read of an object (``server.cache.CacheObject`` provides it)."""
 
-    @abstractmethod
-    def inserted(self, key: Hashable) -> None:
-        """A committed object became evictable-in-principle."""
+    inserted: int
+    last_access: int
+    hits: int
 
-    @abstractmethod
-    def accessed(self, key: Hashable) -> None:
-        """The object was hit, retrieved or its session ended."""
 
-    @abstractmethod
-    def removed(self, key: Hashable) -> None:
-        """The object left the cache."""
+class EvictionPolicy:
+    name: ClassVar[str]
+    refresh_on_access: ClassVar[bool] = True
+    """Whether an access changes the priority (FIFO: no; the cache then pushes nothing)."""
 
-    @abstractmethod
-    def candidates(self) -> Iterator[Hashable]:
-        """Keys in eviction order, first victim first.
-
-        The caller must not call the other methods while iterating: it collects its victims
-        first and removes them afterwards.
-        """
+    def priority(self, obj: PolicyState) -> tuple[int, ...]:
+        raise NotImplementedError
 
 
 class LRU(EvictionPolicy):
@@ -42,31 +37,18 @@ class LRU(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[Hashable, None] = OrderedDict()
-
-    def inserted(self, key: Hashable) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def accessed(self, key: Hashable) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def removed(self, key: Hashable) -> None:
-        self._order.pop(key, None)
-
-    def candidates(self) -> Iterator[Hashable]:
-        return iter(self._order)
+    def priority(self, obj: PolicyState) -> tuple[int, ...]:
+        return (obj.last_access,)
 
 
-class FIFO(LRU):
+class FIFO(EvictionPolicy):
     """First inserted first; hits do not refresh."""
 
     name = "fifo"
+    refresh_on_access = False
 
-    def accessed(self, key: Hashable) -> None:
-        return None
+    def priority(self, obj: PolicyState) -> tuple[int, ...]:
+        return (obj.inserted,)
 
 
 class LFU(EvictionPolicy):
@@ -74,35 +56,8 @@ class LFU(EvictionPolicy):
 
     name = "lfu"
 
-    def __init__(self) -> None:
-        self._count: dict[Hashable, int] = {}
-        self._stamp: dict[Hashable, int] = {}
-        self._heap: list[tuple[int, int, Hashable]] = []
-        self._clock = itertools.count()
-
-    def _push(self, key: Hashable) -> None:
-        stamp = next(self._clock)
-        self._stamp[key] = stamp
-        heapq.heappush(self._heap, (self._count[key], stamp, key))
-
-    def inserted(self, key: Hashable) -> None:
-        self._count[key] = 1
-        self._push(key)
-
-    def accessed(self, key: Hashable) -> None:
-        if key in self._count:
-            self._count[key] += 1
-            self._push(key)
-
-    def removed(self, key: Hashable) -> None:
-        self._count.pop(key, None)
-        self._stamp.pop(key, None)
-
-    def candidates(self) -> Iterator[Hashable]:
-        # Drop stale heap entries (older counts of the same key), then order the live ones.
-        live = sorted(entry for entry in self._heap if self._stamp.get(entry[2]) == entry[1])
-        self._heap = live  # a sorted list is a valid heap
-        return iter([key for _, _, key in live])
+    def priority(self, obj: PolicyState) -> tuple[int, ...]:
+        return (obj.hits, obj.last_access)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, FIFO, LFU)}
@@ -113,5 +68,5 @@ def make_policy(name: str) -> EvictionPolicy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(POLICIES)}"
+            f"unknown eviction policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
         ) from None

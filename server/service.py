@@ -1,24 +1,56 @@
 """The cache service: protocol requests in, replies out. No sockets (see ``server.app``).
 
-Runs in the cache server process, single-threaded: every request is handled to completion
-before the next, so the index needs no locking. Handlers raise :class:`ServiceError` for a
-client's mistake; :meth:`CacheService.handle` turns it into an ``Error`` reply and the server
-keeps serving. Every cache operation runs inside a SERVER span parented on the client's
-propagated context; evictions and lock expiries get INTERNAL spans of their own.
+Runs in the cache server process, single-threaded, so the index needs no locking. Contracts:
+
+- **Authentication**: every request but ``ping`` must carry the client token (admin
+  requests the admin token); anything else is refused before it touches any state.
+- **Ownership**: a client connection owns the sessions it looked up, the lock groups its
+  lookups took, and the reservations and pins of its operations; no other client can free,
+  commit, poll or steal them (``forbidden``). A client's death (disconnect, or silence past
+  ``client_timeout_s``) releases everything it owned.
+- **Deadlines**: every reservation, pin, pending lookup, lock group and session expires
+  (``op_ttl_s``, ``lookup_pending_timeout_s``, ``read_lock_ttl_s``, ``session_ttl_s``); the
+  housekeeping :meth:`CacheService.tick` sweeps them, so nothing outlives its owner's
+  interest. :meth:`CacheService.quiescence` tells what is still held.
+- **Bounded work**: a request naming many chunks is handled in slices of
+  :data:`SLICE_UNITS` chunk operations; other clients' requests are served between slices,
+  and a client's own later requests wait behind it, so each client sees its requests handled
+  in order. Handlers are generators that ``yield`` between slices.
+- **Errors**: handlers raise :class:`ServiceError` for a client's mistake; any exception
+  becomes an ``Error`` reply and the server keeps serving.
+
+Every cache operation runs inside a SERVER span parented on the client's propagated context;
+evictions, lock expiries and expired operations get INTERNAL spans of their own, and chunk
+events go to the chunk log (``server.chunk_log``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
-from server.cache import CacheObject, Eviction, KVCache, ObjectKey, Released
+from server import lookups, transfers
+from server.auth import Credentials
+from server.cache import Eviction, KVCache, Released
+from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.policies import make_policy
 from server.pool import ExtentAllocator, SharedMemoryPool
+from server.state import (
+    CLIENT_INDEX_BYTES,
+    SESSION_INDEX_BYTES,
+    TRACKED_CHUNK_INDEX_BYTES,
+    ChunkRun,
+    ClientState,
+    Counters,
+    Deadlines,
+    Session,
+)
 from testbed import protocol as p
 from testbed import telemetry
 from testbed.telemetry import SpanKind
@@ -26,7 +58,12 @@ from testbed.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
 
-SERVER_VERSION = "kvtestbed-server/1"
+SERVER_VERSION = "kvtestbed-server/2"
+SLICE_UNITS = 512
+"""Chunk operations one request may do before other clients are served (about 1-2 ms)."""
+MAX_LINKS = 64
+
+Handler = Callable[["CacheService", "Call", p.Request], Generator[None, None, p.Reply]]
 
 
 class ServiceError(Exception):
@@ -36,67 +73,66 @@ class ServiceError(Exception):
 
 
 @dataclass
-class Worker:
-    client: bytes
-    request: p.RegisterWorker
-    object_bytes: int
+class Call:
+    """One request being handled: who sent it, its span, and its work so far."""
 
-    def key(self, chunk_hash: bytes, cache_salt: str) -> ObjectKey:
-        r = self.request
-        return ObjectKey(r.model, r.world_size, r.kv_rank, chunk_hash, cache_salt)
+    client: ClientState
+    request: p.Request
+    span: telemetry.Span
+    span_id: str
+    traceparent: str
+    work: int = 0
 
-
-@dataclass
-class Session:
-    session_id: str
-    last_seen: float
-    lookup_keys: list[tuple[ObjectKey, ...]] = field(default_factory=list)
-    """Per chunk index of the last lookup's hit: the object keys of every KV rank."""
-    objects: set[ObjectKey] = field(default_factory=set)
-    """Objects the session looked up, stored or retrieved (refreshed on end)."""
-
-
-@dataclass
-class PendingLookup:
-    client: bytes
-    request: p.Lookup
-    deadline: float
-    polls: int = 0
+    def spend(self, units: int = 1) -> bool:
+        """Counts work; True when the request has used its slice (the handler yields)."""
+        self.work += units
+        if self.work >= SLICE_UNITS:
+            self.work = 0
+            return True
+        return False
 
 
 @dataclass
-class InflightStore:
-    client: bytes
-    objects: list[CacheObject]
+class _Task:
+    call: Call
+    steps: Generator[None, None, p.Reply]
 
 
-@dataclass
-class InflightRetrieve:
-    client: bytes
-    items: list[tuple[str, list[ObjectKey], list[bool]]]
-    """Per item: session id, the chunk keys, and which of them were present (pinned)."""
-    object_bytes: int
-
-
-@dataclass
-class Counters:
-    evicted_objects: int = 0
-    evicted_bytes: int = 0
-    expired_locks: int = 0
-    stored_bytes: int = 0
-    retrieved_bytes: int = 0
-    errors: int = 0
-
-
-Handler = Callable[[bytes, p.Request, telemetry.Span], p.Reply]
+_SPANS: dict[type, str | None] = {
+    p.Ping: None,
+    p.Heartbeat: None,
+    p.GetConfig: None,
+    p.GetStats: None,
+    p.RegisterWorker: a.SERVER_REGISTER,
+    p.UnregisterWorker: None,
+    p.Lookup: a.SERVER_LOOKUP,
+    p.LookupPoll: a.SERVER_LOOKUP,
+    p.FreeLocks: a.SERVER_LOCK_RELEASE,
+    p.EndSession: a.SERVER_END_SESSION,
+    p.StoreBegin: a.SERVER_STORE,
+    p.StoreCommit: a.SERVER_STORE,
+    p.RetrieveBegin: a.SERVER_RETRIEVE,
+    p.RetrieveEnd: a.SERVER_RETRIEVE,
+    p.Abort: a.SERVER_ABORT,
+    p.DropObjects: None,
+}
 
 
 class CacheService:
-    """Context manager: owns the shared-memory pool (removed on close)."""
+    """Context manager: owns the shared-memory pool and the chunk log (closed on exit)."""
 
-    def __init__(self, config: ServerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        credentials: Credentials,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        chunk_log: NullChunkLog | None = None,
+    ) -> None:
         self.config = config
+        self.credentials = credentials
         self.clock = clock
+        self.epoch = secrets.randbits(62) + 1
         self.pool = None if config.metadata_only else SharedMemoryPool(config.capacity_bytes)
         allocator = None if self.pool is None else ExtentAllocator(self.pool.size)
         self.cache = KVCache(
@@ -106,33 +142,35 @@ class CacheService:
             clock,
             config.read_lock_ttl_s,
         )
+        self.chunk_log = chunk_log or NullChunkLog()
         self.counters = Counters()
-        self.workers: dict[bytes, Worker] = {}
+        self.clients: dict[bytes, ClientState] = {}
         self.sessions: dict[str, Session] = {}
-        self.pending: dict[str, PendingLookup] = {}
-        self.stores: dict[int, InflightStore] = {}
-        self.retrieves: dict[int, InflightRetrieve] = {}
-        self.last_seen: dict[bytes, float] = {}
-        self._next_id = 1
-        self._handlers: dict[type, tuple[str | None, Handler]] = {
-            p.Ping: (None, self._ping),
-            p.Heartbeat: (None, self._ack),
-            p.GetConfig: (None, self._get_config),
-            p.GetStats: (None, self._get_stats),
-            p.RegisterWorker: (a.SERVER_REGISTER, self._register),
-            p.UnregisterWorker: (None, self._unregister),
-            p.Lookup: (a.SERVER_LOOKUP, self._lookup),
-            p.LookupPoll: (a.SERVER_LOOKUP, self._lookup_poll),
-            p.FreeLocks: (a.SERVER_LOCK_RELEASE, self._free_locks),
-            p.EndSession: (a.SERVER_END_SESSION, self._end_session),
-            p.StoreBegin: (a.SERVER_STORE, self._store_begin),
-            p.StoreCommit: (a.SERVER_STORE, self._store_commit),
-            p.RetrieveBegin: (a.SERVER_RETRIEVE, self._retrieve_begin),
-            p.RetrieveEnd: (a.SERVER_RETRIEVE, self._retrieve_end),
-            p.DropObjects: (None, self._drop_objects),
+        self.tracked_chunks = 0
+        self.deadlines = Deadlines()
+        self._running: dict[bytes, _Task] = {}
+        self._queued: dict[bytes, deque[p.Request]] = {}
+        self._handlers: dict[type, Handler] = {
+            p.Ping: _ping,
+            p.Heartbeat: _ack,
+            p.GetConfig: _get_config,
+            p.GetStats: _get_stats,
+            p.RegisterWorker: transfers.register,
+            p.UnregisterWorker: transfers.unregister,
+            p.Lookup: lookups.lookup,
+            p.LookupPoll: lookups.lookup_poll,
+            p.FreeLocks: lookups.free_locks,
+            p.EndSession: lookups.end_session,
+            p.StoreBegin: transfers.store_begin,
+            p.StoreCommit: transfers.store_commit,
+            p.RetrieveBegin: transfers.retrieve_begin,
+            p.RetrieveEnd: transfers.retrieve_end,
+            p.Abort: transfers.abort,
+            p.DropObjects: transfers.drop_objects,
         }
 
     def close(self) -> None:
+        self.chunk_log.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -146,9 +184,238 @@ class CacheService:
     # Entry points
     # -----------------------------------------------------------------------------------------
 
-    def handle(self, client: bytes, request: p.Request) -> p.Reply:
-        """The reply to one decoded request; never raises."""
-        self.last_seen[client] = self.clock()
+    def handle(self, client_id: bytes, request: p.Request) -> list[tuple[bytes, p.Reply]]:
+        """Replies ready now for one decoded request (none if it waits behind the client's
+        earlier request, or was split into slices: :meth:`advance` finishes it)."""
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return [(client_id, refusal)]
+        client = self.clients.get(client_id)
+        if client is None:
+            client = self.clients[client_id] = ClientState(client_id, self.clock())
+        client.last_seen = self.clock()
+        if client_id in self._running:
+            self._queued.setdefault(client_id, deque()).append(request)
+            return []
+        return self._start(client, request)
+
+    def advance(self) -> list[tuple[bytes, p.Reply]]:
+        """Runs one slice of every request split into slices; the replies that completed."""
+        replies: list[tuple[bytes, p.Reply]] = []
+        for client_id, task in list(self._running.items()):
+            reply = self._step(task)
+            if reply is None:
+                continue
+            del self._running[client_id]
+            replies.append((client_id, reply))
+            queue = self._queued.get(client_id)
+            while queue and client_id not in self._running:
+                client = self.clients.get(client_id)
+                request = queue.popleft()
+                if client is None:
+                    continue
+                replies += self._start(client, request)
+            if not queue:
+                self._queued.pop(client_id, None)
+        return replies
+
+    @property
+    def busy(self) -> bool:
+        """Whether requests split into slices are waiting for :meth:`advance`."""
+        return bool(self._running)
+
+    def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
+        self.counters.errors += 1
+        return p.Error(rid=rid, code=code, message=message, epoch=self.epoch)
+
+    def forbidden(self, message: str) -> p.Error:
+        self.counters.forbidden += 1
+        return self.error(0, "forbidden", message)
+
+    def tick(self) -> None:
+        """Applies TTLs and deadlines: lock groups, operations, pending lookups, sessions,
+        silent clients. Flushes the chunk log."""
+        for released in self.cache.expire_groups():
+            self.counters.expired_locks += released.num_locks
+            self._record_release(a.SERVER_LOCK_EXPIRE, "ttl", released)
+        now = self.clock()
+        for kind, owner, ident in list(self.deadlines.due(now)):
+            self._expire(kind, owner, ident, now)
+        for client_id in [
+            c for c, state in self.clients.items() if now - state.last_seen > self._client_ttl()
+        ]:
+            self.reap_client(client_id, "client_timeout")
+        if len(self.deadlines) > 4 * (len(self.sessions) + self._num_ops()) + 1024:
+            self.deadlines.compact(self._live_deadlines())
+        self.chunk_log.flush()
+
+    def reap_client(self, client_id: bytes, reason: str) -> None:
+        """Forgets a client: its operations, lock groups, sessions and registration."""
+        client = self.clients.pop(client_id, None)
+        self._running.pop(client_id, None)
+        self._queued.pop(client_id, None)
+        if client is None:
+            return
+        log.info("client %s gone (%s)", client_id.hex(), reason)
+        ops = len(client.stores) + len(client.retrieves)
+        for op_id in list(client.stores):
+            transfers.finish_store(self, client, op_id, ok=False)
+        for op_id in list(client.retrieves):
+            transfers.finish_retrieve(self, client, op_id, ok=[])
+        for group in self.cache.groups_of(client_id):
+            keys = group.keys
+            units = self.cache.release_group(group)
+            if units:
+                held = self.clock() - group.taken_at
+                self._record_release(
+                    a.SERVER_LOCK_EXPIRE, reason, Released(group.session_id, keys, units, held)
+                )
+        for session_id in list(client.sessions):
+            self.drop_session(session_id)
+        with telemetry.traced(
+            a.SERVER_CLIENT_GONE,
+            attributes={a.CLIENT: client_id.hex(), a.REASON: reason, a.OPS: ops},
+        ):
+            pass
+
+    def quiescence(self) -> dict[str, int]:
+        """What the server still holds: all zeros when nothing is locked, pinned or in
+        flight (the end-of-run invariant)."""
+        return {
+            "locks": self.cache.num_locks,
+            "pins": self.cache.num_pins,
+            "inflight_stores": sum(len(c.stores) for c in self.clients.values()),
+            "inflight_retrieves": sum(len(c.retrieves) for c in self.clients.values()),
+            "pending_lookups": sum(1 for s in self.sessions.values() if s.pending is not None),
+        }
+
+    # -----------------------------------------------------------------------------------------
+    # Helpers for the handlers
+    # -----------------------------------------------------------------------------------------
+
+    def session(self, call: Call, session_id: str, *, create: bool) -> Session | None:
+        """The caller's session ``session_id`` (created if ``create``); ``forbidden`` if it
+        belongs to another client."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            if session.owner != call.client.client_id:
+                self.counters.forbidden += 1
+                raise ServiceError("forbidden", f"session {session_id!r} belongs to another client")
+            session.last_seen = self.clock()
+            return session
+        if not create:
+            return None
+        if len(self.sessions) >= self.config.max_sessions:
+            raise self.limit("max_sessions", self.config.max_sessions, "live sessions")
+        if len(call.client.sessions) >= self.config.max_sessions_per_client:
+            raise self.limit(
+                "max_sessions_per_client",
+                self.config.max_sessions_per_client,
+                "live sessions of one client",
+            )
+        session = Session(session_id, call.client.client_id, self.clock())
+        self.sessions[session_id] = session
+        call.client.sessions.add(session_id)
+        self.deadlines.add(self.clock() + self.config.session_ttl_s, "session", b"", session_id)
+        return session
+
+    def drop_session(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        self.tracked_chunks -= session.tracked_chunks
+        owner = self.clients.get(session.owner)
+        if owner is not None:
+            owner.sessions.discard(session_id)
+
+    def track(self, session: Session, run: ChunkRun, *, lookup: bool) -> None:
+        """Records ``run`` for the session's refresh (a lookup's replaces the previous lookup's),
+        within ``max_tracked_chunks``: over it, a lookup is refused; a store's objects are
+        simply not refreshed."""
+        replaced = session.looked_up.num_objects if lookup and session.looked_up else 0
+        over = self.tracked_chunks - replaced + self.cache.locked_chunks + run.num_objects
+        if over > self.config.max_tracked_chunks:
+            if not lookup:
+                return
+            raise self.limit(
+                "max_tracked_chunks", self.config.max_tracked_chunks, "chunks tracked by sessions"
+            )
+        self.tracked_chunks += run.num_objects - replaced
+        if lookup:
+            session.looked_up = run
+        else:
+            session.stored.append(run)
+
+    def limit(self, name: str, value: int, what: str) -> ServiceError:
+        self.counters.refused_limits += 1
+        flag = "--" + name.replace("_", "-")
+        return ServiceError("limit", f"refused: over the server's limit of {value} {what} ({flag})")
+
+    def check_chunks(self, num_chunks: int) -> None:
+        if num_chunks > self.config.max_chunks_per_request:
+            self.counters.refused_limits += 1
+            raise ServiceError(
+                "limit",
+                f"refused: {num_chunks} chunks in one request exceed the server's limit of "
+                f"{self.config.max_chunks_per_request} (--max-chunks-per-request); split the "
+                "request",
+            )
+
+    def record_eviction(self, eviction: Eviction, parent: str = "") -> None:
+        """The evict span (linked to the stores that wrote the objects) and its chunk log."""
+        if not eviction.objects:
+            return
+        if eviction.reason == "capacity":
+            self.counters.evicted_objects += len(eviction.objects)
+            self.counters.evicted_bytes += eviction.nbytes
+        storers = sorted({obj.storer for obj in eviction.objects if obj.storer})
+        span = telemetry.start_span(
+            a.SERVER_EVICT,
+            parent=parent,
+            links=eviction.origins[:MAX_LINKS],
+            attributes={
+                a.EVICTED_OBJECTS: len(eviction.objects),
+                a.EVICTED_BYTES: eviction.nbytes,
+                a.EVICT_REASON: eviction.reason,
+                a.POLICY: self.config.policy,
+                a.USED_BYTES: self.cache.used_bytes,
+                a.CAPACITY_BYTES: self.cache.capacity_bytes,
+                a.SESSION_IDS: storers[:MAX_LINKS],
+            },
+        )
+        if self.chunk_log.enabled:
+            from server.chunk_log import DROP, EVICT, namespace
+
+            span_id = telemetry.span_id_of(span)
+            event = EVICT if eviction.reason == "capacity" else DROP
+            for obj in eviction.objects:
+                key = obj.key
+                self.chunk_log.add(
+                    event,
+                    key.chunk_hash,
+                    kv_rank=key.kv_rank,
+                    namespace=namespace(key.model, key.world_size, key.cache_salt),
+                    session_id=obj.storer,
+                    cause=eviction.reason,
+                    span_id=span_id,
+                    nbytes=obj.nbytes,
+                )
+        span.end()
+
+    def index_bytes(self) -> int:
+        return (
+            self.cache.index_bytes()
+            + len(self.sessions) * SESSION_INDEX_BYTES
+            + self.tracked_chunks * TRACKED_CHUNK_INDEX_BYTES
+            + len(self.clients) * CLIENT_INDEX_BYTES
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Internal
+    # -----------------------------------------------------------------------------------------
+
+    def _refusal(self, request: p.Request) -> p.Error | None:
+        """An error for a request that must not reach any state (version, credential)."""
         if request.v != p.PROTOCOL_VERSION:
             return self.error(
                 request.rid,
@@ -156,482 +423,122 @@ class CacheService:
                 f"protocol version {request.v} is not supported; this server speaks "
                 f"{p.PROTOCOL_VERSION} (upgrade the client or the server)",
             )
-        span_name, handler = self._handlers[type(request)]
+        if isinstance(request, p.Ping):
+            return None
+        if not self.credentials.is_client(request.auth):
+            self.counters.unauthorized += 1
+            return self.error(
+                request.rid,
+                "unauthorized",
+                "missing or wrong credential: send the server's token (its token file is "
+                "printed in the readiness line; clients read it from kvtb.token_file or "
+                "KVTB_TOKEN_FILE)",
+            )
+        if isinstance(request, p.ADMIN_REQUESTS) and not self.credentials.is_admin(request.auth):
+            self.counters.unauthorized += 1
+            return self.error(
+                request.rid,
+                "unauthorized",
+                f"{p.op_name(request)} is an administration request: it needs the admin token",
+            )
+        return None
+
+    def _start(self, client: ClientState, request: p.Request) -> list[tuple[bytes, p.Reply]]:
+        name = _SPANS[type(request)]
+        span = telemetry.INVALID_SPAN
+        if name is not None:
+            span = telemetry.start_span(
+                name,
+                kind=SpanKind.SERVER,
+                parent=request.traceparent,
+                tracestate=request.tracestate,
+                attributes={a.OP: p.op_name(request), a.EPOCH: self.epoch},
+            )
+        call = Call(
+            client, request, span, telemetry.span_id_of(span), telemetry.traceparent_of(span)
+        )
+        task = _Task(call, self._handlers[type(request)](self, call, request))
+        reply = self._step(task)
+        if reply is None:
+            self._running[client.client_id] = task
+            return []
+        return [(client.client_id, reply)]
+
+    def _step(self, task: _Task) -> p.Reply | None:
+        """Runs the task to its next yield (``None``) or to its reply; ends its span."""
+        call = task.call
+        rid = call.request.rid
         try:
-            if span_name is None:
-                reply = handler(client, request, telemetry.INVALID_SPAN)
-            else:
-                with telemetry.traced(
-                    span_name,
-                    kind=SpanKind.SERVER,
-                    parent=request.traceparent,
-                    tracestate=request.tracestate,
-                    attributes={a.OP: request.__struct_config__.tag},
-                ) as span:
-                    try:
-                        reply = handler(client, request, span)
-                    except ServiceError as exc:
-                        telemetry.fail(span, f"{exc.code}: {exc}")
-                        raise
+            next(task.steps)
+            return None
+        except StopIteration as done:
+            reply: p.Reply = done.value
+            reply.rid = rid
+            reply.epoch = self.epoch
         except ServiceError as exc:
-            return self.error(request.rid, exc.code, str(exc))
+            telemetry.fail(call.span, f"{exc.code}: {exc}")
+            reply = self.error(rid, exc.code, str(exc))
         except Exception as exc:  # a bug must not take the server down
-            log.exception("internal error handling %s", type(request).__name__)
-            return self.error(request.rid, "internal", f"{type(exc).__name__}: {exc}")
-        reply.rid = request.rid
+            log.exception("internal error handling %s", type(call.request).__name__)
+            telemetry.fail(call.span, f"internal: {type(exc).__name__}: {exc}")
+            reply = self.error(rid, "internal", f"{type(exc).__name__}: {exc}")
+        call.span.end()
         return reply
 
-    def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
-        self.counters.errors += 1
-        return p.Error(rid=rid, code=code, message=message)
+    def _client_ttl(self) -> float:
+        return self.config.client_timeout_s
 
-    def tick(self) -> None:
-        """Applies TTLs and liveness: expired locks, idle sessions, silent clients."""
-        for released in self.cache.expire_locks():
-            self.counters.expired_locks += released.num_locks
-            self._record_release(a.SERVER_LOCK_EXPIRE, "ttl", released)
-        now = self.clock()
-        for session_id in [
-            s.session_id
-            for s in self.sessions.values()
-            if now - s.last_seen > self.config.session_ttl_s
-        ]:
-            self._drop_session(session_id)
-        for session_id in [
-            s for s, pl in self.pending.items() if now > pl.deadline + self.config.session_ttl_s
-        ]:
-            del self.pending[session_id]
-        for client in [
-            c for c, seen in self.last_seen.items() if now - seen > self.config.client_timeout_s
-        ]:
-            self.reap_client(client)
+    def _num_ops(self) -> int:
+        return sum(len(c.stores) + len(c.retrieves) for c in self.clients.values())
 
-    def reap_client(self, client: bytes) -> None:
-        """Forgets a client: its locks, in-flight stores and pins, and its registration."""
-        log.warning("reaping silent client %r", client)
-        for released in self.cache.unlock_client(client):
-            self._record_release(a.SERVER_LOCK_EXPIRE, "client_timeout", released)
-        for store_id in [i for i, s in self.stores.items() if s.client == client]:
-            self._finish_store(store_id, ok=False)
-        for retrieve_id in [i for i, r in self.retrieves.items() if r.client == client]:
-            self._finish_retrieve(retrieve_id, ok=[])
-        for session_id in [s for s, pl in self.pending.items() if pl.client == client]:
-            del self.pending[session_id]
-        self.workers.pop(client, None)
-        self.last_seen.pop(client, None)
-
-    # -----------------------------------------------------------------------------------------
-    # Housekeeping requests
-    # -----------------------------------------------------------------------------------------
-
-    def _ping(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        return p.Pong(server_version=SERVER_VERSION, pid=os.getpid())
-
-    def _ack(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        return p.Ack()
-
-    def _get_config(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        c = self.config
-        return p.ServerConfigInfo(
-            chunk_size=c.chunk_size,
-            capacity_bytes=c.capacity_bytes,
-            policy=c.policy,
-            metadata_only=c.metadata_only,
-            read_lock_ttl_s=c.read_lock_ttl_s,
-            session_ttl_s=c.session_ttl_s,
-        )
-
-    def _get_stats(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        c = self.counters
-        return p.ServerStats(
-            num_objects=len(self.cache),
-            used_bytes=self.cache.used_bytes,
-            capacity_bytes=self.cache.capacity_bytes,
-            num_locks=self.cache.num_locks,
-            num_pins=self.cache.num_pins,
-            num_sessions=len(self.sessions),
-            num_workers=len(self.workers),
-            num_pending_lookups=len(self.pending),
-            num_inflight_stores=len(self.stores),
-            num_inflight_retrieves=len(self.retrieves),
-            evicted_objects=c.evicted_objects,
-            evicted_bytes=c.evicted_bytes,
-            expired_locks=c.expired_locks,
-            stored_bytes=c.stored_bytes,
-            retrieved_bytes=c.retrieved_bytes,
-            errors=c.errors,
-        )
-
-    def _register(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.RegisterWorker)
-        if req.kv_rank >= req.world_size:
-            raise ServiceError("invalid", f"kv_rank {req.kv_rank} >= world_size {req.world_size}")
-        if self.config.chunk_size % req.layout.block_size:
-            raise ServiceError(
-                "invalid",
-                f"the server's chunk size {self.config.chunk_size} is not a multiple of the "
-                f"worker's block size {req.layout.block_size}; restart the server with a "
-                f"chunk size that is",
-            )
-        object_bytes = self.config.chunk_size * req.layout.bytes_per_token
-        for other in self.workers.values():
-            same_space = (other.request.model, other.request.world_size) == (
-                req.model,
-                req.world_size,
-            )
-            if same_space and other.object_bytes != object_bytes:
-                raise ServiceError(
-                    "conflict",
-                    f"model {req.model!r} world size {req.world_size} is already registered "
-                    f"with {other.object_bytes} bytes per chunk, not {object_bytes}",
-                )
-        self.workers[client] = Worker(client, req, object_bytes)
-        span.set_attributes(
-            {a.MODEL: req.model, a.WORLD_SIZE: req.world_size, a.KV_RANK: req.kv_rank}
-        )
-        return p.WorkerRegistered(
-            chunk_size=self.config.chunk_size,
-            object_bytes=object_bytes,
-            pool_path="" if self.pool is None else str(self.pool.path),
-            pool_bytes=0 if self.pool is None else self.pool.size,
-        )
-
-    def _unregister(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        for store_id in [i for i, s in self.stores.items() if s.client == client]:
-            self._finish_store(store_id, ok=False)
-        for retrieve_id in [i for i, r in self.retrieves.items() if r.client == client]:
-            self._finish_retrieve(retrieve_id, ok=[])
-        self.workers.pop(client, None)
-        return p.Ack()
-
-    # -----------------------------------------------------------------------------------------
-    # Lookup, locks, sessions
-    # -----------------------------------------------------------------------------------------
-
-    def _lookup(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.Lookup)
-        # A new lookup replaces the session's previous one (e.g. after a preemption).
-        self.cache.unlock_session(req.session_id)
-        self.pending.pop(req.session_id, None)
-        deadline = self.clock() + self.config.lookup_pending_timeout_s
-        return self._settle_lookup(PendingLookup(client, req, deadline), span)
-
-    def _lookup_poll(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.LookupPoll)
-        pending = self.pending.pop(req.session_id, None)
-        if pending is None:
-            raise ServiceError("unknown_id", f"no pending lookup for session {req.session_id!r}")
-        pending.polls += 1
-        return self._settle_lookup(pending, span)
-
-    def _settle_lookup(self, pending: PendingLookup, span: telemetry.Span) -> p.LookupResult:
-        req = pending.request
-        hit, in_flight = self._hit_prefix(req)
-        chunk_size = self.config.chunk_size
-        span.set_attributes(
-            {
-                a.SESSION_ID: req.session_id,
-                a.CHUNKS_REQUESTED: len(req.chunk_hashes),
-                a.TOKENS_REQUESTED: len(req.chunk_hashes) * chunk_size,
-                a.NUM_READERS: req.num_readers,
-                a.LOOKUP_POLLS: pending.polls,
-            }
-        )
-        if in_flight and self.clock() < pending.deadline:
-            self.pending[req.session_id] = pending
-            span.set_attribute(a.LOOKUP_PENDING, True)
-            return p.LookupResult(pending=True)
-        session = self._session(req.session_id)
-        session.lookup_keys = []
-        num_locks = 0
-        for chunk_hash in req.chunk_hashes[:hit]:
-            keys = tuple(
-                ObjectKey(req.model, req.world_size, rank, chunk_hash, req.cache_salt)
-                for rank in range(req.world_size)
-            )
-            for key in keys:
-                self.cache.lock(req.session_id, pending.client, key, req.num_readers)
-                self.cache.touch(key)
-                num_locks += req.num_readers
-            session.lookup_keys.append(keys)
-            session.objects.update(keys)
-        span.set_attributes(
-            {
-                a.LOOKUP_PENDING: False,
-                a.CHUNKS_HIT: hit,
-                a.TOKENS_HIT: hit * chunk_size,
-                a.LOCKS_TAKEN: num_locks,
-            }
-        )
-        return p.LookupResult(hit_chunks=hit, num_locks=num_locks)
-
-    def _hit_prefix(self, req: p.Lookup) -> tuple[int, bool]:
-        """Chunks stored on every rank, and whether the next chunk's store is in flight."""
-        for index, chunk_hash in enumerate(req.chunk_hashes):
-            objects = [
-                self.cache.get(
-                    ObjectKey(req.model, req.world_size, rank, chunk_hash, req.cache_salt)
-                )
-                for rank in range(req.world_size)
+    def _live_deadlines(self) -> list[tuple[float, str, bytes, object]]:
+        live: list[tuple[float, str, bytes, object]] = []
+        for client in self.clients.values():
+            live += [(op.deadline, "store", client.client_id, i) for i, op in client.stores.items()]
+            live += [
+                (op.deadline, "retrieve", client.client_id, i) for i, op in client.retrieves.items()
             ]
-            if all(obj is not None and obj.committed for obj in objects):
-                continue
-            return index, all(obj is not None for obj in objects)
-        return len(req.chunk_hashes), False
+        for session in self.sessions.values():
+            live.append((session.last_seen + self.config.session_ttl_s, "session", b"", session))
+            if session.pending is not None:
+                live.append((session.pending.deadline, "pending", b"", session.session_id))
+        return [(d, k, o, s.session_id if isinstance(s, Session) else s) for d, k, o, s in live]
 
-    def _free_locks(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.FreeLocks)
-        session = self.sessions.get(req.session_id)
-        chunk_size = self.config.chunk_size
-        first = -(-req.start_token // chunk_size)  # first chunk starting at or after start
-        last = req.end_token // chunk_size  # chunks ending at or before end
-        num_chunks = num_locks = 0
-        if session is not None:
-            for chunk_keys in session.lookup_keys[first:last]:
-                released = sum(self.cache.unlock(req.session_id, key) for key in chunk_keys)
-                num_locks += released
-                num_chunks += released > 0
-        span.set_attributes(
-            {
-                a.SESSION_ID: req.session_id,
-                a.RANGE_START: req.start_token,
-                a.RANGE_END: req.end_token,
-                a.CHUNKS: num_chunks,
-                a.LOCKS_RELEASED: num_locks,
-            }
-        )
-        return p.LocksFreed(num_chunks=num_chunks, num_locks=num_locks)
-
-    def _end_session(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.EndSession)
-        session = self.sessions.get(req.session_id)
-        span.set_attributes(
-            {
-                a.SESSION_ID: req.session_id,
-                a.CHUNKS: 0 if session is None else len(session.objects),
-                a.LOCKS_RELEASED: 0,
-            }
-        )
-        if session is not None:
-            for key in session.objects:
-                self.cache.touch(key)
-        self._drop_session(req.session_id)
-        return p.Ack()
-
-    def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            session = self.sessions[session_id] = Session(session_id, self.clock())
-        session.last_seen = self.clock()
-        return session
-
-    def _drop_session(self, session_id: str) -> None:
-        self.sessions.pop(session_id, None)
-        self.pending.pop(session_id, None)
-
-    # -----------------------------------------------------------------------------------------
-    # Store
-    # -----------------------------------------------------------------------------------------
-
-    def _worker(self, client: bytes) -> Worker:
-        worker = self.workers.get(client)
-        if worker is None:
-            raise ServiceError(
-                "not_registered",
-                "this client has not registered a KV layout (send register_worker first)",
+    def _expire(self, kind: str, owner: bytes, ident: object, now: float) -> None:
+        if kind in ("store", "retrieve"):
+            client = self.clients.get(owner)
+            ops = (
+                None if client is None else (client.stores if kind == "store" else client.retrieves)
             )
-        return worker
-
-    def _store_begin(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.StoreBegin)
-        worker = self._worker(client)
-        eviction = Eviction(reason="capacity")
-        objects: list[CacheObject] = []
-        plans = []
-        for item in req.items:
-            plan = p.ItemSlots(slots=[])
-            session = self._session(item.session_id)
-            for chunk_hash in item.chunk_hashes:
-                key = worker.key(chunk_hash, item.cache_salt)
-                if self.cache.get(key) is not None:
-                    plan.slots.append(None)
-                    plan.num_present += 1
-                    self.cache.touch(key)
-                    continue
-                obj = None
-                if plan.num_full == 0:
-                    obj = self.cache.reserve(key, worker.object_bytes, item.traceparent, eviction)
-                if obj is None:
-                    # Later chunks are unreachable without this one: do not store them either.
-                    plan.slots.append(None)
-                    plan.num_full += 1
-                    continue
-                objects.append(obj)
-                session.objects.add(key)
-                plan.slots.append(p.Slot(obj.offset or 0, obj.nbytes))
-            plans.append(plan)
-        self._record_eviction(eviction)
-        store_id = self._new_id()
-        self.stores[store_id] = InflightStore(client, objects)
-        span.set_attributes(
-            {
-                a.NUM_REQUESTS: len(req.items),
-                a.REQUEST_IDS: [item.session_id for item in req.items],
-                a.KV_RANK: worker.request.kv_rank,
-                a.CHUNKS_REQUESTED: sum(len(item.chunk_hashes) for item in req.items),
-                a.CHUNKS_WRITTEN: len(objects),
-                a.CHUNKS_PRESENT: sum(plan.num_present for plan in plans),
-                a.CHUNKS_FULL: sum(plan.num_full for plan in plans),
-                a.BYTES: len(objects) * worker.object_bytes,
-                a.EVICTED_OBJECTS: len(eviction.keys),
-                a.EVICTED_BYTES: eviction.nbytes,
-                a.USED_BYTES: self.cache.used_bytes,
-            }
-        )
-        return p.StorePlan(store_id=store_id, items=plans, evicted_objects=len(eviction.keys))
-
-    def _store_commit(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.StoreCommit)
-        store = self.stores.get(req.store_id)
-        if store is None or store.client != client:
-            raise ServiceError("unknown_id", f"no store {req.store_id} in flight for this client")
-        committed = self._finish_store(req.store_id, req.ok)
-        aborted = len(store.objects) - committed
-        span.set_attributes(
-            {
-                a.OK: req.ok,
-                a.CHUNKS_WRITTEN: committed,
-                a.BYTES: sum(obj.nbytes for obj in store.objects) if req.ok else 0,
-                a.USED_BYTES: self.cache.used_bytes,
-            }
-        )
-        return p.StoreDone(num_committed=committed, num_aborted=aborted)
-
-    def _finish_store(self, store_id: int, ok: bool) -> int:
-        store = self.stores.pop(store_id)
-        for obj in store.objects:
-            if ok:
-                self.cache.commit(obj)
-                self.counters.stored_bytes += obj.nbytes
+            op = None if ops is None else ops.get(ident)  # type: ignore[arg-type]
+            if client is None or op is None or op.deadline > now:
+                return
+            self.counters.expired_ops += 1
+            with telemetry.traced(
+                a.SERVER_OP_EXPIRE,
+                attributes={a.OP: kind, a.OP_ID: int(ident), a.CLIENT: owner.hex()},  # type: ignore[call-overload]
+            ):
+                if kind == "store":
+                    transfers.finish_store(self, client, int(ident), ok=False)  # type: ignore[call-overload]
+                else:
+                    transfers.finish_retrieve(self, client, int(ident), ok=[])  # type: ignore[call-overload]
+        elif kind == "pending":
+            session = self.sessions.get(str(ident))
+            if session is not None and session.pending is not None:
+                if session.pending.deadline + self.config.session_ttl_s <= now:
+                    session.pending = None
+                else:
+                    grace = session.pending.deadline + self.config.session_ttl_s
+                    self.deadlines.add(grace, "pending", b"", session.session_id)
+        elif kind == "session":
+            session = self.sessions.get(str(ident))
+            if session is None:
+                return
+            expires = session.last_seen + self.config.session_ttl_s
+            if expires <= now:
+                self.drop_session(session.session_id)
             else:
-                self.cache.remove(obj)
-        return len(store.objects) if ok else 0
-
-    # -----------------------------------------------------------------------------------------
-    # Retrieve
-    # -----------------------------------------------------------------------------------------
-
-    def _retrieve_begin(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.RetrieveBegin)
-        worker = self._worker(client)
-        items = []
-        plans = []
-        for item in req.items:
-            keys = [worker.key(h, item.cache_salt) for h in item.chunk_hashes]
-            present = []
-            plan = p.ItemSlots(slots=[])
-            for key in keys:
-                obj = self.cache.committed(key)
-                present.append(obj is not None)
-                if obj is None:
-                    plan.slots.append(None)
-                    continue
-                self.cache.pin(obj)
-                plan.num_present += 1
-                plan.slots.append(p.Slot(obj.offset or 0, obj.nbytes))
-            self._session(item.session_id).objects.update(keys)
-            items.append((item.session_id, keys, present))
-            plans.append(plan)
-        retrieve_id = self._new_id()
-        self.retrieves[retrieve_id] = InflightRetrieve(client, items, worker.object_bytes)
-        num_present = sum(plan.num_present for plan in plans)
-        num_chunks = sum(len(keys) for _, keys, _ in items)
-        span.set_attributes(
-            {
-                a.NUM_REQUESTS: len(req.items),
-                a.REQUEST_IDS: [item.session_id for item in req.items],
-                a.KV_RANK: worker.request.kv_rank,
-                a.CHUNKS_REQUESTED: num_chunks,
-                a.CHUNKS_MISSING: num_chunks - num_present,
-                a.BYTES: num_present * worker.object_bytes,
-            }
-        )
-        return p.RetrievePlan(retrieve_id=retrieve_id, items=plans)
-
-    def _retrieve_end(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.RetrieveEnd)
-        retrieve = self.retrieves.get(req.retrieve_id)
-        if retrieve is None or retrieve.client != client:
-            raise ServiceError(
-                "unknown_id", f"no retrieve {req.retrieve_id} in flight for this client"
-            )
-        released = self._finish_retrieve(req.retrieve_id, req.ok)
-        num_ok = sum(req.ok)
-        span.set_attributes(
-            {
-                a.NUM_REQUESTS: len(retrieve.items),
-                a.OK: num_ok == len(retrieve.items),
-                a.LOCKS_RELEASED: released,
-            }
-        )
-        return p.RetrieveDone(num_locks_released=released)
-
-    def _finish_retrieve(self, retrieve_id: int, ok: list[bool]) -> int:
-        """Unpins, releases one read lock per chunk and reader; ``ok`` per item (may be short)."""
-        retrieve = self.retrieves.pop(retrieve_id)
-        released = 0
-        for index, (session_id, keys, present) in enumerate(retrieve.items):
-            item_ok = index < len(ok) and ok[index]
-            for key, was_present in zip(keys, present, strict=True):
-                if was_present:
-                    self.cache.unpin(key)
-                    if item_ok:
-                        self.cache.touch(key)
-                        self.counters.retrieved_bytes += retrieve.object_bytes
-                released += self.cache.unlock(session_id, key, 1)
-        return released
-
-    def _drop_objects(self, client: bytes, req: p.Request, span: telemetry.Span) -> p.Reply:
-        assert isinstance(req, p.DropObjects)
-        if req.chunk_hashes:
-            keys = [k for h in req.chunk_hashes for k in self.cache.keys_with_hash(h)]
-        else:
-            keys = [obj.key for obj in self.cache.objects()]
-        eviction = Eviction(reason="drop")
-        released = 0
-        for key in keys:
-            obj = self.cache.get(key)
-            if obj is None or not obj.committed or obj.pins or (obj.locks and not req.force):
-                continue
-            released += self.cache.drop(obj, eviction)
-        self._record_eviction(eviction)
-        return p.Dropped(
-            num_objects=len(eviction.keys), num_bytes=eviction.nbytes, num_locks_released=released
-        )
-
-    # -----------------------------------------------------------------------------------------
-    # Internal spans
-    # -----------------------------------------------------------------------------------------
-
-    def _record_eviction(self, eviction: Eviction) -> None:
-        if not eviction.keys:
-            return
-        if eviction.reason == "capacity":
-            self.counters.evicted_objects += len(eviction.keys)
-            self.counters.evicted_bytes += eviction.nbytes
-        with telemetry.traced(
-            a.SERVER_EVICT,
-            links=eviction.origins[:_MAX_LINKS],
-            attributes={
-                a.EVICTED_OBJECTS: len(eviction.keys),
-                a.EVICTED_BYTES: eviction.nbytes,
-                a.EVICT_REASON: eviction.reason,
-                a.POLICY: self.config.policy,
-                a.USED_BYTES: self.cache.used_bytes,
-                a.CAPACITY_BYTES: self.cache.capacity_bytes,
-            },
-        ):
-            pass
+                self.deadlines.add(expires, "session", b"", session.session_id)
 
     def _record_release(self, span_name: str, reason: str, released: Released) -> None:
         with telemetry.traced(
@@ -646,9 +553,67 @@ class CacheService:
         ):
             pass
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+
+# ---------------------------------------------------------------------------------------------
+# Housekeeping requests
+# ---------------------------------------------------------------------------------------------
 
 
-_MAX_LINKS = 64
+def _ping(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    return p.Pong(server_version=SERVER_VERSION, pid=os.getpid())
+    yield
+
+
+def _ack(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    return p.Ack()
+    yield
+
+
+def _get_config(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    c = s.config
+    return p.ServerConfigInfo(
+        chunk_size=c.chunk_size,
+        capacity_bytes=c.capacity_bytes,
+        policy=c.policy,
+        metadata_only=c.metadata_only,
+        read_lock_ttl_s=c.read_lock_ttl_s,
+        session_ttl_s=c.session_ttl_s,
+        op_ttl_s=c.op_ttl_s,
+        max_chunks_per_request=c.max_chunks_per_request,
+        min_object_bytes=c.min_object_bytes,
+    )
+    yield
+
+
+def _get_stats(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    c = s.counters
+    quiet = s.quiescence()
+    return p.ServerStats(
+        num_objects=len(s.cache),
+        used_bytes=s.cache.used_bytes,
+        capacity_bytes=s.cache.capacity_bytes,
+        num_locks=s.cache.num_locks,
+        num_lock_groups=len(s.cache.groups),
+        num_pins=s.cache.num_pins,
+        num_sessions=len(s.sessions),
+        num_clients=len(s.clients),
+        num_workers=sum(1 for client in s.clients.values() if client.worker is not None),
+        num_pending_lookups=quiet["pending_lookups"],
+        num_inflight_stores=quiet["inflight_stores"],
+        num_inflight_retrieves=quiet["inflight_retrieves"],
+        num_tracked_chunks=s.tracked_chunks + s.cache.locked_chunks,
+        index_bytes=s.index_bytes(),
+        evicted_objects=c.evicted_objects,
+        evicted_bytes=c.evicted_bytes,
+        expired_locks=c.expired_locks,
+        expired_ops=c.expired_ops,
+        aborted_ops=c.aborted_ops,
+        stored_bytes=c.stored_bytes,
+        retrieved_bytes=c.retrieved_bytes,
+        errors=c.errors,
+        unauthorized=c.unauthorized,
+        forbidden=c.forbidden,
+        refused_limits=c.refused_limits,
+        dropped_frames=c.dropped_frames,
+    )
+    yield

@@ -1,8 +1,9 @@
 """Starting a cache server process and waiting until it is ready.
 
 :class:`ServerProcess` runs ``python -m server`` with the given flags (``--port 0`` by
-default), reads the readiness line for the bound endpoint, and on close stops the process
-(SIGTERM, then SIGKILL) so no test or run leaves a server behind.
+default), reads the readiness line for the bound endpoint, its epoch and its token file
+(whose client and admin tokens it then holds), and on close stops the process (SIGTERM,
+then SIGKILL) so no test or run leaves a server behind.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from server.app import READY_PREFIX
+from testbed.credentials import read_token_file
 
 _STARTUP_TIMEOUT_S = 60.0
 
@@ -43,6 +45,10 @@ class ServerProcess:
         self._startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
+        self.ready: dict[str, str] = {}
+        """The readiness line's fields (endpoint, pid, epoch, token_file, prefault_ms)."""
+        self.token = ""
+        self.admin_token = ""
         self._stderr_lines: list[str] = []
 
     def start(self) -> ServerProcess:
@@ -84,8 +90,10 @@ class ServerProcess:
                 f"cache server did not become ready within {self._startup_timeout_s:.0f}s; "
                 f"exit code {self.process.returncode}; stderr:\n{detail}"
             )
-        fields = dict(part.split("=", 1) for part in result[0].split()[1:])
-        return fields["endpoint"]
+        self.ready = dict(part.split("=", 1) for part in result[0].split()[1:])
+        credentials = read_token_file(self.ready["token_file"])
+        self.token, self.admin_token = credentials.client, credentials.admin
+        return self.ready["endpoint"]
 
     def _drain_stdout(self) -> None:
         assert self.process is not None and self.process.stdout is not None
@@ -97,6 +105,14 @@ class ServerProcess:
         for line in self.process.stderr:
             self._stderr_lines.append(line)
             del self._stderr_lines[:-200]
+
+    @property
+    def token_file(self) -> Path:
+        return Path(self.ready["token_file"])
+
+    @property
+    def epoch(self) -> int:
+        return int(self.ready["epoch"])
 
     @property
     def pid(self) -> int:

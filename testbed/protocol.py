@@ -2,28 +2,48 @@
 
 Every message is a typed ``msgspec`` struct encoded as MessagePack, one ZeroMQ frame per
 message (DEALER clients, ROUTER server). Requests and replies are tagged unions on the
-``op`` field; nothing is pickled. Each request carries
+``op`` field, which comes first in every frame; unknown fields are refused, so nothing is
+decoded deeper than the schema. Nothing is pickled. Each request carries
 
 - ``v``: the protocol version; the server refuses other versions with an :class:`Error`;
 - ``rid``: a client-chosen correlation id echoed in the reply;
+- ``auth``: the credential (every request but :class:`Ping`): the server's client token, or
+  its admin token for administration (:class:`DropObjects`);
 - ``traceparent`` / ``tracestate``: W3C trace context, so a server span can be the child of
   the connector span that caused it (empty when tracing is off).
+
+Every reply carries the server's ``epoch``: a random id chosen at each server start. A
+worker that sees a new epoch has talked to another server instance (a restart): it
+registers again and maps the new pool; worker operations name the epoch they were planned
+for, and the server refuses operations of another epoch (``stale_epoch``).
 
 Bulk KV bytes never travel here: stores and retrieves exchange *slots* in the server's
 shared-memory pool (see ``server.pool``) and the worker copies the bytes itself.
 
+Ownership: the server identifies a client by its connection (ZeroMQ routing ids are chosen
+by the server and never reused). Sessions, lock groups, store reservations and retrieve pins
+belong to the client that made them; a client's disconnect or silence releases all of it.
+Operations are named by client-chosen ``op_id`` (unique among the client's operations in
+flight), so a client that gave up waiting can :class:`Abort` what it never saw answered.
+
 Lifecycle of the cache operations (DESIGN.md §2):
 
 - ``Lookup`` (scheduler): longest prefix of chunk hashes present on every KV rank; takes
-  ``num_readers`` read locks per object for the session. May answer ``pending`` while a
-  store of the next chunk is in flight; the caller then sends ``LookupPoll``.
+  ``num_readers`` read locks per object, as one *lock group* named by the reply's random
+  ``handle`` (the capability that lets the engine's workers release them). May answer
+  ``pending`` while a store of the next chunk is in flight; the caller then sends
+  ``LookupPoll``.
 - ``FreeLocks`` (scheduler): releases the session's locks on complete chunks inside a
   token range (chunks vLLM's own prefix cache already holds).
 - ``StoreBegin`` → worker copies into the returned slots → ``StoreCommit`` (worker).
 - ``RetrieveBegin`` → worker copies out of the returned slots → ``RetrieveEnd`` (worker);
-  ``RetrieveEnd`` releases the item's read locks whether or not the copy succeeded.
+  ``RetrieveEnd`` releases one lock unit per chunk of the item's lock group whether or not
+  the copy succeeded. Only a ``RetrieveDone`` reply proves the pins held during the copy.
+- ``Abort`` (worker): drops reservations and pins of operations the client gave up on.
 - ``EndSession`` (scheduler): refreshes the recency of the session's objects and forgets the
   session; it does not release locks (retrieve, ``FreeLocks`` or the lock TTL do).
+- Every in-flight item (reservation, pin, pending lookup, lock group) has a deadline; the
+  server's housekeeping expires what its owner never finished.
 """
 
 from __future__ import annotations
@@ -32,26 +52,40 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # A chunk hash is the 16-byte rolling prefix hash of testbed.keys.
 ChunkHash = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+OpId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=512)]
-# Bounded so that a hostile length prefix cannot make the decoder allocate without limit.
+Credential = Annotated[str, msgspec.Meta(max_length=256)]
+Handle = Annotated[bytes, msgspec.Meta(max_length=32)]
+TraceHeader = Annotated[str, msgspec.Meta(max_length=512)]
+# Bounded so that a hostile length prefix cannot make the decoder allocate without limit;
+# the server's own limits (``--max-chunks-per-request``) are usually lower.
 MAX_CHUNKS_PER_ITEM = 1 << 16
 MAX_ITEMS_PER_BATCH = 1 << 12
 ChunkHashes = Annotated[list[ChunkHash], msgspec.Meta(max_length=MAX_CHUNKS_PER_ITEM)]
 
 
-class _Message(msgspec.Struct, kw_only=True, tag_field="op", omit_defaults=True):
+class _Message(
+    msgspec.Struct, kw_only=True, tag_field="op", omit_defaults=True, forbid_unknown_fields=True
+):
     v: int = PROTOCOL_VERSION
     rid: Count = 0
 
 
 class _Request(_Message, kw_only=True):
-    traceparent: str = ""
-    tracestate: str = ""
+    auth: Credential = ""
+    traceparent: TraceHeader = ""
+    tracestate: TraceHeader = ""
+
+
+class _Reply(_Message, kw_only=True):
+    epoch: Count = 0
+    """The answering server instance (random per start); 0 only in replies to undecodable
+    frames, which cannot be attributed to any request."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +94,7 @@ class _Request(_Message, kw_only=True):
 
 
 class Ping(_Request, tag="ping", kw_only=True):
-    """Readiness and round-trip probe; any client may send it."""
+    """Readiness and round-trip probe; the only request that needs no credential."""
 
 
 class Heartbeat(_Request, tag="heartbeat", kw_only=True):
@@ -68,14 +102,14 @@ class Heartbeat(_Request, tag="heartbeat", kw_only=True):
 
 
 class GetConfig(_Request, tag="get_config", kw_only=True):
-    """Asks for chunk size, capacity and policy (clients must use the server's chunk size)."""
+    """Asks for chunk size, capacity, policy and limits (clients must use the chunk size)."""
 
 
 class GetStats(_Request, tag="get_stats", kw_only=True):
     """Asks for the server's counters and current state (objects, bytes, locks, sessions)."""
 
 
-class KVLayout(msgspec.Struct, kw_only=True):
+class KVLayout(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What one worker holds for one chunk: its shard of the KV of ``chunk_size`` tokens."""
 
     num_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)]
@@ -130,50 +164,66 @@ class EndSession(_Request, tag="end_session", kw_only=True):
     session_id: Name
 
 
-class OpItem(msgspec.Struct, kw_only=True):
+class OpItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One request's part of a batched store or retrieve.
 
     ``first_chunk`` is the index of ``chunk_hashes[0]`` in the request's chunk sequence (so
-    spans and errors can say which chunks of the prompt are concerned).
+    spans and the chunk log can say which chunks of the prompt are concerned). ``handle`` is
+    the lock group of the session's lookup (empty when the lookup hit nothing): a retrieve
+    releases its locks only with it; a store links its objects to the session with it.
     """
 
     session_id: Name
     cache_salt: Name = ""
     chunk_hashes: ChunkHashes
     first_chunk: Count = 0
-    traceparent: str = ""
+    handle: Handle = b""
+    traceparent: TraceHeader = ""
 
 
 class StoreBegin(_Request, tag="store_begin", kw_only=True):
     """Reserve pool slots for the chunks of each item not stored yet."""
 
+    op_id: OpId
+    epoch: Count
+    """The epoch the worker registered (and mapped the pool) with."""
     items: Annotated[list[OpItem], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
 
 
 class StoreCommit(_Request, tag="store_commit", kw_only=True):
-    """The worker finished copying into the slots of ``store_id`` (``ok``) or gave up."""
+    """The worker finished copying into the slots of ``op_id`` (``ok``) or gave up."""
 
-    store_id: Count
+    op_id: OpId
     ok: bool = True
 
 
 class RetrieveBegin(_Request, tag="retrieve_begin", kw_only=True):
     """Pin the chunks of each item and return their slots (``None`` where missing)."""
 
+    op_id: OpId
+    epoch: Count
     items: Annotated[list[OpItem], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
 
 
 class RetrieveEnd(_Request, tag="retrieve_end", kw_only=True):
-    """The worker finished copying out of ``retrieve_id``; releases pins and read locks."""
+    """The worker finished copying out of ``op_id``; releases pins and read locks."""
 
-    retrieve_id: Count
-    ok: list[bool] = []
+    op_id: OpId
+    ok: Annotated[list[bool], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)] = []
+
+
+class Abort(_Request, tag="abort", kw_only=True):
+    """Drops this client's operations ``op_ids`` (stores aborted, pins and their lock units
+    released), answered or not; unknown ids are ignored, so aborting is idempotent."""
+
+    op_ids: Annotated[list[OpId], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
 
 
 class DropObjects(_Request, tag="drop_objects", kw_only=True):
-    """Administration and fault injection: removes stored chunks with these hashes (any model,
-    rank or salt; all chunks when empty). Locked chunks only with ``force`` (their locks are
-    released); chunks being copied (pinned or uncommitted) are never dropped."""
+    """Administration and fault injection (admin credential): removes stored chunks with these
+    hashes (any model, rank or salt; all chunks when empty). Locked chunks only with ``force``
+    (their locks are released); chunks being copied (pinned or uncommitted) are never
+    dropped."""
 
     chunk_hashes: ChunkHashes = []
     force: bool = False
@@ -194,52 +244,70 @@ Request = (
     | StoreCommit
     | RetrieveBegin
     | RetrieveEnd
+    | Abort
     | DropObjects
 )
+
+ADMIN_REQUESTS = (DropObjects,)
+"""Requests that need the admin credential."""
 
 # ---------------------------------------------------------------------------------------------
 # Replies
 # ---------------------------------------------------------------------------------------------
 
 
-class Pong(_Message, tag="pong", kw_only=True):
+class Pong(_Reply, tag="pong", kw_only=True):
     server_version: str
     pid: int
 
 
-class Ack(_Message, tag="ack", kw_only=True):
+class Ack(_Reply, tag="ack", kw_only=True):
     pass
 
 
-class ServerConfigInfo(_Message, tag="config", kw_only=True):
+class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     chunk_size: int
     capacity_bytes: int
     policy: str
     metadata_only: bool
     read_lock_ttl_s: float
     session_ttl_s: float
+    op_ttl_s: float = 0.0
+    max_chunks_per_request: int = 0
+    min_object_bytes: int = 0
 
 
-class ServerStats(_Message, tag="stats", kw_only=True):
+class ServerStats(_Reply, tag="stats", kw_only=True):
     num_objects: int
     used_bytes: int
     capacity_bytes: int
     num_locks: int
+    num_lock_groups: int
     num_pins: int
     num_sessions: int
+    num_clients: int
     num_workers: int
     num_pending_lookups: int
     num_inflight_stores: int
     num_inflight_retrieves: int
+    num_tracked_chunks: int
+    index_bytes: int
+    """Estimated memory of the index outside the pool (objects, sessions, locks)."""
     evicted_objects: int
     evicted_bytes: int
     expired_locks: int
+    expired_ops: int
+    aborted_ops: int
     stored_bytes: int
     retrieved_bytes: int
     errors: int
+    unauthorized: int
+    forbidden: int
+    refused_limits: int
+    dropped_frames: int
 
 
-class WorkerRegistered(_Message, tag="registered", kw_only=True):
+class WorkerRegistered(_Reply, tag="registered", kw_only=True):
     chunk_size: int
     object_bytes: int
     # Path of the shared-memory pool file to map; empty in metadata-only mode.
@@ -247,25 +315,29 @@ class WorkerRegistered(_Message, tag="registered", kw_only=True):
     pool_bytes: int
 
 
-class LookupResult(_Message, tag="lookup_result", kw_only=True):
-    """``pending`` means: poll again; otherwise ``hit_chunks`` complete chunks are locked."""
+class LookupResult(_Reply, tag="lookup_result", kw_only=True):
+    """``pending`` means: poll again; otherwise ``hit_chunks`` complete chunks are locked as
+    the lock group ``handle``. ``miss_status`` says why the chunk after the hit is not one:
+    ``absent`` or ``in_flight`` (its store had not committed); empty on a full hit."""
 
     pending: bool = False
     hit_chunks: Count = 0
     num_locks: Count = 0
+    handle: bytes = b""
+    miss_status: str = ""
 
 
-class LocksFreed(_Message, tag="locks_freed", kw_only=True):
+class LocksFreed(_Reply, tag="locks_freed", kw_only=True):
     num_chunks: int
     num_locks: int
 
 
-class Slot(msgspec.Struct, array_like=True):
+class Slot(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     offset: int
     nbytes: int
 
 
-class ItemSlots(msgspec.Struct, kw_only=True):
+class ItemSlots(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Per chunk of an item: where to copy, or ``None`` (store: skip; retrieve: missing)."""
 
     slots: list[Slot | None]
@@ -273,27 +345,31 @@ class ItemSlots(msgspec.Struct, kw_only=True):
     num_full: int = 0
 
 
-class StorePlan(_Message, tag="store_plan", kw_only=True):
-    store_id: int
+class StorePlan(_Reply, tag="store_plan", kw_only=True):
+    op_id: int
     items: list[ItemSlots]
     evicted_objects: int = 0
 
 
-class StoreDone(_Message, tag="store_done", kw_only=True):
+class StoreDone(_Reply, tag="store_done", kw_only=True):
     num_committed: int
     num_aborted: int
 
 
-class RetrievePlan(_Message, tag="retrieve_plan", kw_only=True):
-    retrieve_id: int
+class RetrievePlan(_Reply, tag="retrieve_plan", kw_only=True):
+    op_id: int
     items: list[ItemSlots]
 
 
-class RetrieveDone(_Message, tag="retrieve_done", kw_only=True):
+class RetrieveDone(_Reply, tag="retrieve_done", kw_only=True):
     num_locks_released: int
 
 
-class Dropped(_Message, tag="dropped", kw_only=True):
+class Aborted(_Reply, tag="aborted", kw_only=True):
+    num_aborted: int
+
+
+class Dropped(_Reply, tag="dropped", kw_only=True):
     num_objects: int
     num_bytes: int
     num_locks_released: int
@@ -303,7 +379,11 @@ ErrorCode = Literal[
     "malformed",
     "too_large",
     "version",
+    "unauthorized",
+    "forbidden",
+    "limit",
     "not_registered",
+    "stale_epoch",
     "unknown_id",
     "conflict",
     "invalid",
@@ -311,7 +391,7 @@ ErrorCode = Literal[
 ]
 
 
-class Error(_Message, tag="error", kw_only=True):
+class Error(_Reply, tag="error", kw_only=True):
     code: ErrorCode
     message: str
 
@@ -328,6 +408,7 @@ Reply = (
     | StoreDone
     | RetrievePlan
     | RetrieveDone
+    | Aborted
     | Dropped
     | Error
 )
@@ -335,6 +416,8 @@ Reply = (
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+# fixmap (up to 15 fields) or map16 header, then the fixstr key "op": the tag comes first.
+_OP_KEY = b"\xa2op"
 
 
 def encode(message: _Message) -> bytes:
@@ -342,9 +425,31 @@ def encode(message: _Message) -> bytes:
 
 
 def decode_request(frame: bytes) -> Request:
-    """Decodes one request frame; raises ``msgspec.DecodeError`` / ``ValidationError``."""
+    """Decodes one request frame; raises ``msgspec.DecodeError`` / ``ValidationError``.
+
+    The frame must be a map whose first key is the ``op`` tag (as :func:`encode` writes it).
+    With the tag first and unknown fields refused, decoding never descends deeper than the
+    schema (at most four levels), whatever the frame holds.
+    """
+    if not _tag_first(frame):
+        raise msgspec.DecodeError("a request must be a map whose first key is 'op'")
     return _request_decoder.decode(frame)
 
 
 def decode_reply(frame: bytes) -> Reply:
     return _reply_decoder.decode(frame)
+
+
+def _tag_first(frame: bytes) -> bool:
+    if not frame:
+        return False
+    if 0x80 <= frame[0] <= 0x8F:
+        return frame[1:4] == _OP_KEY
+    if frame[0] == 0xDE:  # map16
+        return frame[3:6] == _OP_KEY
+    return False
+
+
+def op_name(message: _Message) -> str:
+    """The ``op`` tag of a message (``lookup``, ``store_begin``, ...)."""
+    return str(message.__struct_config__.tag)

@@ -2,12 +2,17 @@
 
 Used by the connector's scheduler and worker clients (and by tools and tests). Callers on any
 thread :meth:`RpcClient.submit` a request and get a :class:`concurrent.futures.Future`; the I/O
-thread sends it, matches the reply by ``rid``, fails it with :class:`ServerUnavailable` when
-no reply arrives within the timeout, and sends heartbeats so the server knows the client lives.
+thread sends it (with the client's credential), matches the reply by ``rid``, fails it with
+:class:`ServerUnavailable` when no reply arrives within the timeout, and sends heartbeats so
+the server knows the client lives.
 
-A client that saw a timeout marks the server *down* (:attr:`RpcClient.alive` is False) until a
-heartbeat is answered again; callers use that to degrade to "miss and recompute" at once
-instead of waiting for a timeout per request. Nothing here blocks longer than a timeout.
+Liveness is shared by every client of one server URL in a process: once any of them saw a
+timeout, the server is *down* (:attr:`RpcClient.alive` is False) for all of them until a
+heartbeat is answered again, so callers degrade to "miss and recompute" at once instead of
+each waiting out its own timeout; an engine step therefore waits at most one timeout for a
+dead server. Each outage is recorded as one ``kvcache.connector.outage`` span (from the first
+timeout to the first answer). Every reply carries the server's epoch; :attr:`server_epoch`
+is the latest seen. Nothing here blocks longer than a timeout.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ import os
 import queue
 import threading
 import time
-import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import zmq
 
 from testbed import protocol as p
+from testbed import telemetry
+from testbed.telemetry import attributes as a
 
 _POLL_MS = 50
 _DOWN_PROBE_INTERVAL_S = 0.5
@@ -40,6 +47,71 @@ class RemoteError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A client's ZeroMQ CURVE credentials: its key pair and the server's public key
+    (files as written by ``zmq.auth.create_certificates``)."""
+
+    client_secret_file: Path
+    server_public_file: Path
+
+
+@dataclass
+class _Health:
+    """Whether one server URL answers, shared by this process's clients of it."""
+
+    url: str
+    alive: bool = True
+    down_since: float | None = None
+    down_since_ns: int = 0
+    outages: list[tuple[float, float]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def down(self) -> None:
+        with self.lock:
+            if self.alive:
+                self.alive = False
+                self.down_since = time.monotonic()
+                self.down_since_ns = time.time_ns()
+
+    def up(self) -> None:
+        with self.lock:
+            if self.alive:
+                return
+            self.alive = True
+            started, started_ns = self.down_since or time.monotonic(), self.down_since_ns
+            self.down_since = None
+        ended = time.monotonic()
+        self.outages.append((started, ended))
+        _record_outage(self.url, started_ns, ended - started)
+
+    def outage_s(self) -> float:
+        """Seconds the server was down so far (a running outage counts up to now)."""
+        total = sum(end - start for start, end in self.outages)
+        if self.down_since is not None:
+            total += time.monotonic() - self.down_since
+        return total
+
+
+_health: dict[str, _Health] = {}
+_health_lock = threading.Lock()
+
+
+def health_of(url: str) -> _Health:
+    with _health_lock:
+        return _health.setdefault(url, _Health(url))
+
+
+def _record_outage(url: str, start_ns: int, duration_s: float) -> None:
+    span = telemetry.start_span(
+        a.CONNECTOR_OUTAGE,
+        start_time_ns=start_ns,
+        attributes={a.SERVER_URL: url, a.OUTAGE_S: duration_s},
+    )
+    telemetry.fail(span, f"cache server at {url} did not answer for {duration_s:.3f} s")
+    span.end(end_time=start_ns + int(duration_s * 1e9))
 
 
 @dataclass
@@ -58,41 +130,57 @@ class RpcClient:
         url: str,
         *,
         role: str = "client",
+        token: str = "",
         timeout_s: float = 5.0,
         heartbeat_interval_s: float = 10.0,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if timeout_s <= 0 or heartbeat_interval_s <= 0:
             raise ValueError("timeout_s and heartbeat_interval_s must be positive")
+        if not url.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                f"cache server URL {url!r} is not a ZeroMQ endpoint; use e.g. tcp://127.0.0.1:5555"
+            )
         self.url = url
+        self.role = role
+        self.token = token
         self.timeout_s = timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.identity = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}".encode()
+        self.health = health_of(url)
+        self.server_epoch = 0
+        """The epoch of the latest reply (0 before any)."""
+        self._curve = curve
         self._context = context or zmq.Context.instance()
         self._outbox: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         self._rids = itertools.count(1)
-        self._alive = True
+        self._op_ids = itertools.count(1)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvtb-rpc-{role}", daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        """False after a timeout, until the server answers a heartbeat again."""
-        return self._alive and not self._closed.is_set()
+        """False after a timeout (of any client of this server in the process), until the
+        server answers again."""
+        return self.health.alive and not self._closed.is_set()
+
+    def new_op_id(self) -> int:
+        """A fresh operation id for a store or retrieve of this connection."""
+        return next(self._op_ids)
 
     def submit(self, request: p.Request, timeout_s: float | None = None) -> Future[p.Reply]:
-        """Sends ``request`` (its ``rid`` is assigned here); the future holds the reply.
-
-        The future fails with :class:`ServerUnavailable` after ``timeout_s`` (default: the
-        client's) without a reply. ``Error`` replies are returned, not raised.
-        """
+        """Sends ``request`` (its ``rid`` and credential are set here); the future holds the
+        reply. It fails with :class:`ServerUnavailable` after ``timeout_s`` (default: the
+        client's) without a reply. ``Error`` replies are returned, not raised."""
         future: Future[p.Reply] = Future()
         if self._closed.is_set():
             future.set_exception(ServerUnavailable("client is closed"))
             return future
         request.rid = next(self._rids)
+        if not isinstance(request, p.Ping):
+            request.auth = self.token
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         self._outbox.put(_Outgoing(request.rid, p.encode(request), future, deadline))
         os.write(self._wake_write, b"x")
@@ -106,6 +194,10 @@ class RpcClient:
         except TimeoutError:  # the I/O thread is gone; should not happen
             raise ServerUnavailable("no reply and no timeout from the I/O thread") from None
         return check(reply)
+
+    def fire(self, request: p.Request) -> None:
+        """Sends without waiting for the reply (it is dropped when it comes)."""
+        self.submit(request)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -126,12 +218,23 @@ class RpcClient:
     # I/O thread
     # -----------------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _socket(self) -> zmq.Socket:
         socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, self.identity)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a server that is not connected
+        if self._curve is not None:
+            from zmq.auth import load_certificate
+
+            public, secret = load_certificate(self._curve.client_secret_file)
+            server_public, _ = load_certificate(self._curve.server_public_file)
+            socket.curve_secretkey = secret
+            socket.curve_publickey = public
+            socket.curve_serverkey = server_public
         socket.connect(self.url)
+        return socket
+
+    def _run(self) -> None:
+        socket = self._socket()
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
@@ -152,10 +255,11 @@ class RpcClient:
                     except queue.Empty:
                         break
                 now = time.monotonic()
+                if not self.health.alive:  # probe often while the server is down
+                    next_heartbeat = min(next_heartbeat, now + _DOWN_PROBE_INTERVAL_S)
                 if now >= next_heartbeat:
                     unsent.append(self._heartbeat(now))
-                    interval = self.heartbeat_interval_s if self._alive else _DOWN_PROBE_INTERVAL_S
-                    next_heartbeat = now + min(interval, self.heartbeat_interval_s)
+                    next_heartbeat = now + self.heartbeat_interval_s
                 unsent = self._send(socket, unsent, waiting)
                 self._expire(now, unsent, waiting)
         finally:
@@ -171,7 +275,7 @@ class RpcClient:
     def _heartbeat(self, now: float) -> _Outgoing:
         rid = next(self._rids)
         future: Future[p.Reply] = Future()
-        frame = p.encode(p.Heartbeat(rid=rid))
+        frame = p.encode(p.Heartbeat(rid=rid, auth=self.token))
         return _Outgoing(rid, frame, future, now + self.timeout_s)
 
     def _send(
@@ -195,7 +299,9 @@ class RpcClient:
                 reply = p.decode_reply(frame)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # not ours to interpret; the request will time out
-            self._alive = True
+            self.health.up()
+            if reply.epoch:
+                self.server_epoch = reply.epoch
             out = waiting.pop(reply.rid, None)
             if out is not None and not out.future.done():
                 out.future.set_result(reply)
@@ -207,7 +313,7 @@ class RpcClient:
             waiting.pop(out.rid, None)
             if out in unsent:
                 unsent.remove(out)
-            self._alive = False
+            self.health.down()
             _fail(
                 out.future,
                 ServerUnavailable(

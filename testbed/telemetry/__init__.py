@@ -36,6 +36,7 @@ __all__ = [
     "fail",
     "inject",
     "links_from",
+    "span_id_of",
     "start_span",
     "traceparent_of",
     "traced",
@@ -103,8 +104,10 @@ def start_span(
     *,
     kind: SpanKind = SpanKind.INTERNAL,
     parent: str = "",
+    tracestate: str = "",
     links: Sequence[str] = (),
     attributes: Mapping[str, Any] | None = None,
+    start_time_ns: int | None = None,
 ) -> Span:
     """A span the caller ends itself (``span.end()``), for operations that outlive a call,
     such as a lookup answered several scheduler steps later. Not made current."""
@@ -112,10 +115,11 @@ def start_span(
         return INVALID_SPAN
     return _get_tracer().start_span(
         name,
-        context=_extract(parent, "") if parent else None,
+        context=_extract(parent, tracestate) if parent else None,
         kind=kind,
         links=links_from(links),
         attributes=attributes,
+        start_time=start_time_ns,
     )
 
 
@@ -126,6 +130,12 @@ def traceparent_of(span: Span) -> str:
         return ""
     ids = f"{span_context.trace_id:032x}-{span_context.span_id:016x}"
     return f"00-{ids}-{span_context.trace_flags:02x}"
+
+
+def span_id_of(span: Span) -> str:
+    """The 16-hex-digit id of ``span`` (empty for a non-recording span)."""
+    span_context = span.get_span_context()
+    return f"{span_context.span_id:016x}" if span_context.is_valid else ""
 
 
 def fail(span: Span, message: str) -> None:

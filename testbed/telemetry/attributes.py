@@ -13,6 +13,9 @@ CONNECTOR_STORE = "kvcache.connector.store"
 CONNECTOR_RETRIEVE = "kvcache.connector.retrieve"
 CONNECTOR_LOCK_RELEASE = "kvcache.connector.lock_release"
 CONNECTOR_END_SESSION = "kvcache.connector.end_session"
+CONNECTOR_REQUEST = "kvcache.connector.request"
+CONNECTOR_REGISTER = "kvcache.connector.register"
+CONNECTOR_OUTAGE = "kvcache.connector.outage"
 SERVER_LOOKUP = "kvcache.server.lookup"
 SERVER_STORE = "kvcache.server.store"
 SERVER_RETRIEVE = "kvcache.server.retrieve"
@@ -21,12 +24,19 @@ SERVER_END_SESSION = "kvcache.server.end_session"
 SERVER_REGISTER = "kvcache.server.register"
 SERVER_EVICT = "kvcache.server.evict"
 SERVER_LOCK_EXPIRE = "kvcache.server.lock_expire"
+SERVER_ABORT = "kvcache.server.abort"
+SERVER_OP_EXPIRE = "kvcache.server.op_expire"
+SERVER_CLIENT_GONE = "kvcache.server.client_gone"
 
 # --- common ---------------------------------------------------------------------------------
 OP = "kvcache.op"  # the protocol message a server span handled (lookup, store_begin, ...)
 SESSION_ID = "kvcache.session_id"  # the engine's request id, namespaced by engine
 REQUEST_ID = "kvcache.request_id"
-REQUEST_IDS = "kvcache.request_ids"  # batched ops: one entry per item
+REQUEST_IDS = "kvcache.request_ids"  # batched connector ops: one entry per item
+SESSION_IDS = "kvcache.session_ids"  # batched server ops: one entry per item
+OP_ID = "kvcache.op_id"  # client-chosen id of a store or retrieve
+EPOCH = "kvcache.server.epoch"  # the server instance
+CLIENT = "kvcache.client"  # the server's name for a client connection (hex routing id)
 NUM_REQUESTS = "kvcache.num_requests"
 OK = "kvcache.ok"
 ERROR = "kvcache.error"
@@ -65,6 +75,12 @@ EVICT_REASON = "kvcache.evict.reason"
 POLICY = "kvcache.policy"
 USED_BYTES = "kvcache.used_bytes"
 CAPACITY_BYTES = "kvcache.capacity_bytes"
+SERVER_URL = "kvcache.server.url"
+OUTAGE_S = "kvcache.outage_s"
+MISS_STATUS = "kvcache.lookup.miss_status"  # absent | in_flight: why the chunk after the hit missed
+INDEX_BYTES = "kvcache.index_bytes"  # estimated index memory outside the pool
+REASON = "kvcache.reason"
+OPS = "kvcache.ops"
 
 # --- request (engine) -------------------------------------------------------------------------
 PROMPT_TOKENS = "kvcache.request.prompt_tokens"
@@ -76,6 +92,14 @@ OUTPUT_TOKENS = "kvcache.request.output_tokens"
 LOAD_FAILED_TOKENS = "kvcache.request.load_failed_tokens"
 PREEMPTIONS = "kvcache.request.preemptions"
 TTFT_MS = "kvcache.request.ttft_ms"
+REQUEST_FINISHED = "kvcache.request.finished"  # connector: False if the engine shut down first
+REQUEST_ATTEMPT = "kvcache.request.attempt"  # which admission planned an op (0: the first)
+INTEGRITY_ERRORS = "kvcache.request.integrity_errors"
+ARRIVAL_S = "kvcache.request.arrival_s"
+PROMISED_TOKENS = "kvcache.load.promised_tokens"  # L: tokens vLLM agreed to load
+FIRST_FAILED_TOKEN = "kvcache.load.first_failed_token"  # first token of the first failed block
+LOOKUP_STATUS = "kvcache.lookup.status"  # ok | unavailable | none
+BLOCK_SIZE = "kvcache.block_size"
 GEN_AI_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 
 # --- resource ---------------------------------------------------------------------------------

@@ -7,15 +7,44 @@ import time
 from testbed import protocol as p
 from testbed.keys import chunk_hashes
 from testbed.rpc import RpcClient
+from tests.support.cache_harness import connect
 
 C = 64
 LAYOUT = p.KVLayout(num_layers=2, block_size=16, bytes_per_token=128)
 
 
-def register(url: str, role: str) -> RpcClient:
-    client = RpcClient(url, role=role, timeout_s=2.0, heartbeat_interval_s=0.2)
-    client.call(p.RegisterWorker(model="m", world_size=1, kv_rank=0, layout=LAYOUT))
-    return client
+class Worker:
+    """A registered raw client: op ids and its epoch filled in."""
+
+    def __init__(self, server, role: str = "worker", **kwargs) -> None:
+        kwargs.setdefault("timeout_s", 2.0)
+        kwargs.setdefault("heartbeat_interval_s", 0.2)
+        self.rpc = connect(server, role=role, **kwargs)
+        reply = self.rpc.call(p.RegisterWorker(model="m", world_size=1, kv_rank=0, layout=LAYOUT))
+        self.epoch = reply.epoch
+
+    def begin_store(self, session: str, hashes: list[bytes], handle: bytes = b"") -> p.StorePlan:
+        item = p.OpItem(session_id=session, chunk_hashes=hashes, handle=handle)
+        plan = self.rpc.call(
+            p.StoreBegin(op_id=self.rpc.new_op_id(), epoch=self.epoch, items=[item])
+        )
+        assert isinstance(plan, p.StorePlan)
+        return plan
+
+    def store(self, session: str, hashes: list[bytes]) -> p.StoreDone:
+        plan = self.begin_store(session, hashes)
+        done = self.rpc.call(p.StoreCommit(op_id=plan.op_id))
+        assert isinstance(done, p.StoreDone)
+        return done
+
+    def close(self) -> None:
+        self.rpc.close()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def lookup(client: RpcClient, session: str, hashes: list[bytes]) -> p.LookupResult:
@@ -33,46 +62,41 @@ def stats(client: RpcClient) -> p.ServerStats:
 def test_a_lookup_waits_for_an_in_flight_store_and_is_polled(start_server):
     server = start_server("--chunk-size", str(C), "--lookup-pending-timeout", "5")
     hashes = chunk_hashes(list(range(3 * C)), C)
-    worker = register(server.url, "worker")
-    scheduler = RpcClient(server.url, role="scheduler")
-    with worker, scheduler:
-        first = p.OpItem(session_id="writer", chunk_hashes=hashes[:1])
-        worker.call(p.StoreCommit(store_id=worker.call(p.StoreBegin(items=[first])).store_id))
-        plan = worker.call(p.StoreBegin(items=[p.OpItem(session_id="writer", chunk_hashes=hashes)]))
-        assert isinstance(plan, p.StorePlan)
+    with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
+        worker.store("writer", hashes[:1])
+        plan = worker.begin_store("writer", hashes)
         pending = lookup(scheduler, "reader", hashes)
         assert pending.pending and pending.hit_chunks == 0
         still = scheduler.call(p.LookupPoll(session_id="reader"))
         assert isinstance(still, p.LookupResult) and still.pending
-        worker.call(p.StoreCommit(store_id=plan.store_id))
+        worker.rpc.call(p.StoreCommit(op_id=plan.op_id))
         settled = scheduler.call(p.LookupPoll(session_id="reader"))
         assert isinstance(settled, p.LookupResult)
         assert not settled.pending and settled.hit_chunks == 3 and settled.num_locks == 3
+        assert len(settled.handle) == 16
 
 
 def test_a_pending_lookup_settles_on_what_is_committed_after_its_timeout(start_server):
     server = start_server("--chunk-size", str(C), "--lookup-pending-timeout", "0.3")
     hashes = chunk_hashes(list(range(2 * C)), C)
-    with register(server.url, "worker") as worker, RpcClient(server.url) as scheduler:
-        worker.call(p.StoreBegin(items=[p.OpItem(session_id="w", chunk_hashes=hashes)]))
+    with Worker(server) as worker, connect(server) as scheduler:
+        worker.begin_store("w", hashes)
         assert lookup(scheduler, "r", hashes).pending
         time.sleep(0.5)  # the writer never commits
         settled = scheduler.call(p.LookupPoll(session_id="r"))
         assert isinstance(settled, p.LookupResult) and not settled.pending
-        assert settled.hit_chunks == 0
+        assert settled.hit_chunks == 0 and settled.miss_status == "in_flight"
 
 
 def test_a_silent_client_is_reaped_locks_released_and_stores_aborted(start_server):
     server = start_server("--chunk-size", str(C), "--client-timeout", "0.6")
     hashes = chunk_hashes(list(range(2 * C)), C)
-    observer = RpcClient(server.url, role="observer", heartbeat_interval_s=0.1)
-    writer = register(server.url, "writer")
-    item = p.OpItem(session_id="w", chunk_hashes=hashes)
-    writer.call(p.StoreCommit(store_id=writer.call(p.StoreBegin(items=[item])).store_id))
-    doomed = RpcClient(server.url, role="doomed")  # takes locks, then goes silent
+    observer = connect(server, role="observer", heartbeat_interval_s=0.1)
+    writer = Worker(server, "writer", heartbeat_interval_s=10.0)
+    writer.store("w", hashes)
+    doomed = connect(server, role="doomed")  # takes locks, then goes silent
     assert lookup(doomed, "doomed-session", hashes).num_locks == 2
-    other = [p.OpItem(session_id="x", chunk_hashes=chunk_hashes([9] * C, C))]
-    writer.call(p.StoreBegin(items=other))  # never committed
+    writer.begin_store("x", chunk_hashes([9] * C, C))  # never committed
     with observer:
         assert stats(observer).num_locks == 2 and stats(observer).num_inflight_stores == 1
         doomed.close()
@@ -89,8 +113,21 @@ def test_a_silent_client_is_reaped_locks_released_and_stores_aborted(start_serve
 
 def test_sessions_expire_after_their_ttl(start_server):
     server = start_server("--chunk-size", str(C), "--session-ttl", "0.5")
-    with RpcClient(server.url, heartbeat_interval_s=0.1) as client:
+    with connect(server, heartbeat_interval_s=0.1) as client:
         lookup(client, "short-lived", chunk_hashes(list(range(C)), C))
         assert stats(client).num_sessions == 1
         time.sleep(1.0)
         assert stats(client).num_sessions == 0
+
+
+def test_every_reply_names_the_server_instance(start_server):
+    first = start_server("--chunk-size", str(C))
+    second = start_server("--chunk-size", str(C))
+    epochs = set()
+    for server in (first, second):
+        with connect(server) as client:
+            pong = client.call(p.Ping())
+            stats_reply = stats(client)
+            assert pong.epoch == stats_reply.epoch == server.epoch == client.server_epoch
+            epochs.add(pong.epoch)
+    assert len(epochs) == 2

@@ -22,8 +22,12 @@ def _malformed_frames(rng: random.Random, count: int) -> list[list[bytes]]:
     """Random bytes, truncated and mistyped messages, unknown ops, hostile lengths, extra frames."""
     valid = [
         p.encode(p.Lookup(session_id="s", model="m", world_size=1, chunk_hashes=[b"x" * 16])),
-        p.encode(p.StoreBegin(items=[p.OpItem(session_id="s", chunk_hashes=[b"y" * 16])])),
-        p.encode(p.RetrieveEnd(retrieve_id=3, ok=[True])),
+        p.encode(
+            p.StoreBegin(
+                op_id=1, epoch=1, items=[p.OpItem(session_id="s", chunk_hashes=[b"y" * 16])]
+            )
+        ),
+        p.encode(p.RetrieveEnd(op_id=3, ok=[True])),
         p.encode(p.FreeLocks(session_id="s", end_token=100)),
     ]
     encoder = msgspec.msgpack.Encoder()
@@ -51,8 +55,8 @@ def _malformed_frames(rng: random.Random, count: int) -> list[list[bytes]]:
         lambda: [rng.choice(valid), rng.choice(valid)],  # two frames in one message
         lambda: [b""],
         lambda: [encoder.encode(rng.choice([None, 1, 2.5, "x", [1, 2], {"v": 1}]))],
-        lambda: [encoder.encode({"op": "retrieve_end", "retrieve_id": rng.randint(0, 10**9)})],
-        lambda: [encoder.encode({"op": "store_commit", "store_id": rng.randint(0, 10**9)})],
+        lambda: [encoder.encode({"op": "retrieve_end", "op_id": rng.randint(0, 10**9)})],
+        lambda: [encoder.encode({"op": "store_commit", "op_id": rng.randint(0, 10**9)})],
         lambda: [encoder.encode({"op": "lookup_poll", "session_id": "nobody"})],
     ]
     return [rng.choice(makers)() for _ in range(count)]
@@ -78,7 +82,7 @@ def test_a_thousand_malformed_frames_get_errors_and_the_server_keeps_serving(sta
         socket.close()
     assert errors == len(frames)  # none dropped silently, none crashed the server
     assert server.process.poll() is None
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("after", prompt(3 * C + 1), list(range(13)))
         assert h.matched("probe", prompt(3 * C + 1)) == 3 * C
         assert h.stats().errors >= len(frames)
@@ -88,7 +92,7 @@ def test_a_dead_server_means_misses_and_failed_loads_within_the_timeout(start_se
     server = start_server("--chunk-size", str(C))
     tokens = prompt(3 * C + 1)
     timeout_s = 1.0
-    with Harness(server.url, timeout_s=timeout_s) as h:
+    with Harness(server, timeout_s=timeout_s) as h:
         h.prefill("a", tokens, list(range(13)))
         h.matched("b", tokens)
         plan = h.allocate("b", list(range(20, 33)), 3 * C)

@@ -9,6 +9,7 @@ so tests state scenarios, not plumbing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -37,10 +38,22 @@ class Rank:
     client: WorkerClient
 
 
+class ServerLike(Protocol):
+    url: str
+    token: str
+    admin_token: str
+
+
+def connect(server: ServerLike, *, admin: bool = False, **kwargs: Any) -> RpcClient:
+    """An RPC client of ``server`` holding its client (or admin) token."""
+    token = server.admin_token if admin else server.token
+    return RpcClient(server.url, token=token, **kwargs)
+
+
 class Harness:
     def __init__(
         self,
-        url: str,
+        server: ServerLike,
         *,
         chunk_size: int = 64,
         tp: int = 1,
@@ -53,7 +66,8 @@ class Harness:
         engine_id: str = "engine",
     ) -> None:
         self.chunk_size = chunk_size
-        self.rpc = RpcClient(url, role="scheduler", timeout_s=timeout_s)
+        self.server = server
+        self.rpc = connect(server, role="scheduler", timeout_s=timeout_s)
         self.client = SchedulerClient(
             self.rpc,
             model=model,
@@ -76,7 +90,7 @@ class Harness:
                 ).half()
                 for _ in range(num_layers)
             )
-            rpc = RpcClient(url, role=f"worker{rank}", timeout_s=timeout_s)
+            rpc = connect(server, role=f"worker{rank}", timeout_s=timeout_s)
             worker = WorkerClient(rpc, WorkerIdentity.for_rank(model, tp, rank, mla))
             kv = PagedKV(layers, 0, BLOCK_SIZE)
             worker.register(kv)

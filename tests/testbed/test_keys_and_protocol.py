@@ -39,14 +39,15 @@ def test_every_request_round_trips_and_unknown_ops_are_rejected():
     request.traceparent = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
     assert p.decode_request(p.encode(request)) == request
     items = [p.OpItem(session_id="s", chunk_hashes=[b"b" * 16], first_chunk=3)]
-    assert p.decode_request(p.encode(p.StoreBegin(items=items))).items == items
+    store = p.StoreBegin(op_id=7, epoch=3, items=items)
+    assert p.decode_request(p.encode(store)) == store
     with pytest.raises(msgspec.ValidationError):
         p.decode_request(msgspec.msgpack.encode({"op": "format_disk"}))
     with pytest.raises(msgspec.ValidationError):
         p.decode_request(
             p.encode(p.Lookup(session_id="s", model="m", world_size=1, chunk_hashes=[b"short"]))
         )
-    reply = p.StorePlan(store_id=4, items=[p.ItemSlots(slots=[p.Slot(128, 64), None])])
+    reply = p.StorePlan(op_id=4, items=[p.ItemSlots(slots=[p.Slot(128, 64), None])], epoch=9)
     assert p.decode_reply(p.encode(reply)) == reply
 
 

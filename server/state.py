@@ -1,0 +1,151 @@
+"""What the server holds besides the index: clients, sessions, operations in flight, counters.
+
+Everything here has an owner (the client connection that made it) and a deadline, so the
+housekeeping of ``server.service`` can expire what its owner never finished, and a client's
+death can release all it held. Plain data, no sockets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from server.cache import CacheObject, ObjectKey, Space
+from testbed import protocol as p
+
+SESSION_INDEX_BYTES = 400
+TRACKED_CHUNK_INDEX_BYTES = 60
+CLIENT_INDEX_BYTES = 1024
+
+
+@dataclass
+class Worker:
+    request: p.RegisterWorker
+    object_bytes: int
+
+    def key(self, chunk_hash: bytes, cache_salt: str) -> ObjectKey:
+        r = self.request
+        return ObjectKey(r.model, r.world_size, r.kv_rank, chunk_hash, cache_salt)
+
+
+@dataclass
+class InflightStore:
+    op_id: int
+    objects: list[CacheObject]
+    positions: list[tuple[str, int]]
+    """Per object: the session and chunk index it stores (for the chunk log)."""
+    deadline: float
+    span_id: str = ""
+
+
+@dataclass
+class InflightRetrieve:
+    op_id: int
+    items: list[tuple[str, bytes, list[ObjectKey], list[bool]]]
+    """Per item: session id, lock-group handle, the chunk keys, which were present (pinned)."""
+    object_bytes: int
+    deadline: float
+
+
+@dataclass
+class PendingLookup:
+    request: p.Lookup
+    deadline: float
+    polls: int = 0
+
+
+@dataclass
+class ClientState:
+    """One client connection (routing ids are chosen by the server and never reused)."""
+
+    client_id: bytes
+    last_seen: float
+    worker: Worker | None = None
+    stores: dict[int, InflightStore] = field(default_factory=dict)
+    retrieves: dict[int, InflightRetrieve] = field(default_factory=dict)
+    sessions: set[str] = field(default_factory=set)
+
+    def op_ids(self) -> set[int]:
+        return set(self.stores) | set(self.retrieves)
+
+
+class ChunkRun(NamedTuple):
+    """Objects of one namespace: every hash on every rank in ``ranks``."""
+
+    space: Space
+    hashes: list[bytes]
+    ranks: tuple[int, ...]
+
+    @property
+    def num_objects(self) -> int:
+        return len(self.hashes) * len(self.ranks)
+
+    def object_keys(self) -> list[ObjectKey]:
+        return [self.space.key(h, rank) for h in self.hashes for rank in self.ranks]
+
+
+@dataclass
+class Session:
+    session_id: str
+    owner: bytes
+    last_seen: float
+    looked_up: ChunkRun | None = None
+    """What the session's latest lookup hit (refreshed when the session ends)."""
+    stored: list[ChunkRun] = field(default_factory=list)
+    """What the session's stores committed (refreshed when the session ends)."""
+    handle: bytes = b""
+    """The lock group of the session's latest lookup."""
+    pending: PendingLookup | None = None
+
+    @property
+    def refresh(self) -> list[ChunkRun]:
+        """Objects to refresh when the session ends."""
+        return ([self.looked_up] if self.looked_up is not None else []) + self.stored
+
+    @property
+    def tracked_chunks(self) -> int:
+        return sum(run.num_objects for run in self.refresh)
+
+
+@dataclass
+class Counters:
+    evicted_objects: int = 0
+    evicted_bytes: int = 0
+    expired_locks: int = 0
+    expired_ops: int = 0
+    aborted_ops: int = 0
+    stored_bytes: int = 0
+    retrieved_bytes: int = 0
+    errors: int = 0
+    unauthorized: int = 0
+    forbidden: int = 0
+    refused_limits: int = 0
+    dropped_frames: int = 0
+
+
+class Deadlines:
+    """A lazy min-heap of ``(deadline, kind, owner, id)``; the caller re-checks each entry it
+    pops (the thing may be gone or its deadline moved), and re-adds what is still live."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, bytes, object]] = []
+        self._seq = itertools.count()
+
+    def add(self, deadline: float, kind: str, owner: bytes, ident: object) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._seq), kind, owner, ident))
+
+    def due(self, now: float) -> Iterator[tuple[str, bytes, object]]:
+        while self._heap and self._heap[0][0] <= now:
+            _, _, kind, owner, ident = heapq.heappop(self._heap)
+            yield kind, owner, ident
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def compact(self, live: list[tuple[float, str, bytes, object]]) -> None:
+        """Replaces the heap by ``live`` entries (when stale ones pile up)."""
+        self._heap = [(d, next(self._seq), k, o, i) for d, k, o, i in live]
+        heapq.heapify(self._heap)

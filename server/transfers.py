@@ -1,0 +1,393 @@
+"""Worker-side requests: registration, store, retrieve, abort; and the admin drop.
+
+Handlers of :class:`server.service.CacheService` (generators; see there). A store or
+retrieve is named by its client's ``op_id`` and belongs to that client: only it can commit,
+end or abort it, and its deadline (``op_ttl_s``) expires it if the client never does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+from server.cache import CacheObject, Eviction, ObjectKey, Space
+from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
+from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
+from testbed import protocol as p
+from testbed.telemetry import attributes as a
+
+if TYPE_CHECKING:
+    from server.service import CacheService, Call
+
+
+def _error(code: p.ErrorCode, message: str) -> Exception:
+    from server.service import ServiceError
+
+    return ServiceError(code, message)
+
+
+def register(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.RegisterWorker)
+    if req.kv_rank >= req.world_size:
+        raise _error("invalid", f"kv_rank {req.kv_rank} >= world_size {req.world_size}")
+    chunk_size = s.config.chunk_size
+    if chunk_size % req.layout.block_size:
+        raise _error(
+            "invalid",
+            f"the server's chunk size {chunk_size} is not a multiple of the worker's block "
+            f"size {req.layout.block_size}; restart the server with a chunk size that is",
+        )
+    object_bytes = chunk_size * req.layout.bytes_per_token
+    if object_bytes < s.config.min_object_bytes:
+        raise s.limit(
+            "min_object_bytes",
+            s.config.min_object_bytes,
+            f"bytes per object minimum (this layout makes {object_bytes}-byte objects: raise "
+            "the chunk size)",
+        )
+    for other in s.clients.values():
+        worker = other.worker
+        if worker is None or other is call.client:
+            continue
+        same_space = (worker.request.model, worker.request.world_size) == (
+            req.model,
+            req.world_size,
+        )
+        if same_space and worker.object_bytes != object_bytes:
+            raise _error(
+                "conflict",
+                f"model {req.model!r} world size {req.world_size} is already registered "
+                f"with {worker.object_bytes} bytes per chunk, not {object_bytes}",
+            )
+    call.client.worker = Worker(req, object_bytes)
+    call.span.set_attributes(
+        {a.MODEL: req.model, a.WORLD_SIZE: req.world_size, a.KV_RANK: req.kv_rank}
+    )
+    return p.WorkerRegistered(
+        chunk_size=chunk_size,
+        object_bytes=object_bytes,
+        pool_path="" if s.pool is None else str(s.pool.path),
+        pool_bytes=0 if s.pool is None else s.pool.size,
+    )
+    yield
+
+
+def unregister(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    client = call.client
+    for op_id in list(client.stores):
+        finish_store(s, client, op_id, ok=False)
+    for op_id in list(client.retrieves):
+        finish_retrieve(s, client, op_id, ok=[])
+    client.worker = None
+    return p.Ack()
+    yield
+
+
+def _worker_op(s: CacheService, call: Call, req: p.StoreBegin | p.RetrieveBegin) -> Worker:
+    worker = call.client.worker
+    if worker is None:
+        raise _error(
+            "not_registered",
+            "this client has not registered a KV layout (send register_worker first)",
+        )
+    if req.epoch != s.epoch:
+        raise _error(
+            "stale_epoch",
+            f"operation planned for server instance {req.epoch}, this is {s.epoch} (the "
+            "server restarted): register again and map the new pool",
+        )
+    if req.op_id in call.client.op_ids():
+        raise _error("conflict", f"operation {req.op_id} is already in flight for this client")
+    s.check_chunks(sum(len(item.chunk_hashes) for item in req.items))
+    return worker
+
+
+# ---------------------------------------------------------------------------------------------
+# Store
+# ---------------------------------------------------------------------------------------------
+
+
+def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.StoreBegin)
+    worker = _worker_op(s, call, req)
+    eviction = Eviction(reason="capacity")
+    objects: list[CacheObject] = []
+    positions: list[tuple[str, int]] = []
+    plans = []
+    log = s.chunk_log
+    space = namespace(worker.request.model, worker.request.world_size, "")
+    for item in req.items:
+        plan = p.ItemSlots(slots=[])
+        if log.enabled:
+            space = namespace(worker.request.model, worker.request.world_size, item.cache_salt)
+        for index, chunk_hash in enumerate(item.chunk_hashes):
+            position = item.first_chunk + index
+            key = worker.key(chunk_hash, item.cache_salt)
+            if s.cache.get(key) is not None:
+                plan.slots.append(None)
+                plan.num_present += 1
+                s.cache.touch(key)
+                if log.enabled:
+                    log.add(
+                        TOUCH,
+                        chunk_hash,
+                        kv_rank=key.kv_rank,
+                        namespace=space,
+                        session_id=item.session_id,
+                        position=position,
+                        cause="store",
+                        span_id=call.span_id,
+                    )
+            else:
+                obj = None
+                if plan.num_full == 0:
+                    obj = s.cache.reserve(
+                        key, worker.object_bytes, call.traceparent, item.session_id, eviction
+                    )
+                if obj is None:
+                    # Later chunks are unreachable without this one: do not store them either.
+                    plan.slots.append(None)
+                    plan.num_full += 1
+                else:
+                    objects.append(obj)
+                    positions.append((item.session_id, position))
+                    plan.slots.append(p.Slot(obj.offset or 0, obj.nbytes))
+                    if log.enabled:
+                        log.add(
+                            RESERVE,
+                            chunk_hash,
+                            kv_rank=key.kv_rank,
+                            namespace=space,
+                            session_id=item.session_id,
+                            position=position,
+                            span_id=call.span_id,
+                            nbytes=obj.nbytes,
+                        )
+            if call.spend():
+                yield
+        plans.append(plan)
+    s.record_eviction(eviction, call.traceparent)
+    deadline = s.clock() + s.config.op_ttl_s
+    call.client.stores[req.op_id] = InflightStore(
+        req.op_id, objects, positions, deadline, call.span_id
+    )
+    s.deadlines.add(deadline, "store", call.client.client_id, req.op_id)
+    call.span.set_attributes(
+        {
+            a.OP_ID: req.op_id,
+            a.NUM_REQUESTS: len(req.items),
+            a.SESSION_IDS: [item.session_id for item in req.items],
+            a.KV_RANK: worker.request.kv_rank,
+            a.CHUNKS_REQUESTED: sum(len(item.chunk_hashes) for item in req.items),
+            a.CHUNKS_WRITTEN: len(objects),
+            a.CHUNKS_PRESENT: sum(plan.num_present for plan in plans),
+            a.CHUNKS_FULL: sum(plan.num_full for plan in plans),
+            a.BYTES: len(objects) * worker.object_bytes,
+            a.EVICTED_OBJECTS: len(eviction.objects),
+            a.EVICTED_BYTES: eviction.nbytes,
+            a.USED_BYTES: s.cache.used_bytes,
+        }
+    )
+    return p.StorePlan(op_id=req.op_id, items=plans, evicted_objects=len(eviction.objects))
+
+
+def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.StoreCommit)
+    store = call.client.stores.get(req.op_id)
+    if store is None:
+        raise _error(
+            "unknown_id",
+            f"no store {req.op_id} in flight for this client (never begun, aborted, or "
+            f"expired after op_ttl_s={s.config.op_ttl_s:g}s)",
+        )
+    committed = finish_store(s, call.client, req.op_id, req.ok, call.span_id)
+    call.span.set_attributes(
+        {
+            a.OP_ID: req.op_id,
+            a.OK: req.ok,
+            a.CHUNKS_WRITTEN: committed,
+            a.BYTES: sum(obj.nbytes for obj in store.objects) if req.ok else 0,
+            a.USED_BYTES: s.cache.used_bytes,
+        }
+    )
+    return p.StoreDone(num_committed=committed, num_aborted=len(store.objects) - committed)
+    yield
+
+
+def finish_store(
+    s: CacheService, client: ClientState, op_id: int, ok: bool, span_id: str = ""
+) -> int:
+    """Commits (``ok``) or drops the reservations of a store; returns the objects committed."""
+    store = client.stores.pop(op_id)
+    log = s.chunk_log
+    refresh: dict[tuple[str, Space, int], list[bytes]] = {}
+    for obj, (session_id, position) in zip(store.objects, store.positions, strict=True):
+        key = obj.key
+        if ok:
+            s.cache.commit(obj)
+            s.counters.stored_bytes += obj.nbytes
+            space = Space(key.model, key.world_size, key.cache_salt)
+            refresh.setdefault((session_id, space, key.kv_rank), []).append(key.chunk_hash)
+        else:
+            s.cache.remove(obj)
+        if log.enabled:
+            log.add(
+                COMMIT if ok else ABORT,
+                key.chunk_hash,
+                kv_rank=key.kv_rank,
+                namespace=namespace(key.model, key.world_size, key.cache_salt),
+                session_id=session_id,
+                position=position,
+                span_id=span_id or store.span_id,
+                nbytes=obj.nbytes,
+            )
+    for (session_id, space, rank), hashes in refresh.items():
+        session = s.sessions.get(session_id)
+        if session is not None:  # the request's end will refresh what it stored
+            s.track(session, ChunkRun(space, hashes, (rank,)), lookup=False)
+    return len(store.objects) if ok else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Retrieve
+# ---------------------------------------------------------------------------------------------
+
+
+def retrieve_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.RetrieveBegin)
+    worker = _worker_op(s, call, req)
+    items: list[tuple[str, bytes, list[ObjectKey], list[bool]]] = []
+    plans = []
+    for item in req.items:
+        keys = [worker.key(h, item.cache_salt) for h in item.chunk_hashes]
+        present = []
+        plan = p.ItemSlots(slots=[])
+        for key in keys:
+            obj = s.cache.committed(key)
+            present.append(obj is not None)
+            if obj is None:
+                plan.slots.append(None)
+            else:
+                s.cache.pin(obj)
+                plan.num_present += 1
+                plan.slots.append(p.Slot(obj.offset or 0, obj.nbytes))
+            if call.spend():
+                yield
+        items.append((item.session_id, item.handle, keys, present))
+        plans.append(plan)
+    deadline = s.clock() + s.config.op_ttl_s
+    call.client.retrieves[req.op_id] = InflightRetrieve(
+        req.op_id, items, worker.object_bytes, deadline
+    )
+    s.deadlines.add(deadline, "retrieve", call.client.client_id, req.op_id)
+    num_present = sum(plan.num_present for plan in plans)
+    num_chunks = sum(len(keys) for _, _, keys, _ in items)
+    call.span.set_attributes(
+        {
+            a.OP_ID: req.op_id,
+            a.NUM_REQUESTS: len(req.items),
+            a.SESSION_IDS: [item.session_id for item in req.items],
+            a.KV_RANK: worker.request.kv_rank,
+            a.CHUNKS_REQUESTED: num_chunks,
+            a.CHUNKS_MISSING: num_chunks - num_present,
+            a.BYTES: num_present * worker.object_bytes,
+        }
+    )
+    return p.RetrievePlan(op_id=req.op_id, items=plans)
+
+
+def retrieve_end(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.RetrieveEnd)
+    retrieve = call.client.retrieves.get(req.op_id)
+    if retrieve is None:
+        raise _error(
+            "unknown_id",
+            f"no retrieve {req.op_id} in flight for this client (never begun, aborted, or "
+            f"expired after op_ttl_s={s.config.op_ttl_s:g}s): its copy is not trustworthy",
+        )
+    released = finish_retrieve(s, call.client, req.op_id, req.ok, call.span_id)
+    call.span.set_attributes(
+        {
+            a.OP_ID: req.op_id,
+            a.NUM_REQUESTS: len(retrieve.items),
+            a.OK: sum(req.ok) == len(retrieve.items),
+            a.LOCKS_RELEASED: released,
+        }
+    )
+    return p.RetrieveDone(num_locks_released=released)
+    yield
+
+
+def finish_retrieve(
+    s: CacheService, client: ClientState, op_id: int, ok: list[bool], span_id: str = ""
+) -> int:
+    """Unpins a retrieve's objects and releases one lock unit per chunk of each item's lock
+    group (whatever ``ok`` says: per item, may be short); returns the units released."""
+    retrieve = client.retrieves.pop(op_id)
+    released = 0
+    log = s.chunk_log
+    for index, (session_id, handle, keys, present) in enumerate(retrieve.items):
+        item_ok = index < len(ok) and ok[index]
+        for key, was_present in zip(keys, present, strict=True):
+            if was_present:
+                s.cache.unpin(key)
+                if item_ok:
+                    s.cache.touch(key)
+                    s.counters.retrieved_bytes += retrieve.object_bytes
+                    if log.enabled:
+                        log.add(
+                            TOUCH,
+                            key.chunk_hash,
+                            kv_rank=key.kv_rank,
+                            namespace=namespace(key.model, key.world_size, key.cache_salt),
+                            session_id=session_id,
+                            cause="retrieve",
+                            span_id=span_id,
+                        )
+        group = s.cache.groups.get(handle) if handle else None
+        if group is not None and group.session_id == session_id:
+            released += s.cache.release_reader(group, keys)
+    return released
+
+
+# ---------------------------------------------------------------------------------------------
+# Abort and administration
+# ---------------------------------------------------------------------------------------------
+
+
+def abort(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.Abort)
+    client = call.client
+    aborted = 0
+    for op_id in req.op_ids:
+        if op_id in client.stores:
+            finish_store(s, client, op_id, ok=False, span_id=call.span_id)
+            aborted += 1
+        elif op_id in client.retrieves:
+            finish_retrieve(s, client, op_id, ok=[], span_id=call.span_id)
+            aborted += 1
+    s.counters.aborted_ops += aborted
+    call.span.set_attributes({a.OPS: len(req.op_ids), a.CHUNKS: aborted})
+    return p.Aborted(num_aborted=aborted)
+    yield
+
+
+def drop_objects(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    assert isinstance(req, p.DropObjects)
+    if req.chunk_hashes:
+        keys = [k for h in req.chunk_hashes for k in s.cache.keys_with_hash(h)]
+    else:
+        keys = [obj.key for obj in s.cache.objects()]
+    eviction = Eviction(reason="drop")
+    released = 0
+    for key in keys:
+        obj = s.cache.get(key)
+        if obj is None or not obj.committed or obj.pins or (obj.locks and not req.force):
+            continue
+        released += s.cache.drop(obj, eviction)
+        if call.spend():
+            yield
+    s.record_eviction(eviction, req.traceparent)
+    return p.Dropped(
+        num_objects=len(eviction.objects), num_bytes=eviction.nbytes, num_locks_released=released
+    )
