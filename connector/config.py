@@ -60,6 +60,20 @@ class ConnectorConfig:
     """Namespace for session ids shared by one engine's scheduler and workers; default:
     vLLM's ``kv_transfer_config.engine_id``."""
 
+    token: str = ""
+    """The server's client token (see ``kvtb server``'s token file); default: from
+    ``token_file``, else the ``KVTB_TOKEN`` / ``KVTB_TOKEN_FILE`` variables."""
+
+    token_file: str = ""
+    """A server's token file (the readiness line prints its path) to read the token from."""
+
+    curve_secret_key: str = ""
+    """ZeroMQ CURVE: this client's secret key file (``*.key_secret``), for a server bound
+    beyond loopback; needs ``curve_server_key``."""
+
+    curve_server_key: str = ""
+    """ZeroMQ CURVE: the server's public key file (``server.key``)."""
+
     def __post_init__(self) -> None:
         problems = []
         if not self.server_url.startswith(("tcp://", "ipc://", "inproc://")):
@@ -75,6 +89,8 @@ class ConnectorConfig:
                 problems.append(f"{name} must not be negative, got {getattr(self, name)}")
         if self.chunk_size <= 0:
             problems.append(f"chunk_size must be positive, got {self.chunk_size}")
+        if bool(self.curve_secret_key) != bool(self.curve_server_key):
+            problems.append("curve_secret_key and curve_server_key go together")
         if problems:
             raise ValueError("invalid kvtb connector config: " + "; ".join(problems))
 

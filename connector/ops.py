@@ -22,6 +22,12 @@ class ChunkOp:
     end_token: int
     block_ids: list[int]
     traceparent: str = ""
+    """The request's connector span: worker spans hang under it."""
+    handle: bytes = b""
+    """The lock group of the request's lookup (the server's capability for its locks)."""
+    attempt: int = 0
+    """Which admission of the request planned the op (0: the first; later ones follow a
+    preemption or a restart after a failed load)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

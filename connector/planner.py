@@ -128,4 +128,6 @@ def _chunk_range(
         "end_token": end,
         "block_ids": tracker.block_ids[start // geometry.block_size : end // geometry.block_size],
         "traceparent": tracker.traceparent,
+        "handle": tracker.handle,
+        "attempt": tracker.preemptions,
     }

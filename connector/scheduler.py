@@ -15,11 +15,18 @@ hook contracts follow ``KVConnectorBase_V1``:
 - :meth:`SchedulerSide.build_plan` emits the step's retrieves and the stores of newly
   completed chunks;
 - :meth:`SchedulerSide.request_finished` ends the session.
+
+Telemetry is the record: each request gets one ``kvcache.connector.request`` span (a child of
+the request's own trace context when vLLM passes one, else the root of the request's trace),
+and every connector span of the request hangs under it. At the request's end the span carries
+what its first admission got, the facts ``testbed.analysis`` computes the accounting from:
+prompt tokens, vLLM's own hit (E), the server's hit (H), the tokens vLLM agreed to load (L),
+the lookup's status and the preemptions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from connector.ops import StepPlan
@@ -31,8 +38,10 @@ from connector.planner import (
     tokens_to_load,
 )
 from connector.scheduler_client import SchedulerClient
-from connector.tracker import Phase, RequestTracker
+from connector.tracker import Admission, Phase, RequestTracker
+from testbed import telemetry
 from testbed.keys import chunk_hashes
+from testbed.telemetry import attributes as a
 
 _ALL_TOKENS = 1 << 62
 
@@ -70,6 +79,7 @@ class SchedulerSide:
         load_async: bool = True,
         lookup_wait_s: float = 0.0,
         store_decode_tokens: bool = False,
+        tp_size: int = 1,
     ) -> None:
         self.client = client
         self.geometry = geometry
@@ -78,10 +88,9 @@ class SchedulerSide:
         self.load_async = load_async
         self.lookup_wait_s = lookup_wait_s
         self.store_decode_tokens = store_decode_tokens
+        self.tp_size = tp_size
         self.trackers: dict[str, RequestTracker] = {}
-        self.on_finished: Callable[[RequestTracker], None] | None = None
-        """Called with each finished request's tracker (in-process engines read the engine's
-        own prefix-cache hit here; vLLM's outputs only give the total)."""
+        self._spans: dict[str, telemetry.Span] = {}
 
     def session_id(self, request_id: str) -> str:
         return f"{self.engine_id}:{request_id}"
@@ -104,11 +113,13 @@ class SchedulerSide:
                         parent=tracker.traceparent,
                     )
                     tracker.lookup_submitted = True
-                hit_chunks = self.client.lookup_result(tracker.session_id, self.lookup_wait_s)
-                if hit_chunks is None:
+                answer = self.client.lookup_result(tracker.session_id, self.lookup_wait_s)
+                if answer is None:
                     return None, False
-                tracker.hit_tokens = hit_chunks * self.geometry.chunk_size
-                tracker.locks_held = hit_chunks > 0
+                tracker.hit_tokens = answer.hit_chunks * self.geometry.chunk_size
+                tracker.lookup_ok = answer.ok
+                tracker.handle = answer.handle
+                tracker.locks_held = answer.hit_chunks > 0
         tracker.engine_hit_tokens = num_computed_tokens
         load = tokens_to_load(tracker.hit_tokens, num_computed_tokens, request.num_tokens)
         return load, load > 0 and self.load_async
@@ -123,6 +134,13 @@ class SchedulerSide:
             tracker.block_ids.extend(block_ids[len(tracker.block_ids) :])
         if tracker.phase is not Phase.LOOKUP or tracker.hit_tokens is None:
             return  # second call of an async load: only the new blocks matter
+        if tracker.first_admission is None:
+            tracker.first_admission = Admission(
+                engine_hit_tokens=tracker.engine_hit_tokens,
+                server_hit_tokens=tracker.hit_tokens if tracker.lookup_ok else None,
+                promised_tokens=num_external_tokens,
+                lookup_status=_status(tracker),
+            )
         release = lock_release_after_alloc(tracker, num_external_tokens, self.geometry)
         self.client.forget_lookup(tracker.session_id)
         if release is not None:
@@ -159,7 +177,7 @@ class SchedulerSide:
         return plan
 
     def request_finished(self, request_id: str) -> RequestTracker | None:
-        """Ends the session; returns the tracker (for accounting) and forgets it."""
+        """Ends the session and the request's span; returns the tracker and forgets it."""
         tracker = self.trackers.pop(request_id, None)
         if tracker is None:
             return None
@@ -169,21 +187,41 @@ class SchedulerSide:
         if unallocated and (tracker.locks_held or tracker.hit_tokens is None):
             self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
         self.client.end_session(tracker.session_id, parent=tracker.traceparent)
-        if self.on_finished is not None:
-            self.on_finished(tracker)
+        self._end_span(tracker)
         return tracker
+
+    def close(self) -> None:
+        """Ends the spans of requests still tracked (the engine is shutting down)."""
+        for tracker in list(self.trackers.values()):
+            self._end_span(tracker, finished=False)
+        self.trackers.clear()
 
     def _tracker(self, request: RequestView) -> RequestTracker:
         tracker = self.trackers.get(request.request_id)
         if tracker is None:
             num_prompt = request.num_prompt_tokens
+            session_id = self.session_id(request.request_id)
+            span = telemetry.start_span(
+                a.CONNECTOR_REQUEST,
+                parent=request.traceparent,
+                attributes={
+                    a.REQUEST_ID: request.request_id,
+                    a.SESSION_ID: session_id,
+                    a.PROMPT_TOKENS: num_prompt,
+                    a.CHUNK_SIZE: self.geometry.chunk_size,
+                    a.BLOCK_SIZE: self.geometry.block_size,
+                    a.TP_SIZE: self.tp_size,
+                    a.NUM_READERS: self.client.num_readers,
+                },
+            )
+            self._spans[request.request_id] = span
             tracker = RequestTracker(
                 request_id=request.request_id,
-                session_id=self.session_id(request.request_id),
+                session_id=session_id,
                 token_ids=request.token_ids,
                 num_prompt_tokens=num_prompt,
                 cache_salt=request.cache_salt or self.default_cache_salt,
-                traceparent=request.traceparent,
+                traceparent=telemetry.traceparent_of(span) or request.traceparent,
                 chunk_hashes=chunk_hashes(request.token_ids[:num_prompt], self.geometry.chunk_size),
             )
             self.trackers[request.request_id] = tracker
@@ -192,3 +230,27 @@ class SchedulerSide:
     def _reset(self, tracker: RequestTracker) -> None:
         self.client.forget_lookup(tracker.session_id)
         tracker.reset_after_preemption()
+
+    def _end_span(self, tracker: RequestTracker, finished: bool = True) -> None:
+        span = self._spans.pop(tracker.request_id, None)
+        if span is None:
+            return
+        first = tracker.first_admission
+        attributes: dict[str, object] = {
+            a.PREEMPTIONS: tracker.preemptions,
+            a.REQUEST_FINISHED: finished,
+        }
+        if first is not None:
+            attributes[a.ENGINE_HIT_TOKENS] = first.engine_hit_tokens
+            attributes[a.PROMISED_TOKENS] = first.promised_tokens
+            attributes[a.LOOKUP_STATUS] = first.lookup_status
+            if first.server_hit_tokens is not None:
+                attributes[a.TOKENS_HIT] = first.server_hit_tokens
+        span.set_attributes(attributes)  # type: ignore[arg-type]
+        span.end()
+
+
+def _status(tracker: RequestTracker) -> str:
+    if not tracker.chunk_hashes:
+        return "none"
+    return "ok" if tracker.lookup_ok else "unavailable"

@@ -24,6 +24,16 @@ from testbed.telemetry import attributes as a
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LookupAnswer:
+    hit_chunks: int
+    """Complete chunks the server holds and locked (0 when the lookup failed)."""
+    handle: bytes = b""
+    """The lock group's name (workers release the locks with it)."""
+    ok: bool = True
+    """False when the server was down, timed out or refused the lookup (a miss)."""
+
+
 @dataclass
 class _Lookup:
     future: Future[p.Reply] | None
@@ -31,7 +41,7 @@ class _Lookup:
     started_at: float
     num_chunks: int
     polls: int = 0
-    hit_chunks: int | None = None
+    answer: LookupAnswer | None = None
 
 
 class SchedulerClient:
@@ -88,17 +98,17 @@ class SchedulerClient:
             )
         self._lookups[session_id] = _Lookup(future, span, time.monotonic(), len(chunk_hashes))
 
-    def lookup_result(self, session_id: str, wait_s: float = 0.0) -> int | None:
-        """Hit chunks of the session's lookup, or ``None`` while it is outstanding.
+    def lookup_result(self, session_id: str, wait_s: float = 0.0) -> LookupAnswer | None:
+        """The session's lookup answer, or ``None`` while it is outstanding.
 
         Waits up to ``wait_s`` for the answer. Failures (timeout, dead server, error reply)
-        count as a miss: 0.
+        count as a miss: 0 chunks, ``ok`` False.
         """
         lookup = self._lookups[session_id]
         deadline = time.monotonic() + wait_s
-        while lookup.hit_chunks is None:
+        while lookup.answer is None:
             if lookup.future is None:
-                self._settle(lookup, 0, "cache server unavailable")
+                self._settle(lookup, None, "cache server unavailable")
                 break
             remaining = deadline - time.monotonic()
             if not lookup.future.done() and remaining <= 0:
@@ -108,10 +118,10 @@ class SchedulerClient:
             except TimeoutError:
                 return None
             except Exception as exc:  # ServerUnavailable or the client closing
-                self._settle(lookup, 0, str(exc))
+                self._settle(lookup, None, str(exc))
                 break
             if isinstance(reply, p.Error):
-                self._settle(lookup, 0, f"{reply.code}: {reply.message}")
+                self._settle(lookup, None, f"{reply.code}: {reply.message}")
             elif isinstance(reply, p.LookupResult) and reply.pending:
                 lookup.polls += 1
                 time.sleep(self.poll_interval_s)
@@ -122,11 +132,14 @@ class SchedulerClient:
                 )
             else:
                 assert isinstance(reply, p.LookupResult)
-                self._settle(lookup, reply.hit_chunks, None)
-        return lookup.hit_chunks
+                self._settle(lookup, reply, None)
+        return lookup.answer
 
-    def _settle(self, lookup: _Lookup, hit_chunks: int, error: str | None) -> None:
-        lookup.hit_chunks = hit_chunks
+    def _settle(self, lookup: _Lookup, reply: p.LookupResult | None, error: str | None) -> None:
+        hit_chunks = 0 if reply is None else reply.hit_chunks
+        lookup.answer = LookupAnswer(
+            hit_chunks, b"" if reply is None else reply.handle, ok=error is None
+        )
         lookup.span.set_attributes(
             {
                 a.CHUNKS_HIT: hit_chunks,
@@ -136,6 +149,8 @@ class SchedulerClient:
                 a.OK: error is None,
             }
         )
+        if reply is not None and reply.miss_status:
+            lookup.span.set_attribute(a.MISS_STATUS, reply.miss_status)
         if error is not None:
             log.warning("lookup failed, treating as a miss: %s", error)
             lookup.span.set_attribute(a.ERROR, error)
@@ -144,8 +159,8 @@ class SchedulerClient:
 
     def forget_lookup(self, session_id: str) -> None:
         lookup = self._lookups.pop(session_id, None)
-        if lookup is not None and lookup.hit_chunks is None:
-            self._settle(lookup, 0, "abandoned before the answer arrived")
+        if lookup is not None and lookup.answer is None:
+            self._settle(lookup, None, "abandoned before the answer arrived")
 
     def free_locks(
         self, session_id: str, start_token: int, end_token: int, parent: str = ""

@@ -18,6 +18,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Admission:
+    """One admission of a request: the facts its accounting is computed from."""
+
+    engine_hit_tokens: int
+    """vLLM's own prefix-cache hit (E)."""
+    server_hit_tokens: int | None
+    """The cache server's chunk-aligned hit (H); ``None`` if the lookup failed."""
+    promised_tokens: int
+    """Tokens vLLM agreed to load from the cache (L)."""
+    lookup_status: str
+    """``ok``, ``unavailable`` (down, timed out, refused) or ``none`` (no complete chunk)."""
+
+
 class Phase(enum.Enum):
     LOOKUP = enum.auto()
     LOAD_PENDING = enum.auto()
@@ -41,6 +55,10 @@ class RequestTracker:
     lookup_submitted: bool = False
     hit_tokens: int | None = None
     """Chunk-aligned external hit; ``None`` until the lookup is answered."""
+    lookup_ok: bool = True
+    """Whether the lookup was answered (False: server down, timed out or refused)."""
+    handle: bytes = b""
+    """The server's name for the lookup's lock group (workers release its locks with it)."""
     engine_hit_tokens: int = 0
     """Tokens the engine's own prefix cache held when the request was allocated."""
     locks_held: bool = False
@@ -49,13 +67,17 @@ class RequestTracker:
     num_stored_chunks: int = 0
     """Chunks known to be in the cache or already planned for storing."""
     preemptions: int = 0
-    """Times the engine started the request over (it shows in the tracker's repr)."""
+    """Times the engine started the request over: the current admission's ``attempt``."""
+    first_admission: Admission | None = None
+    """What the request got at its first admission (the accounting counts that one)."""
 
     def reset_after_preemption(self) -> None:
         """The engine dropped the request's blocks: start over from a new lookup."""
         self.phase = Phase.LOOKUP
         self.lookup_submitted = False
         self.hit_tokens = None
+        self.lookup_ok = True
+        self.handle = b""
         self.engine_hit_tokens = 0
         self.locks_held = False
         self.block_ids = []

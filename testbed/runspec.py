@@ -86,6 +86,9 @@ class RunSpec:
     metadata_only: bool = False
     """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
     fault_drop_fraction: float = 0.0
+    server_timeout_s: float = 30.0
+    """The connector's longest wait for a server reply (``kvtb.mq_timeout_s``): a dead or hung
+    server stalls no engine step for longer."""
     workload_params: dict[str, Any] = field(default_factory=dict)
     """Generator parameters (see testbed.workloads)."""
 
@@ -125,6 +128,8 @@ class RunSpec:
             )
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
+        if self.server_timeout_s <= 0:
+            problems.append(f"server_timeout_s must be positive, got {self.server_timeout_s}")
         for name in ("capacity_tokens", "capacity_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -1,4 +1,12 @@
-"""A run's ``summary.json``: the headline numbers, defined in METRICS.md."""
+"""A run's ``metrics.parquet`` and ``summary.json``, from what the run recorded.
+
+Telemetry is the record: per-request hits, failed loads and miss causes come from
+``testbed.analysis.attribution`` (the connector's spans and the server's chunk log), bytes,
+failures and outages from the run's own spans (``testbed.analysis.metrics``), so the figures
+are the same for every engine and stay the run's own when several runs share one server. The
+engine adds only what it alone knows: arrival and first-token times, generated tokens, its
+integrity check and its step times. Every field is defined in METRICS.md.
+"""
 
 from __future__ import annotations
 
@@ -8,66 +16,111 @@ from typing import Any
 import pandas as pd
 
 from testbed.analysis import metrics
-from testbed.analysis.spans import load_spans
+from testbed.analysis.attribution import CATEGORIES, attribution, token_causes
+from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
+from testbed.analysis.tables import Run
 from testbed.engine.results import EngineResult
 from testbed.runspec import RunSpec
+
+METRICS_FILE = "metrics.parquet"
+QUIESCENCE_KEYS = (
+    "num_locks",
+    "num_pins",
+    "num_inflight_stores",
+    "num_inflight_retrieves",
+    "num_pending_lookups",
+)
+"""What a quiescent server holds none of at the end of a run."""
+
+
+def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame:
+    """One row per served request: the attribution (or the oracle's arithmetic) joined with
+    the engine's own facts of it."""
+    engine = pd.DataFrame([record.row() for record in result.records])
+    if spec.engine == "oracle":
+        return _oracle_table(result, engine, spec.chunk_size)
+    attr = attribution(run)
+    if engine.empty:
+        return attr
+    own = engine.drop(columns=["prompt_tokens", "group"]).rename(
+        columns={"request_id": "workload_request_id"}
+    )
+    key = "workload_request_id" if attr["workload_request_id"].notna().any() else "request_id"
+    if key == "request_id":
+        own = own.rename(columns={"workload_request_id": "request_id"})
+    return attr.merge(own, on=key, how="left")
+
+
+def _oracle_table(result: EngineResult, engine: pd.DataFrame, chunk_size: int) -> pd.DataFrame:
+    """The oracle has no engine and no telemetry: its matched chunks are external hits, the
+    rest is the partial tail or missed chunks (cold: an infinite cache misses only those;
+    capacity otherwise is told apart by the oracle itself in ``testbed.engine.oracle``)."""
+    table = engine.copy()
+    hits = pd.Series([record.hit_tokens or 0 for record in result.records], dtype="int64")
+    prompt = table["prompt_tokens"].astype("int64")
+    complete = prompt // chunk_size * chunk_size
+    table["workload_request_id"] = table["request_id"]
+    table["engine_hit_tokens"] = 0
+    table["external_hit_tokens"] = hits
+    table["recomputed_tokens"] = prompt - hits
+    table["load_failed_tokens"] = 0
+    for name in CATEGORIES:
+        table[name] = 0
+    table["external"] = hits
+    table["partial_chunk"] = prompt - complete - (hits - complete).clip(lower=0)
+    table["cold"] = (complete - hits).clip(lower=0)
+    return table
 
 
 def build_summary(
     spec: RunSpec,
     result: EngineResult,
-    requests: pd.DataFrame,
-    server_stats: dict[str, int] | None,
     run_dir: Path,
     wall_s: float,
+    server_after: dict[str, int] | None,
+    bytes_per_token: int,
 ) -> dict[str, Any]:
+    """Writes ``metrics.parquet`` (and ``chunks.parquet``) and returns the summary."""
+    chunk_rows = chunk_bytes = None
+    if has_chunk_log(run_dir):
+        chunk_rows, chunk_bytes = write_chunk_parquet(run_dir)
+    run = Run(run_dir)
+    requests = request_table(spec, result, run)
+    requests.to_parquet(run_dir / METRICS_FILE, index=False)
     summary: dict[str, Any] = {
         "run_id": spec.run_id,
         "engine": spec.engine,
         "metadata_only": result.metadata_only,
-        "requests": len(result.records),
+        "requests": len(requests),
         "requests_rejected": len(result.rejected),
         "prompt_tokens": int(requests["prompt_tokens"].sum()) if len(requests) else 0,
-        "output_tokens": int(requests["output_tokens"].sum()) if len(requests) else 0,
+        "output_tokens": int(requests["output_tokens"].fillna(0).sum()) if len(requests) else 0,
     }
-    if len(requests):
-        breakdown = metrics.token_breakdown(requests)
-        summary.update(
-            {
-                "engine_hit_tokens": int(breakdown["engine"]),
-                "external_hit_tokens": int(breakdown["external"]),
-                "recomputed_tokens": int(breakdown["recomputed"]),
-                "load_failed_tokens": int(requests["load_failed_tokens"].sum()),
-                "token_hit_rate": metrics.token_hit_rate(requests),
-                "external_token_hit_rate": metrics.external_token_hit_rate(requests),
-                "mean_request_hit_rate": metrics.mean_request_hit_rate(requests),
-                "preemptions": int(requests["preemptions"].sum()),
-            }
-        )
+    summary.update(_token_figures(requests))
     if spec.engine == "oracle":
         return summary
+    spans = run.spans
     summary["integrity_errors"] = None if result.metadata_only else result.integrity_errors
-    if server_stats is not None:
-        summary.update(
-            {
-                "stored_bytes": server_stats["stored_bytes"],
-                "retrieved_bytes": server_stats["retrieved_bytes"],
-                "evicted_bytes": server_stats["evicted_bytes"],
-                "evicted_objects": server_stats["evicted_objects"],
-                "store_amplification": (
-                    server_stats["stored_bytes"]
-                    / (summary["prompt_tokens"] * spec.kv_profile.stored_bytes_per_token(spec.tp))
-                    if summary["prompt_tokens"]
-                    else None
-                ),
-                "server_locks_after": server_stats["num_locks"],
-                "server_errors": server_stats["errors"],
-            }
-        )
-    ttft = requests["ttft_ms"].dropna() if len(requests) else pd.Series(dtype=float)
+    summary["chunk_log_rows"] = chunk_rows
+    summary["chunk_log_bytes"] = chunk_bytes
+    summary["causes_resolved"] = (
+        bool(requests["causes_resolved"].all()) if "causes_resolved" in requests else None
+    )
+    totals = metrics.run_totals(spans, run.events)
+    summary["bytes_per_token"] = bytes_per_token
+    summary.update(totals)
+    summary["store_amplification"] = (
+        totals["stored_bytes"] / (summary["prompt_tokens"] * bytes_per_token)
+        if summary["prompt_tokens"] and bytes_per_token and totals["stored_bytes"] is not None
+        else None
+    )
+    summary["server_outage_s"] = metrics.server_outage_s(run.spans)
+    summary.update(_server_state(server_after))
+    ttft = requests["ttft_ms"].dropna() if "ttft_ms" in requests else pd.Series(dtype=float)
     summary.update(
         {
             "steps": result.steps,
+            "max_step_stall_s": result.max_step_s,
             "engine_wall_s": result.wall_s,
             "run_wall_s": wall_s,
             "projected_s": result.virtual_s,
@@ -79,10 +132,45 @@ def build_summary(
             "ttft_p99_ms": float(ttft.quantile(0.99)) if len(ttft) else None,
         }
     )
-    spans = load_spans(run_dir)
     for operation in ("lookup", "store", "retrieve"):
         for quantile, label in ((0.5, "p50"), (0.99, "p99")):
             summary[f"{operation}_{label}_ms"] = metrics.operation_latency_ms(
                 spans, operation, quantile
             )
     return summary
+
+
+def _token_figures(requests: pd.DataFrame) -> dict[str, Any]:
+    if not len(requests):
+        return {"tokens": {name: 0 for name in CATEGORIES}}
+    causes = token_causes(requests)
+    return {
+        "engine_hit_tokens": int(requests["engine_hit_tokens"].sum()),
+        "external_hit_tokens": int(requests["external_hit_tokens"].sum()),
+        "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
+        "load_failed_tokens": int(requests["load_failed_tokens"].sum()),
+        "token_hit_rate": metrics.token_hit_rate(requests),
+        "external_token_hit_rate": metrics.external_token_hit_rate(requests),
+        "mean_request_hit_rate": metrics.mean_request_hit_rate(requests),
+        "tokens": {name: int(causes[name]) for name in CATEGORIES},
+    }
+
+
+def _server_state(server_after: dict[str, int] | None) -> dict[str, Any]:
+    """The server's state after the run (the quiescence invariant); ``None`` values when it
+    could not be asked (it died or hung)."""
+    if server_after is None:
+        return {
+            "server_available_after": False,
+            "server_quiescent": None,
+            "server_state_after": None,
+            "server_locks_after": None,
+        }
+    held = {key: int(server_after[key]) for key in QUIESCENCE_KEYS}
+    return {
+        "server_available_after": True,
+        "server_quiescent": not any(held.values()),
+        "server_state_after": held,
+        "server_locks_after": held["num_locks"],
+        "server_index_bytes": int(server_after["index_bytes"]),
+    }

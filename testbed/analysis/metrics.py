@@ -135,9 +135,9 @@ def lock_hold_times(spans: pd.DataFrame) -> pd.DataFrame:
     begins = server[
         (server["name"] == a.SERVER_RETRIEVE) & (column(server, a.OP) == "retrieve_begin")
     ]
-    if not retrieves.empty and a.REQUEST_IDS in begins:
+    if not retrieves.empty and a.SESSION_IDS in begins:
         # A retrieve end carries no session ids; its begin (same parent span) does.
-        sessions_by_parent = begins.set_index("parent_span_id")[a.REQUEST_IDS].to_dict()
+        sessions_by_parent = begins.set_index("parent_span_id")[a.SESSION_IDS].to_dict()
         for parent, t in zip(retrieves["parent_span_id"], retrieves["end_time"], strict=True):
             for session in sessions_by_parent.get(parent, []) or []:
                 rows.append((session, "retrieve", t))
@@ -282,3 +282,23 @@ def _items(events: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
 
 def _has_server_spans(spans: pd.DataFrame) -> bool:
     return bool(len(spans)) and bool(spans["name"].str.startswith(_SERVER_PREFIX).any())
+
+
+def server_outage_s(spans: pd.DataFrame) -> float:
+    """Seconds the cache server did not answer the run: the union of the intervals of its
+    ``kvcache.connector.outage`` spans (from a client's first timeout to the server's next
+    answer; every process of the run records its own, overlapping ones count once)."""
+    outages = spans[spans["name"] == a.CONNECTOR_OUTAGE].sort_values("start_time")
+    total = 0.0
+    current_end = None
+    current_start = None
+    for start, end in zip(outages["start_time"], outages["end_time"], strict=True):
+        if current_end is None or start > current_end:
+            if current_end is not None:
+                total += (current_end - current_start).total_seconds()
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None:
+        total += (current_end - current_start).total_seconds()
+    return total

@@ -15,6 +15,7 @@ not depend on how fast this machine happens to be.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import tempfile
 import time
@@ -22,11 +23,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from connector.config import ConnectorConfig
 from testbed import protocol as p
 from testbed import telemetry
+from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.profiles import KVProfile
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
@@ -38,8 +41,8 @@ from testbed.engine.vllm_setup import (
     build_vllm_config,
     build_worker_connector,
 )
-from testbed.engine.worker_harness import WorkerHarness
-from testbed.rpc import RpcClient
+from testbed.engine.worker_harness import StepOutcome, WorkerHarness
+from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
@@ -99,6 +102,7 @@ class ReplaySpec:
             fault_drop_fraction=spec.fault_drop_fraction,
             seed=spec.seed,
             metadata_only=spec.metadata_only,
+            timeout_s=spec.server_timeout_s,
             run_id=spec.run_id,
         )
 
@@ -107,14 +111,17 @@ class ReplaySpec:
 
 
 class ReplayEngine:
-    """Context manager: builds the scheduler and the TP worker harnesses against ``server_url``.
+    """Context manager: builds the scheduler and the TP worker harnesses against ``server``.
 
-    With ``server_url=None`` there is no connector and no worker: vLLM's scheduler alone, the
-    baseline the replay's overhead is measured against.
+    With ``server=None`` there is no connector and no worker: vLLM's scheduler alone, the
+    baseline the replay's overhead is measured against. Engines drive; they do not count:
+    what requests got from the caches is read from the run's telemetry afterwards. Finished
+    loads go through vLLM's own ``KVOutputAggregator``, as the real executor does with its TP
+    workers: a request's load is finished once every rank has reported it, in any steps.
     """
 
     def __init__(
-        self, spec: ReplaySpec, server_url: str | None, work_dir: Path | None = None
+        self, spec: ReplaySpec, server: ServerEndpoint | None, work_dir: Path | None = None
     ) -> None:
         self.spec = spec
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="kvtb-model-")
@@ -124,7 +131,8 @@ class ReplayEngine:
             TinyModel(max_position_embeddings=spec.max_model_len),
         )
         connector = ConnectorConfig(
-            server_url=server_url or "tcp://127.0.0.1:5555",
+            server_url=server.url if server else "tcp://127.0.0.1:5555",
+            token=server.token if server else "",
             mq_timeout_s=spec.timeout_s,
             chunk_size=spec.chunk_size,
             model_name=f"replay-{spec.profile.name}",
@@ -142,7 +150,7 @@ class ReplayEngine:
                 max_num_batched_tokens=spec.max_num_batched_tokens,
                 max_num_seqs=spec.max_num_seqs,
                 max_model_len=spec.max_model_len,
-                connector_config=connector.to_extra_config() if server_url else None,
+                connector_config=connector.to_extra_config() if server else None,
                 tp_size=spec.tp,
             )
         )
@@ -159,11 +167,14 @@ class ReplayEngine:
                 block_size=spec.block_size,
                 write_kv=not spec.metadata_only,
             )
-            for rank in range(spec.tp if server_url else 0)
+            for rank in range(spec.tp if server else 0)
         ]
+        self.aggregator = KVOutputAggregator(expected_finished_count=max(1, len(self.workers)))
         self.admin = (
-            RpcClient(server_url, role="replay-admin", timeout_s=spec.timeout_s)
-            if server_url
+            RpcClient(
+                server.url, role="replay-admin", token=server.admin_token, timeout_s=spec.timeout_s
+            )
+            if server is not None and spec.fault_drop_fraction
             else None
         )
         self._rng = random.Random(spec.seed)
@@ -194,7 +205,6 @@ class ReplayEngine:
         result = EngineResult(engine="replay", metadata_only=spec.metadata_only)
         records: dict[str, RequestRecord] = {}
         spans: dict[str, telemetry.Span] = {}
-        admitted: set[str] = set()
         arrivals = _Arrivals(iter(workload))
         clock = 0.0
         idle_steps = 0
@@ -208,17 +218,15 @@ class ReplayEngine:
                     break
                 clock = max(clock, upcoming.arrival_s)
                 continue
+            step_started = time.perf_counter()
             so = self.scheduler.schedule()
             self._inject_faults(so)
             outcomes = [worker.execute(so) for worker in self.workers]
-            invalid = set().union(*(o.invalid_block_ids for o in outcomes))
             result.integrity_errors += sum(o.integrity_errors for o in outcomes)
-            for request_id, failed in (outcomes[0].load_failed_tokens if outcomes else {}).items():
-                records[request_id].load_failed_tokens += failed
-            self._account_admissions(so, records, admitted, invalid)
             engine_outputs = self.scheduler.update_from_output(
-                so, self._runner_output(so, outcomes, invalid)
+                so, self._runner_output(so, outcomes)
             )
+            result.max_step_s = max(result.max_step_s, time.perf_counter() - step_started)
             clock += spec.step_s(so.total_num_scheduled_tokens)
             result.steps += 1
             idle_steps = 0 if so.total_num_scheduled_tokens else idle_steps + 1
@@ -227,9 +235,6 @@ class ReplayEngine:
                     f"the replay made no progress for {idle_steps} steps with "
                     f"{len(self.scheduler.requests)} requests left; is a load never finishing?"
                 )
-            for preempted in so.preempted_req_ids or ():
-                if preempted in records:
-                    records[preempted].preemptions += 1
             for output in engine_outputs[0].outputs if engine_outputs else []:
                 record = records[output.request_id]
                 for token in output.new_token_ids:
@@ -238,8 +243,6 @@ class ReplayEngine:
                 if output.new_token_ids and record.first_token_s is None:
                     record.first_token_s = clock
                 record.output_tokens += len(output.new_token_ids)
-                if output.prefill_stats is not None:
-                    record.engine_hit_tokens = output.prefill_stats.num_local_cached_tokens
                 if output.finish_reason is not None:
                     record.finish_s = clock
                     close_request(record, spans.pop(output.request_id))
@@ -279,56 +282,45 @@ class ReplayEngine:
             )
         )
 
-    def _account_admissions(
-        self, so, records: dict[str, RequestRecord], admitted: set[str], invalid: set[int]
-    ) -> None:
-        """Hits as vLLM will count them: computed tokens at first admission, cut at the first
-        block whose load failed (vLLM recomputes from there)."""
-        block_size = self.spec.block_size
-        for new in so.scheduled_new_reqs:
-            if new.req_id in admitted:
-                continue
-            admitted.add(new.req_id)
-            hit = new.num_computed_tokens
-            for index, block in enumerate(new.block_ids[0][: -(-hit // block_size)]):
-                if block in invalid:
-                    hit = index * block_size
-                    break
-            records[new.req_id].hit_tokens = hit
-
-    def _runner_output(self, so, outcomes, invalid: set[int]) -> ModelRunnerOutput:
+    def _runner_output(self, so, outcomes: list[StepOutcome]) -> ModelRunnerOutput:
+        """What the executor hands the scheduler: rank 0's output with every rank's connector
+        output aggregated by vLLM's own ``KVOutputAggregator``."""
         request_ids = list(so.num_scheduled_tokens)
         sampled = []
         for request_id in request_ids:
             request = self.scheduler.requests[request_id]
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([SAMPLED_TOKEN] if done else [])
-        connector_output = None
-        if outcomes:
-            # With several ranks vLLM reports a load finished once every rank has finished it.
-            finished_recving = set.intersection(*(o.finished_recving for o in outcomes))
-            connector_output = KVConnectorOutput(
-                finished_sending=None,
-                finished_recving=finished_recving or None,
-                invalid_block_ids=invalid,
+
+        def output(outcome: StepOutcome | None) -> ModelRunnerOutput:
+            connector_output = None
+            if outcome is not None:
+                connector_output = KVConnectorOutput(
+                    finished_sending=outcome.finished_sending or None,
+                    finished_recving=outcome.finished_recving or None,
+                    invalid_block_ids=outcome.invalid_block_ids,
+                )
+            return ModelRunnerOutput(
+                req_ids=request_ids,
+                req_id_to_index={r: i for i, r in enumerate(request_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=connector_output,
             )
-        return ModelRunnerOutput(
-            req_ids=request_ids,
-            req_id_to_index={r: i for i, r in enumerate(request_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=connector_output,
-        )
+
+        if not outcomes:
+            return output(None)
+        aggregated = self.aggregator.aggregate([output(outcome) for outcome in outcomes])
+        assert aggregated is not None
+        return aggregated
 
     def _inject_faults(self, so) -> None:
-        if (
-            not self.spec.fault_drop_fraction
-            or self.admin is None
-            or so.kv_connector_metadata is None
-        ):
+        if self.admin is None or so.kv_connector_metadata is None:
             return
         for op in so.kv_connector_metadata.plan.retrieves:
-            if self._rng.random() < self.spec.fault_drop_fraction:
-                self.admin.call(p.DropObjects(chunk_hashes=op.chunk_hashes[:1], force=True))
+            if self._rng.random() < self.spec.fault_drop_fraction and self.admin.alive:
+                drop = p.DropObjects(chunk_hashes=op.chunk_hashes[:1], force=True)
+                with contextlib.suppress(ServerUnavailable, RemoteError):  # gone: loads fail
+                    self.admin.call(drop)
 
 
 class _Arrivals:

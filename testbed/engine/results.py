@@ -1,4 +1,12 @@
-"""What an engine run produced: one record per request plus run-level counters (plain data)."""
+"""What an engine run produced: one record per request plus run-level facts (plain data).
+
+Engines drive; they do not count cache hits. A record holds only what the engine itself
+knows about a workload request (its arrival, first token, end, generated tokens); what the
+request got from vLLM's prefix cache and the cache server is computed from the run's
+telemetry by ``testbed.analysis.attribution``, the same way for every engine and for a real
+vLLM server. Each record's ``kvcache.request`` span is the root of the request's trace: the
+connector's spans hang under it (engines pass its context to vLLM as the trace headers).
+"""
 
 from __future__ import annotations
 
@@ -18,47 +26,27 @@ class RequestRecord:
     prompt_tokens: int
     arrival_s: float
     output_tokens: int = 0
-    hit_tokens: int = 0
-    """Prompt tokens the request did not compute at its first admission: the engine's own
-    prefix-cache hit plus what loaded from the cache server (failed loads excluded)."""
-    engine_hit_tokens: int = 0
-    """Prompt tokens the engine's own prefix cache held at admission."""
-    load_failed_tokens: int = 0
-    """Tokens the cache was to load but could not (chunks gone since the lookup): recomputed."""
-    preemptions: int = 0
     first_token_s: float | None = None
     finish_s: float | None = None
-
-    @property
-    def external_hit_tokens(self) -> int:
-        """Prompt tokens loaded from the cache server beyond the engine's own hit."""
-        return max(0, self.hit_tokens - self.engine_hit_tokens)
-
-    @property
-    def recomputed_tokens(self) -> int:
-        return self.prompt_tokens - self.engine_hit_tokens - self.external_hit_tokens
-
-    def row(self) -> dict[str, Any]:
-        """The record as one row of a run's ``metrics.parquet``."""
-        return {
-            "request_id": self.request_id,
-            "group": self.group,
-            "arrival_s": self.arrival_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "engine_hit_tokens": self.engine_hit_tokens,
-            "external_hit_tokens": self.external_hit_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
-            "load_failed_tokens": self.load_failed_tokens,
-            "preemptions": self.preemptions,
-            "ttft_ms": self.ttft_ms,
-        }
+    hit_tokens: int | None = None
+    """Only the oracle (no engine, no telemetry) reports hits here: its matched tokens."""
 
     @property
     def ttft_ms(self) -> float | None:
         if self.first_token_s is None:
             return None
         return (self.first_token_s - self.arrival_s) * 1e3
+
+    def row(self) -> dict[str, Any]:
+        """The engine's facts of the request, for joining with the attribution table."""
+        return {
+            "request_id": self.request_id,
+            "group": self.group,
+            "arrival_s": self.arrival_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "ttft_ms": self.ttft_ms,
+        }
 
 
 @dataclass
@@ -76,6 +64,11 @@ class EngineResult:
     metadata_only: bool = False
     output_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Generated tokens per request (engines with a real model)."""
+    max_step_s: float = 0.0
+    """The longest wall time of one engine step (a dead server must not stall a step for
+    longer than the connector's timeout)."""
+    effective: dict[str, Any] = field(default_factory=dict)
+    """Settings the engine ran with where they differ from the spec (recorded, not hidden)."""
 
 
 def open_request(request: WorkloadRequest, arrival_s: float) -> tuple[RequestRecord, Span]:
@@ -83,26 +76,23 @@ def open_request(request: WorkloadRequest, arrival_s: float) -> tuple[RequestRec
     of the request (engines pass its ``traceparent`` to vLLM as the request's trace headers)."""
     prompt_tokens = len(request.prompt_token_ids)
     span = telemetry.start_span(
-        a.REQUEST, attributes={a.REQUEST_ID: request.request_id, a.PROMPT_TOKENS: prompt_tokens}
+        a.REQUEST,
+        attributes={
+            a.REQUEST_ID: request.request_id,
+            a.PROMPT_TOKENS: prompt_tokens,
+            a.REQUEST_GROUP: request.group,
+            a.ARRIVAL_S: arrival_s,
+        },
     )
     return RequestRecord(request.request_id, request.group, prompt_tokens, arrival_s), span
 
 
-def close_request(record: RequestRecord, span: Span) -> None:
-    """Ends the request's span with what the request got from the caches."""
-    span.set_attributes(_request_attributes(record))
+def close_request(record: RequestRecord, span: Span, integrity_errors: int = 0) -> None:
+    """Ends the request's span with what the engine saw of it."""
+    attributes: dict[str, Any] = {a.OUTPUT_TOKENS: record.output_tokens}
+    if record.ttft_ms is not None:
+        attributes[a.TTFT_MS] = record.ttft_ms
+    if integrity_errors:
+        attributes[a.INTEGRITY_ERRORS] = integrity_errors
+    span.set_attributes(attributes)
     span.end()
-
-
-def _request_attributes(record: RequestRecord) -> dict[str, Any]:
-    return {
-        a.ENGINE_HIT_TOKENS: record.engine_hit_tokens,
-        a.EXTERNAL_HIT_TOKENS: record.external_hit_tokens,
-        a.RECOMPUTED_TOKENS: record.recomputed_tokens,
-        a.LOAD_FAILED_TOKENS: record.load_failed_tokens,
-        a.OUTPUT_TOKENS: record.output_tokens,
-        a.PREEMPTIONS: record.preemptions,
-        a.GEN_AI_CACHE_READ_TOKENS: record.engine_hit_tokens + record.external_hit_tokens,
-        a.TTFT_MS: record.ttft_ms if record.ttft_ms is not None else -1.0,
-        a.REQUEST_GROUP: record.group,
-    }

@@ -5,6 +5,11 @@ weights so that greedy outputs depend on the KV they attend to: a wrong KV round
 the tokens. On a GPU machine ``model`` names a real model. The engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), requests enter through ``add_request`` with their
 ``kvcache.request`` span as trace headers, and ``step()`` is called until all are done.
+
+The engine only drives: it reads nothing out of vLLM's internals and counts no hits; the run's
+accounting comes from the connector's and the server's telemetry, as for any vLLM
+deployment. Spec values it cannot honour are refused up front (:func:`check_spec`); values
+vLLM derives itself (the KV pool's size in blocks) are recorded as ``effective``.
 """
 
 from __future__ import annotations
@@ -16,19 +21,23 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from connector.config import ConnectorConfig
 from testbed import telemetry
+from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's start-up chatter goes to stdout
+_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend
 
-TINY_BYTES_PER_TOKEN = 2 * 2 * 1 * 64 * 4  # layers x K/V x KV heads x head_dim x fp32
+
+def tiny_bytes_per_token(model: TinyModel | None = None) -> int:
+    """KV bytes per token of the tiny model on one rank: layers x K/V x heads x dim x fp32."""
+    m = model or TinyModel()
+    return m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim * 4
 
 
 @dataclass(frozen=True)
@@ -46,14 +55,16 @@ class VllmEngineSpec:
     seed: int = 0
     timeout_s: float = 30.0
     run_id: str = "vllm"
+    deterministic: bool = True
+    """Lookups and loads wait for the server's answers (as in the replay), so scheduling does
+    not depend on this machine's speed and both engines see the same steps."""
 
     @classmethod
     def from_run_spec(cls, spec: RunSpec, max_model_len: int) -> VllmEngineSpec:
-        block_size = spec.block_size if spec.block_size % 32 == 0 else 32
         return cls(
             chunk_size=spec.chunk_size,
             model=spec.model,
-            block_size=block_size,
+            block_size=spec.block_size,
             engine_blocks=spec.engine_blocks,
             max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
@@ -61,14 +72,54 @@ class VllmEngineSpec:
             tp=spec.tp,
             load_async=spec.load_async,
             seed=spec.seed,
+            timeout_s=spec.server_timeout_s,
             run_id=spec.run_id,
         )
 
 
-class VllmEngine:
-    """Context manager: one ``vllm.LLM`` connected to ``server_url``; closed on exit."""
+def check_spec(spec: RunSpec) -> None:
+    """Refuses, before any work, what the vllm engine cannot run as asked."""
+    problems = []
+    if spec.metadata_only:
+        problems.append(
+            "metadata_only does not apply to the vllm engine (a real model needs the KV bytes); "
+            "use the replay engine for metadata-only capacity sweeps"
+        )
+    if spec.model is None and spec.block_size % _CPU_BLOCK_MULTIPLE:
+        problems.append(
+            f"block_size {spec.block_size} is not a multiple of {_CPU_BLOCK_MULTIPLE}, which "
+            "vLLM's CPU attention needs; use e.g. --block-size 32 or 64"
+        )
+    if spec.mla or spec.profile != "tiny":
+        problems.append(
+            "the vllm engine's KV shape is its model's: profile and mla apply to the replay "
+            "engine (leave them at their defaults)"
+        )
+    if problems:
+        raise ValueError("invalid run spec for the vllm engine: " + "; ".join(problems))
 
-    def __init__(self, spec: VllmEngineSpec, server_url: str, work_dir: Path | None = None) -> None:
+
+def bytes_per_token(spec: RunSpec) -> int:
+    """KV bytes the cache stores per token for this spec's model (all TP ranks)."""
+    if spec.model is None:
+        return tiny_bytes_per_token()
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.model)
+    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * heads * head_dim * 2  # bf16/fp16
+
+
+class VllmEngine:
+    """Context manager: one ``vllm.LLM`` connected to ``server``; closed on exit."""
+
+    def __init__(
+        self, spec: VllmEngineSpec, server: ServerEndpoint, work_dir: Path | None = None
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's start-up chatter
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
@@ -82,13 +133,17 @@ class VllmEngine:
             directory = base_dir / "model"
             tiny = TinyModel(max_position_embeddings=spec.max_model_len)
             model = str(write_model_dir(directory, tiny, weights_seed=spec.seed))
+        wait_s = spec.timeout_s if spec.deterministic else 0.0
         connector = ConnectorConfig(
-            server_url=server_url,
+            server_url=server.url,
+            token=server.token,
             mq_timeout_s=spec.timeout_s,
             chunk_size=spec.chunk_size,
             # The tiny model lives in each run's directory; its KV depends only on the seed.
             model_name=f"kvtb-tiny-seed{spec.seed}" if spec.model is None else "",
             load_async=spec.load_async,
+            lookup_wait_s=wait_s,
+            load_wait_s=wait_s,
             engine_id=spec.run_id,
         )
         self.llm = LLM(
@@ -98,12 +153,13 @@ class VllmEngine:
             block_size=spec.block_size,
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=max(spec.max_num_batched_tokens, spec.max_model_len),
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            enable_chunked_prefill=True,
             enable_prefix_caching=True,
             enforce_eager=True,
             seed=spec.seed,
             tensor_parallel_size=spec.tp,
-            kv_cache_memory_bytes=spec.engine_blocks * spec.block_size * TINY_BYTES_PER_TOKEN
+            kv_cache_memory_bytes=spec.engine_blocks * spec.block_size * tiny_bytes_per_token()
             if spec.model is None
             else None,
             use_tqdm_on_load=False,
@@ -115,16 +171,17 @@ class VllmEngine:
                 kv_connector_extra_config=connector.to_extra_config(),
             ),
         )
-        self._engine_hits: dict[str, int] = {}
-        # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): its scheduler is reachable.
-        core = self.llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
-        scheduler_connector = core.scheduler.connector
-        scheduler_connector.scheduler_side.on_finished = self._record_engine_hit
 
-    def _record_engine_hit(self, tracker) -> None:
-        # vLLM's engine core knows the request as "<our id>-<8 random chars>".
-        external_id = tracker.request_id.rsplit("-", 1)[0]
-        self._engine_hits[external_id] = tracker.engine_hit_tokens
+    def effective(self) -> dict[str, Any]:
+        """Settings vLLM derived itself, as they ran."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+        return {
+            "engine_blocks": cache.num_gpu_blocks,
+            "block_size": cache.block_size,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "max_model_len": self.spec.max_model_len,
+        }
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -145,12 +202,9 @@ class VllmEngine:
         on_finish: Callable[[RequestRecord], None] | None = None,
     ) -> EngineResult:
         from vllm import SamplingParams
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        from connector.vllm_connector import KVTBConnector
 
         engine = self.llm.llm_engine
-        result = EngineResult(engine="vllm")
+        result = EngineResult(engine="vllm", effective=self.effective())
         records: dict[str, RequestRecord] = {}
         spans: dict[str, telemetry.Span] = {}
         started = time.perf_counter()
@@ -174,12 +228,11 @@ class VllmEngine:
                 ),
                 trace_headers={"traceparent": traceparent} if traceparent else None,
             )
-        worker_connector = get_kv_transfer_group()
-        assert isinstance(worker_connector, KVTBConnector)
         while engine.has_unfinished_requests():
+            step_started = time.perf_counter()
             outputs = engine.step()
-            for request_id, failed in worker_connector.take_load_failures().items():
-                records[request_id].load_failed_tokens += failed
+            result.max_step_s = max(result.max_step_s, time.perf_counter() - step_started)
+            result.steps += 1
             for output in outputs:
                 record = records[output.request_id]
                 completions = output.outputs
@@ -192,11 +245,6 @@ class VllmEngine:
                 tokens = list(completions[0].token_ids)
                 result.output_token_ids[output.request_id] = tokens
                 record.output_tokens = len(tokens)
-                # vLLM counts what the connector promised; take out what failed to load.
-                record.hit_tokens = (output.num_cached_tokens or 0) - record.load_failed_tokens
-                record.engine_hit_tokens = min(
-                    record.hit_tokens, self._engine_hits.pop(output.request_id, 0)
-                )
                 close_request(record, spans.pop(output.request_id))
                 result.records.append(record)
                 if on_finish is not None:

@@ -26,9 +26,12 @@ from testbed.engine.profiles import KVProfile
 
 @dataclass
 class StepOutcome:
+    """What one rank's step reports: its connector output as vLLM's runner would send it,
+    and the integrity errors the harness found (engine-side verification, not accounting)."""
+
+    finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-    load_failed_tokens: dict[str, int] = field(default_factory=dict)
     integrity_errors: int = 0
 
 
@@ -108,9 +111,9 @@ class WorkerHarness:
         connector.wait_for_save()
         results = connector.get_transfer_results(so.finished_req_ids)
         outcome = StepOutcome(
-            finished_recving=set(results.finished_recving),
+            finished_sending=set(results.finished_sending or ()),
+            finished_recving=set(results.finished_recving or ()),
             invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
-            load_failed_tokens=connector.take_load_failures(),
         )
         connector.clear_connector_metadata()
         if self.write_kv:

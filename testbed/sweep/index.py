@@ -8,7 +8,8 @@ line, then the traceback) and ``index.parquet``.
 The index has the columns ``run_id``, ``status`` (``complete`` | ``failed``), ``error``
 (``None`` unless failed), every :class:`RunSpec` field (typed from its annotation, nullable;
 ``workload_params`` as a JSON string), then every summary field in first-seen order (missing
-ones null; ``run_id``, ``engine`` and ``metadata_only`` come from the spec; another summary
+ones null; a table-valued field such as ``tokens`` as one column per entry, ``tokens_cold``;
+``run_id``, ``engine`` and ``metadata_only`` come from the spec; another summary
 field that shares a spec field's name is ``summary_<name>``, e.g. ``summary_requests``, the
 requests served, beside ``requests``, the number asked for).
 Runs of the sweep never
@@ -116,13 +117,25 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
     for key in _SPEC_KEYS:
         value = spec.get(key)
         row[key] = json.dumps(value, sort_keys=True) if key == "workload_params" else value
-    for key, value in summary.items():
+    for key, value in _flat(summary).items():
         if key in _REPEATS_SPEC:
             continue
         # A summary field named like a spec field (``requests``: served vs. asked for) keeps
         # both, the summary's as ``summary_<name>``.
         row[f"summary_{key}" if key in row else key] = value
     return row
+
+
+def _flat(summary: dict[str, Any]) -> dict[str, Any]:
+    """Summary fields with table values (``tokens``, ``server_state_after``) as one column per
+    entry, ``<field>_<entry>`` (e.g. ``tokens_cold``)."""
+    flat: dict[str, Any] = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}_{inner}": item for inner, item in value.items()})
+        else:
+            flat[key] = value
+    return flat
 
 
 def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:

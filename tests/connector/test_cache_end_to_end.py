@@ -24,7 +24,7 @@ def blocks(first: int, count: int) -> list[int]:
 
 def test_store_then_lookup_hits_every_complete_chunk_and_retrieve_is_bit_exact(server):
     tokens = prompt(200)  # 3 complete chunks + 8 tokens
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 13))
         assert h.stats().num_objects == 3
         assert h.matched("b", tokens) == 3 * C
@@ -40,7 +40,7 @@ def test_store_then_lookup_hits_every_complete_chunk_and_retrieve_is_bit_exact(s
 
 
 def test_short_prompts_never_store_or_hit_and_hits_are_chunk_multiples(server):
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("short", prompt(C - 1), blocks(0, 4))
         assert h.stats().num_objects == 0
         assert h.matched("short-again", prompt(C - 1)) == 0
@@ -55,7 +55,7 @@ def test_short_prompts_never_store_or_hit_and_hits_are_chunk_multiples(server):
 
 def test_a_changed_token_caps_the_hit_and_other_namespaces_miss(server, start_server):
     tokens = prompt(4 * C + 5)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 17))
         for k in range(4):
             changed = list(tokens)
@@ -63,15 +63,15 @@ def test_a_changed_token_caps_the_hit_and_other_namespaces_miss(server, start_se
             assert h.matched(f"changed-{k}", changed) == k * C
         assert h.matched("same", tokens) == 4 * C
         assert h.matched("salted", tokens, salt="tenant-b") == 0
-    with Harness(server.url, model="other-model") as other:
+    with Harness(server, model="other-model") as other:
         assert other.matched("other-model", tokens) == 0
-    with Harness(server.url, tp=2) as tp2:
+    with Harness(server, tp=2) as tp2:
         assert tp2.matched("tp2", tokens) == 0
 
 
 def test_retrieve_leaves_skipped_engine_blocks_untouched(server):
     tokens = prompt(3 * C + 10)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 13))
         engine_hit = C + BLOCK_SIZE  # the engine holds chunk 0 and one block of chunk 1
         assert h.matched("b", tokens, engine_hit=engine_hit) == 3 * C - engine_hit
@@ -93,7 +93,7 @@ def test_retrieve_leaves_skipped_engine_blocks_untouched(server):
 
 def test_free_releases_only_complete_chunks_below_the_end(server):
     tokens = prompt(3 * C + 1)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 13))
         h.matched("b", tokens)
         session = h.side.session_id("b")
@@ -109,7 +109,7 @@ def test_free_releases_only_complete_chunks_below_the_end(server):
 def test_end_session_keeps_locks_and_the_read_lock_ttl_releases_them(start_server):
     server = start_server("--chunk-size", str(C), "--capacity", "16MiB", "--read-lock-ttl", "0.5")
     tokens = prompt(2 * C + 1)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 9))
         h.matched("b", tokens)
         h.client.end_session(h.side.session_id("b"))
@@ -124,7 +124,7 @@ def test_end_session_keeps_locks_and_the_read_lock_ttl_releases_them(start_serve
 
 def test_retrieve_releases_its_locks_even_when_it_fails(server):
     tokens = prompt(3 * C + 1)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 13))
         h.matched("b", tokens)
         plan = h.allocate("b", blocks(40, 13), 3 * C)
@@ -142,7 +142,7 @@ def test_retrieve_releases_its_locks_even_when_it_fails(server):
 def test_locked_chunks_survive_capacity_pressure_and_lru_goes_first(start_server):
     object_bytes = C * 128  # 2 layers x K/V x 2 heads x 8 dims x fp16 per token
     server = start_server("--chunk-size", str(C), "--capacity", str(5 * object_bytes))
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         for i in range(5):
             h.prefill(f"p{i}", prompt(C + 1, offset=1000 * i), blocks(0, 5))
         h.matched("holder", prompt(C + 1, offset=0))  # locks p0's chunk
@@ -173,7 +173,7 @@ def _present(h: Harness, indices, tag: str) -> set[int]:
 
 def test_tp2_needs_every_rank_and_mla_stores_one_copy_for_two_readers(server):
     tokens = prompt(2 * C + 3)
-    with Harness(server.url, tp=2) as h:
+    with Harness(server, tp=2) as h:
         plan = h.compute("only-rank0", 0, 0, [], True)
         h.matched("only-rank0", tokens)
         h.side.update_state_after_alloc("only-rank0", blocks(0, 9), 0)
@@ -181,7 +181,7 @@ def test_tp2_needs_every_rank_and_mla_stores_one_copy_for_two_readers(server):
         h.ranks[0].client.store(plan.stores)  # rank 1 never stores its shard
         h.side.request_finished("only-rank0")
         assert h.matched("probe", tokens) == 0
-    with Harness(server.url, tp=2, mla=True, model="mla-model") as mla:
+    with Harness(server, tp=2, mla=True, model="mla-model") as mla:
         before = mla.stats().num_objects
         mla.prefill("a", tokens, blocks(0, 9))
         assert mla.stats().num_objects - before == 2  # one latent copy, not one per rank
@@ -206,7 +206,7 @@ def test_a_chunk_gone_before_retrieve_fails_only_its_blocks(start_server):
         "--chunk-size", str(C), "--capacity", str(3 * object_bytes), "--read-lock-ttl", "0.3"
     )
     tokens = prompt(3 * C + 1)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", tokens, blocks(0, 13))
         h.matched("b", tokens)
         plan = h.allocate("b", blocks(40, 13), 3 * C)
@@ -226,7 +226,7 @@ def test_bytes_in_use_never_exceed_capacity_under_a_random_workload(start_server
     capacity = capacity_objects * object_bytes
     server = start_server("--chunk-size", str(C), "--capacity", str(capacity))
     rng = torch.Generator().manual_seed(capacity_objects)
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         for i in range(40):
             docs = int(torch.randint(0, 20, (1,), generator=rng))
             n = int(torch.randint(1, 7, (1,), generator=rng)) * C + 1

@@ -18,12 +18,17 @@ from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noq
 from testbed import protocol as p  # noqa: E402
 from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
 from testbed.keys import chunk_hashes  # noqa: E402
-from testbed.rpc import RpcClient  # noqa: E402
+from tests.support.cache_harness import connect  # noqa: E402
 
 C, B = 128, 64
 
 
-def build(tmp_path: Path, url: str, **connector):
+def build(tmp_path: Path, server, **connector):
+    """vLLM's config and KV cache config with our connector talking to ``server`` (a running
+    server, or a URL nothing listens on)."""
+    url = server if isinstance(server, str) else server.url
+    if not isinstance(server, str):
+        connector.setdefault("token", server.token)
     model_dir = write_model_dir(tmp_path / "model", TinyModel(max_position_embeddings=4096))
     config = ConnectorConfig(server_url=url, mq_timeout_s=1.0, chunk_size=C, **connector)
     vllm_config = vllm_setup.build_vllm_config(
@@ -40,7 +45,7 @@ def build(tmp_path: Path, url: str, **connector):
 
 def test_the_connector_constructs_in_both_roles(tmp_path, start_server):
     server = start_server("--chunk-size", str(C))
-    vllm_config, kv_cache_config = build(tmp_path, server.url)
+    vllm_config, kv_cache_config = build(tmp_path, server)
     scheduler = vllm_setup.build_scheduler(vllm_config, kv_cache_config)
     worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
     try:
@@ -68,7 +73,7 @@ def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishe
     tmp_path, start_server
 ):
     server = start_server("--chunk-size", str(C))
-    vllm_config, kv_cache_config = build(tmp_path, server.url)
+    vllm_config, kv_cache_config = build(tmp_path, server)
     worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
     kv = torch.randint(-1000, 1000, (64, B, 16), dtype=torch.int16)
     worker.register_kv_caches({"model.layers.0.self_attn.attn": kv})
@@ -78,7 +83,7 @@ def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishe
     worker.bind_connector_metadata(KVTBConnectorMetadata(store))
     worker.wait_for_save()
     worker.clear_connector_metadata()
-    with RpcClient(server.url) as admin:
+    with connect(server, admin=True) as admin:
         assert admin.call(p.GetStats()).num_objects == 3
         admin.call(p.DropObjects(chunk_hashes=[hashes[1]], force=True))  # evicted meanwhile
     target = list(range(20, 26))

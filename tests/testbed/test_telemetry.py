@@ -77,7 +77,7 @@ def test_every_operation_leaves_a_span_on_both_sides_parented_across_processes(
 ):
     tracing, exporter = memory_tracing
     server = start_server("--chunk-size", str(C), "--run-dir", str(tmp_path / "server"))
-    with telemetry.traced(a.REQUEST) as request_span, Harness(server.url) as h:
+    with telemetry.traced(a.REQUEST) as request_span, Harness(server) as h:
         outcome = cache_cycle(h, C, traceparent=telemetry.traceparent_of(request_span))
     assert outcome["restored"] and outcome["locks"] == 0
     server.close()
@@ -121,7 +121,7 @@ def test_evictions_and_expired_locks_have_their_spans(start_server, tmp_path):
         "--read-lock-ttl", "0.3",
         "--run-dir", str(tmp_path),
     )  # fmt: skip
-    with Harness(server.url) as h:
+    with Harness(server) as h:
         h.prefill("a", list(range(2 * C + 1)), list(range(9)), traceparent=_traceparent(1))
         h.matched("locker", list(range(2 * C + 1)))
         time.sleep(1.0)  # the locker's locks expire
@@ -131,9 +131,11 @@ def test_evictions_and_expired_locks_have_their_spans(start_server, tmp_path):
     (evict,) = _spans_with(spans, a.SERVER_EVICT).to_dict("records")
     assert evict[a.EVICTED_OBJECTS] == 1 and evict[a.EVICTED_BYTES] == object_bytes
     assert evict[a.EVICT_REASON] == "capacity" and evict[a.POLICY] == "lru"
-    assert [link.split(":")[1] for link in evict["links"]] == [
-        "00000000000000a1"
-    ]  # the storing request
+    (store_a,) = _spans_with(spans, a.SERVER_STORE)[
+        lambda f: (f[a.OP] == "store_begin") & (f["trace_id"] == "ab" * 16)
+    ]["span_id"]
+    assert evict["links"] == [f"{'ab' * 16}:{store_a}"]  # the store that wrote the object
+    assert list(evict[a.SESSION_IDS]) == ["engine:a"]  # and the request it stored for
     expiry = _spans_with(spans, a.SERVER_LOCK_EXPIRE).iloc[0]
     assert expiry[a.CHUNKS] == 2 and expiry[a.LOCKS_RELEASED] == 2
     assert expiry[a.HELD_MS] >= 300 and expiry[a.SESSION_ID] == "engine:locker"
@@ -150,13 +152,14 @@ def test_span_files_load_back_exactly_as_the_in_memory_exporter_saw_them(
     server = start_server("--chunk-size", str(C))
     with (
         telemetry.traced(a.REQUEST, attributes={a.REQUEST_ID: "r"}) as root,
-        Harness(server.url) as h,
+        Harness(server) as h,
     ):
         cache_cycle(h, C, traceparent=telemetry.traceparent_of(root))
     counts = tracing.shutdown()
     memory = exporter.get_finished_spans()
     loaded = load_spans(tmp_path / "engine").set_index("span_id")
-    assert len(loaded) == len(memory) == counts["ended"] == 8  # request + 7 cache operations
+    # The request, 2 connector request spans, 7 cache operations, 1 worker registration.
+    assert len(loaded) == len(memory) == counts["ended"] == 11
     assert read_counts(tmp_path / "engine") == {"spans_exported": len(memory), "spans_dropped": 0}
     for span in memory:
         row = loaded.loc[f"{span.context.span_id:016x}"]
@@ -178,7 +181,7 @@ def test_tracing_off_emits_nothing_and_changes_nothing(start_server, tmp_path, m
     on_server = start_server("--chunk-size", str(C), "--run-dir", str(tmp_path / "on"))
     exporter = InMemorySpanExporter()
     tracing = configure_tracing(TracingConfig("engine"), {"memory": exporter})
-    with Harness(on_server.url) as h:
+    with Harness(on_server) as h:
         traced_outcome = cache_cycle(h, C)
     tracing.shutdown()
     assert exporter.get_finished_spans()
@@ -188,7 +191,7 @@ def test_tracing_off_emits_nothing_and_changes_nothing(start_server, tmp_path, m
     off_server = start_server("--chunk-size", str(C), "--run-dir", str(tmp_path / "off"))
     exporter.clear()
     assert not telemetry.enabled()
-    with Harness(off_server.url) as h:
+    with Harness(off_server) as h:
         plain_outcome = cache_cycle(h, C)
     off_server.close()
     assert plain_outcome == traced_outcome

