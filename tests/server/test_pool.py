@@ -1,0 +1,88 @@
+"""The shared-memory pool (pre-faulted on request) and its extent allocator."""
+
+from __future__ import annotations
+
+import random
+
+from server.pool import ALIGNMENT, ExtentAllocator, SharedMemoryPool
+
+
+def test_prefault_allocates_every_page_and_keeps_the_contents():
+    size = 16 << 20
+    with SharedMemoryPool(size) as pool:
+        assert pool.resident_bytes() == 0  # a fresh file has no pages yet
+        pool.array[12345:12349] = [1, 2, 3, 4]
+        seconds = pool.prefault()
+        assert seconds > 0
+        assert pool.resident_bytes() >= size
+        assert pool.array[12345:12349].tolist() == [1, 2, 3, 4]
+        assert pool.array.size == size and pool.array.flags.writeable
+
+
+def test_close_removes_the_file_even_while_a_view_is_alive():
+    pool = SharedMemoryPool(1 << 20)
+    view = pool.array[:10]
+    pool.close()
+    assert not pool.path.exists()
+    view[:] = 1  # the mapping stays valid while a view holds it
+    pool.close()  # idempotent
+
+
+class Model:
+    """An independent account of which bytes are allocated, to check the allocator against."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.extents: dict[int, int] = {}
+
+    def check_allocation(self, offset: int, length: int) -> None:
+        assert offset % ALIGNMENT == 0 and offset >= 0 and offset + length <= self.size
+        for other, other_length in self.extents.items():
+            assert offset + length <= other or other + other_length <= offset, "overlap"
+        self.extents[offset] = length
+
+    def largest_gap(self) -> int:
+        ends = sorted((o, o + n) for o, n in self.extents.items())
+        cursor, best = 0, 0
+        for start, end in ends:
+            best = max(best, start - cursor)
+            cursor = end
+        return max(best, self.size - cursor)
+
+
+def test_random_allocations_never_overlap_and_freeing_everything_coalesces():
+    rng = random.Random(7)
+    size = 1 << 20
+    allocator, model = ExtentAllocator(size), Model(size)
+    for _ in range(5000):
+        if model.extents and rng.random() < 0.45:
+            offset = rng.choice(list(model.extents))
+            allocator.free(offset)
+            del model.extents[offset]
+        else:
+            nbytes = rng.choice([64, 100, 256, 1000, 4096, 10_000])
+            length = (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+            offset = allocator.allocate(nbytes)
+            if offset is None:
+                assert model.largest_gap() < length  # refused only when nothing fits
+            else:
+                model.check_allocation(offset, length)
+        assert allocator.allocated_bytes == sum(model.extents.values())
+        allocator.check_invariants()
+    for offset in list(model.extents):
+        allocator.free(offset)
+    assert allocator.allocated_bytes == 0 and allocator.num_free_extents == 0
+    assert allocator.allocate(size) == 0  # one extent again: the whole pool
+
+
+def test_the_smallest_free_extent_that_fits_is_taken():
+    allocator = ExtentAllocator(1 << 20)
+    offsets = [allocator.allocate(n) for n in (640, 64, 256, 64, 128, 64)]
+    assert None not in offsets
+    for index in (0, 2, 4):  # free extents of 640, 256 and 128 bytes, kept apart
+        allocator.free(offsets[index])
+    assert allocator.num_free_extents == 3
+    assert allocator.allocate(200) == offsets[2]  # best fit: the 256-byte extent
+    assert allocator.allocate(128) == offsets[4]  # exact fit
+    assert allocator.allocate(64) == offsets[0]  # only the 640-byte extent is left: split
+    assert allocator.allocate(576) == offsets[0] + 64  # its remainder, exactly
