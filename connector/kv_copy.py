@@ -1,12 +1,19 @@
 """Copying KV blocks between a worker's paged KV tensors and slots of the shared pool.
 
-Runs in each worker process (vLLM worker or the replay harness). An object in the pool holds
-one chunk of one KV rank: for each layer in order, the chunk's blocks as
-``layer.index_select(block_dim, block_ids)`` laid out contiguously. Store and retrieve use the
-same layout, so a round trip is bit-exact whatever the tensors' own layout.
+Runs in each worker process (vLLM worker or the replay harness) in the ``worker`` transfer
+mode. The object layout is ``testbed.kv_layout``'s: per layer in order, the chunk's blocks as
+``layer.index_select(block_dim, block_ids)``, contiguous. A round trip is bit-exact whatever
+the tensors' own strides, and the server-side copier (``server.kv_copier``) reads and writes
+the very same objects.
 
-KV tensors on a GPU are gathered on the device and staged through host memory into the pool
-(and back); the server-driven CUDA IPC path of DESIGN.md §2 is not implemented yet.
+One call copies a whole operation: :meth:`PagedKV.store_chunks` / :meth:`PagedKV.load_chunks`
+take every chunk of a batch (``ChunkCopy(slot, block_ids, skip_blocks)``) and make one large
+copy per chunk and buffer, not one per block and layer. CPU tensors are copied by
+``testbed.block_copy`` through numpy views of their storage: single-threaded by default, the
+GIL released, and independent of ``torch.set_num_threads``, which is process-wide and also
+sizes vLLM's forward pass (see that module). CUDA tensors are gathered on the device and
+staged through host memory (one device-to-host copy per chunk, and back); the server-driven
+CUDA IPC path of DESIGN.md §2 is not implemented yet.
 """
 
 from __future__ import annotations
@@ -14,31 +21,55 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from testbed import protocol as p
+from testbed.block_copy import BlockCopier, ChunkCopy, SlotLike
+from testbed.kv_layout import PagedLayout
+
+PoolBuffer = np.ndarray | torch.Tensor
+"""The pool as a flat uint8 numpy array or CPU tensor (``PoolMapping.array`` / ``.tensor``)."""
 
 
 @dataclass(frozen=True)
 class PagedKV:
-    """A worker's KV caches: one tensor per layer, the block index on ``block_dim``."""
+    """A worker's KV caches: one tensor per layer, the block index on ``block_dim``.
+
+    All layers share shape, strides, dtype and device; they may be separate tensors or views
+    of one allocation (vLLM ≥ 0.21 allocates all layers in one buffer).
+    """
 
     layers: tuple[torch.Tensor, ...]
     block_dim: int
     block_size: int
+    num_copy_threads: int = 1
+    """Threads of the CPU copy (this object's own pool; 1: the calling thread)."""
+    _copier: list[tuple[int, BlockCopier]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("no KV cache tensors to register")
         first = self.layers[0]
         for layer in self.layers:
-            if layer.shape != first.shape or layer.dtype != first.dtype:
+            if (layer.shape, layer.stride(), layer.dtype, layer.device) != (
+                first.shape,
+                first.stride(),
+                first.dtype,
+                first.device,
+            ):
                 raise ValueError(
-                    "all KV cache layers must share shape and dtype "
-                    f"({tuple(layer.shape)} {layer.dtype} vs {tuple(first.shape)} {first.dtype})"
+                    "all KV cache layers must share shape, strides, dtype and device "
+                    f"({tuple(layer.shape)} {layer.stride()} {layer.dtype} {layer.device} vs "
+                    f"{tuple(first.shape)} {first.stride()} {first.dtype} {first.device})"
                 )
+        if not 0 <= self.block_dim < first.dim():
+            raise ValueError(f"block_dim {self.block_dim} outside a {first.dim()}-d KV tensor")
 
     @property
     def num_blocks(self) -> int:
@@ -62,64 +93,172 @@ class PagedKV:
             dtype=dtype,
         )
 
-    def _selection_shape(self, num_blocks: int) -> list[int]:
-        shape = list(self.layers[0].shape)
-        shape[self.block_dim] = num_blocks
-        return shape
+    def paged_layout(self, layer_offsets_bytes: Sequence[int]) -> PagedLayout:
+        """The tensors' geometry, with layer offsets counted in the caller's buffer(s)."""
+        first = self.layers[0]
+        size = first.element_size()
+        return PagedLayout(
+            layer_offsets_bytes=list(layer_offsets_bytes),
+            shape=list(first.shape),
+            strides_bytes=[stride * size for stride in first.stride()],
+            dtype=str(first.dtype).removeprefix("torch."),
+            itemsize=size,
+            block_dim=self.block_dim,
+            block_size=self.block_size,
+        )
 
-    def _slot_views(self, pool: torch.Tensor, slot: p.Slot, num_blocks: int) -> list[torch.Tensor]:
-        per_layer = num_blocks * self.layer_block_bytes
-        if per_layer * len(self.layers) != slot.nbytes:
-            raise ValueError(
-                f"slot of {slot.nbytes} bytes does not hold {num_blocks} blocks of "
-                f"{len(self.layers)} layers ({per_layer} bytes each)"
-            )
-        dtype = self.layers[0].dtype
-        shape = self._selection_shape(num_blocks)
-        return [
-            pool[slot.offset + i * per_layer : slot.offset + (i + 1) * per_layer]
-            .view(dtype)
-            .view(shape)
-            for i in range(len(self.layers))
-        ]
+    # --- batched copies -------------------------------------------------------------------------
 
-    def save(self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int]) -> None:
+    def store_chunks(self, pool: PoolBuffer, copies: Sequence[ChunkCopy]) -> int:
+        """Copies every chunk's blocks into its slot; returns the bytes written to the pool."""
+        if self.layers[0].device.type != "cpu":
+            return self._store_staged(_pool_tensor(pool), copies)
+        return self._cpu_copier().gather(_pool_array(pool), copies)
+
+    def load_chunks(self, pool: PoolBuffer, copies: Sequence[ChunkCopy]) -> int:
+        """Copies every slot into its chunk's blocks, except each chunk's first
+        ``skip_blocks`` (never written); returns the bytes written to the KV."""
+        if self.layers[0].device.type != "cpu":
+            return self._load_staged(_pool_tensor(pool), copies)
+        return self._cpu_copier().scatter(_pool_array(pool), copies)
+
+    # --- one chunk (the worker client's calls) --------------------------------------------------
+
+    def save(self, pool: PoolBuffer, slot: SlotLike, block_ids: list[int]) -> None:
         """Copies the blocks ``block_ids`` of every layer into ``slot``."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        for layer, view in zip(
-            self.layers, self._slot_views(pool, slot, len(block_ids)), strict=True
-        ):
-            if layer.device.type == "cpu":
-                torch.index_select(layer, self.block_dim, index, out=view)
-            else:
-                view.copy_(torch.index_select(layer, self.block_dim, index))
+        self.store_chunks(pool, [ChunkCopy(slot, block_ids)])
 
     def load(
-        self, pool: torch.Tensor, slot: p.Slot, block_ids: list[int], skip_blocks: int = 0
+        self, pool: PoolBuffer, slot: SlotLike, block_ids: list[int], skip_blocks: int = 0
     ) -> None:
         """Copies ``slot`` into the blocks ``block_ids``, except the first ``skip_blocks``."""
+        self.load_chunks(pool, [ChunkCopy(slot, block_ids, skip_blocks)])
+
+    def close(self) -> None:
+        """Stops the copy threads, if any."""
+        for _, copier in self._copier:
+            copier.close()
+        self._copier.clear()
+
+    # --- internal -------------------------------------------------------------------------------
+
+    def _cpu_copier(self) -> BlockCopier:
+        """The numpy copier over the tensors' storages, rebuilt if a storage moved (e.g. into
+        shared memory by ``connector.shared_kv``): numpy views hold raw addresses."""
+        address = self.layers[0].untyped_storage().data_ptr()
+        if self._copier and self._copier[0][0] == address:
+            return self._copier[0][1]
+        self.close()
+        buffers: dict[int, np.ndarray] = {}
+        layer_buffers = []
+        offsets = []
+        for layer in self.layers:
+            storage = layer.untyped_storage()
+            key = storage.data_ptr()
+            if key not in buffers:
+                buffers[key] = storage_array(storage)
+            layer_buffers.append(buffers[key])
+            offsets.append(int(layer.storage_offset()) * layer.element_size())
+        copier = BlockCopier(
+            self.paged_layout(offsets), layer_buffers, num_threads=self.num_copy_threads
+        )
+        self._copier.append((address, copier))
+        return copier
+
+    def _check_staged(self, pool: torch.Tensor, copies: Sequence[ChunkCopy], store: bool) -> None:
+        """The checks the numpy copier makes, before any byte moves (a bad index on a device
+        would be an asynchronous device-side assert, not an exception)."""
+        object_block_bytes = self.layer_block_bytes * len(self.layers)
+        for copy in copies:
+            n, slot = len(copy.block_ids), copy.slot
+            if not n or min(copy.block_ids) < 0 or max(copy.block_ids) >= self.num_blocks:
+                raise ValueError(f"block ids {copy.block_ids} outside 0..{self.num_blocks - 1}")
+            if slot.nbytes != n * object_block_bytes:
+                raise ValueError(
+                    f"slot of {slot.nbytes} bytes does not hold {n} blocks of "
+                    f"{len(self.layers)} layers ({n * object_block_bytes} bytes)"
+                )
+            if slot.offset < 0 or slot.offset + slot.nbytes > pool.numel():
+                raise ValueError(f"slot {slot.offset}+{slot.nbytes} outside the pool")
+            if store and copy.skip_blocks:
+                raise ValueError("a store copies whole chunks; skip_blocks must be 0")
+            if not 0 <= copy.skip_blocks <= n:
+                raise ValueError(f"skip_blocks {copy.skip_blocks} outside a chunk of {n} blocks")
+
+    def _store_staged(self, pool: torch.Tensor, copies: Sequence[ChunkCopy]) -> int:
+        self._check_staged(pool, copies, store=True)
         device = self.layers[0].device
-        index = torch.tensor(block_ids[skip_blocks:], dtype=torch.long, device=device)
-        if index.numel() == 0:
-            return
-        views = self._slot_views(pool, slot, len(block_ids))
-        for layer, view in zip(self.layers, views, strict=True):
-            source = view.narrow(self.block_dim, skip_blocks, len(block_ids) - skip_blocks)
-            layer.index_copy_(self.block_dim, index, source.to(device, non_blocking=False))
+        written = 0
+        for copy in copies:
+            index = torch.tensor(list(copy.block_ids), dtype=torch.long, device=device)
+            staged = torch.cat(
+                [
+                    torch.index_select(layer, self.block_dim, index).reshape(-1).view(torch.uint8)
+                    for layer in self.layers
+                ]
+            )
+            offset = copy.slot.offset
+            pool[offset : offset + copy.slot.nbytes].copy_(staged)
+            written += copy.slot.nbytes
+        return written
+
+    def _load_staged(self, pool: torch.Tensor, copies: Sequence[ChunkCopy]) -> int:
+        self._check_staged(pool, copies, store=False)
+        device = self.layers[0].device
+        first = self.layers[0]
+        written = 0
+        for copy in copies:
+            n, skip = len(copy.block_ids), copy.skip_blocks
+            if skip == n:
+                continue
+            offset = copy.slot.offset
+            staged = pool[offset : offset + copy.slot.nbytes].to(device)
+            shape = list(first.shape)
+            shape[self.block_dim] = n
+            index = torch.tensor(list(copy.block_ids[skip:]), dtype=torch.long, device=device)
+            per_layer = copy.slot.nbytes // len(self.layers)
+            for number, layer in enumerate(self.layers):
+                chunk = staged[number * per_layer : (number + 1) * per_layer]
+                source = chunk.view(first.dtype).view(shape).narrow(self.block_dim, skip, n - skip)
+                layer.index_copy_(self.block_dim, index, source)
+            written += (n - skip) * self.layer_block_bytes * len(self.layers)
+        return written
+
+
+def storage_array(storage: torch.UntypedStorage) -> np.ndarray:
+    """A CPU storage's bytes as a writable 1-d uint8 numpy array (no copy)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+
+
+def _pool_array(pool: PoolBuffer) -> np.ndarray:
+    return pool.numpy() if isinstance(pool, torch.Tensor) else pool
+
+
+def _pool_tensor(pool: PoolBuffer) -> torch.Tensor:
+    return pool if isinstance(pool, torch.Tensor) else torch.from_numpy(pool)
 
 
 class PoolMapping:
-    """The server's pool file mapped into this process, as a flat uint8 tensor."""
+    """The server's pool file mapped into this process, pages populated at map time.
+
+    ``MAP_POPULATE`` maps every page now (and allocates those the server has not
+    pre-faulted), so copies into the pool do not pay first-touch page faults.
+    """
 
     def __init__(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, size)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
 
     def close(self) -> None:
         del self.tensor
-        with contextlib.suppress(BufferError):  # a tensor view is still alive; it keeps the map
+        del self.array
+        with contextlib.suppress(BufferError):  # a view is still alive; it keeps the map
             self._map.close()
+
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only; elsewhere pages fault lazily
