@@ -9,6 +9,7 @@ BENCHMARKS = [
     ["benchmarks.tracing_overhead", "--rounds", "100"],
     ["benchmarks.loader", "--spans", "100000"],
     ["benchmarks.replay_throughput", "--requests", "1000"],
+    ["benchmarks.whatif", "--requests", "1000", "--rounds", "3"],
 ]
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ kvtb sweep FILE.toml            a grid of runs (resumable), then its index
 kvtb report runs/<sweep>        tables and figures for a sweep
 kvtb export jaeger RUN_DIR -o F Jaeger-UI JSON of a run's spans
 kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
+kvtb whatif SOURCE --out DIR    hit rate at every capacity, chunk size and policy, one pass
 kvtb demo                       the main job: a small sweep and its report
 """
 
@@ -69,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_explain_parser(commands)
 
+    from testbed.whatif_cli import add_whatif_parser
+
+    add_whatif_parser(commands)
+
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
     demo.add_argument("--out", type=Path, default=Path("runs"))
 
@@ -107,6 +112,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from testbed.explain_cli import run_explain
 
         return run_explain(args)
+    if args.command == "whatif":
+        from testbed.whatif_cli import run_whatif
+
+        return run_whatif(args)
     if args.command == "demo":
         from testbed.sweep.cli import demo
 

@@ -13,6 +13,10 @@ Writes ``<sweep>/report/``: ``report.md`` (what was run, the comparison table, t
 - ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary);
 - ``token_causes.png``: where every prompt token went, per run (the ten categories of
   METRICS.md), beside the miss-cause table (3C table) in ``report.md``.
+- ``whatif_hit_rate.png``, ``whatif_min_capacity.png``, ``whatif_reuse.png`` (sweeps that vary
+  capacity or policy): the workload's LRU curve at every capacity with Belady (and the swept
+  server policies) beside it and every measured run on it, the minimum-capacity gauge, reuse
+  CDFs (:mod:`testbed.analysis.whatif.figures`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ matplotlib.use("Agg")  # files only, no display
 from testbed.analysis import attribution_plots, metrics, plots
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import sweep_axes
+from testbed.analysis.whatif import figures as whatif_figures
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
 from testbed.telemetry import attributes as a
 
@@ -119,6 +124,7 @@ def _figures(
             "Mean per-request hit rate, request-weighted.",
         ),
     ]
+    figures += whatif_figures.sweep_figures(sweep_dir, runs, swept, context)
     measured = runs[runs["engine"] != "oracle"]
     if measured.empty:
         return figures

@@ -1,0 +1,182 @@
+"""What-if curves against the oracle runs they replace, on the Mooncake conversation trace.
+
+One what-if gives the exact LRU curve at every capacity for each chunk size; the baseline is
+what answering the same question costs without it: one oracle run (``simulate(requests, C,
+"lru", capacity)``, hashing the prompts as ``kvtb run --engine oracle`` does) per chunk size
+and capacity, 4 x 8 = 32 runs with the defaults. Both are measured in this run, on the same
+requests; the oracle's requests are synthesised once beforehand and not charged to it. A
+second baseline hashes once per chunk size and simulates the 8 capacities on the keys (the
+oracle at its cheapest). The what-if runs in a fresh process so that its peak memory (RSS) is
+its own; its time is the median of ``--rounds`` (the numba kernel compiled beforehand). Every
+oracle point is checked against the curve. ``--sample-rate`` adds a SHARDS row: its time and
+its largest difference from the exact curve over a 48-point capacity grid.
+
+    python -m benchmarks.whatif [--requests N] [--chunk-sizes 64,128,256,512] [--rounds 3]
+
+The full trace (12,031 requests, 145M prompt tokens) takes several minutes, nearly all of it
+in the oracle runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import table
+
+TRACE = (
+    Path(__file__).resolve().parents[2]
+    / "shared"
+    / "data"
+    / "mooncake"
+    / "conversation_trace.jsonl"
+)
+CAPACITIES = tuple(1 << k for k in range(18, 26))  # 256Ki .. 32Mi tokens
+
+
+def whatif_child(spec_values: dict[str, Any], sizes: list[int], rounds: int, rate: float) -> dict:
+    """In a fresh process: ``rounds`` what-ifs (keys, stack, curve per chunk size)."""
+    from testbed.analysis.whatif import lru_curve, stack_distances
+    from testbed.analysis.whatif.curves import capacity_grid, max_abs_difference
+    from testbed.analysis.whatif.sources import workload_traces
+    from testbed.runspec import RunSpec
+
+    spec = RunSpec(**spec_values)
+    warm = workload_traces(RunSpec(**{**spec_values, "requests": 20}), sizes[:1])
+    stack_distances(next(iter(warm.values())))  # compile (or load) the kernel
+    samples: list[float] = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        traces = workload_traces(spec, sizes)
+        curves = {size: lru_curve(trace, stack_distances(trace)) for size, trace in traces.items()}
+        samples.append(time.perf_counter() - started)
+    result: dict[str, Any] = {
+        "samples_s": samples,
+        "points": {
+            size: [curve.at(c).hit_tokens for c in (*CAPACITIES, None)]
+            for size, curve in curves.items()
+        },
+        "chunks": {size: len(trace.query_keys) for size, trace in traces.items()},
+        "distinct": {size: curve.num_distinct_keys for size, curve in curves.items()},
+        "prompt_tokens": next(iter(curves.values())).prompt_tokens,
+        "requests": next(iter(curves.values())).num_requests,
+    }
+    if rate < 1.0:
+        started = time.perf_counter()
+        sampled = {size: lru_curve(t, stack_distances(t, rate)) for size, t in traces.items()}
+        result["sampled_s"] = time.perf_counter() - started
+        result["sampled_error"] = {
+            size: max_abs_difference(curves[size], sampled[size], capacity_grid(curves[size], 48))
+            for size in sizes
+        }
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=None, help="first N (default: all)")
+    parser.add_argument("--chunk-sizes", default="64,128,256,512")
+    parser.add_argument("--rounds", type=int, default=3, help="what-if rounds (median)")
+    parser.add_argument("--sample-rate", type=float, default=0.01)
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.chunk_sizes.split(",")]
+    spec_values = {"workload": f"mooncake:{args.trace}", "requests": args.requests}
+
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        whatif = pool.submit(whatif_child, spec_values, sizes, args.rounds, args.sample_rate)
+        child = whatif.result()
+
+    from testbed.analysis.whatif.sources import servable_requests
+    from testbed.engine.oracle import KeyTrace, simulate, simulate_keys
+    from testbed.runspec import RunSpec
+
+    started = time.perf_counter()
+    requests = servable_requests(RunSpec(**spec_values))
+    synthesis_s = time.perf_counter() - started
+    runs_s: dict[int, list[float]] = {}
+    keyed_s: dict[int, float] = {}
+    mismatches = 0
+    for size in sizes:
+        runs_s[size] = []
+        for index, capacity in enumerate(CAPACITIES):
+            started = time.perf_counter()
+            result = simulate(requests, size, "lru", capacity // size)
+            runs_s[size].append(time.perf_counter() - started)
+            mismatches += result.hit_tokens != child["points"][size][index]
+        started = time.perf_counter()
+        keys = KeyTrace.from_requests(requests, size)
+        for capacity in CAPACITIES:
+            simulate_keys(keys, "lru", capacity // size)
+        keyed_s[size] = time.perf_counter() - started
+        mismatches += simulate_keys(keys).hit_tokens != child["points"][size][-1]
+
+    whatif_s = statistics.median(child["samples_s"])
+    all_runs = [s for samples in runs_s.values() for s in samples]
+    oracle_s, keyed_total_s = sum(all_runs), sum(keyed_s.values())
+    print(
+        f"{child['requests']} requests, {child['prompt_tokens'] / 1e6:.1f}M prompt tokens; "
+        f"chunk sizes {sizes}; capacities {CAPACITIES[0]:,}..{CAPACITIES[-1]:,} tokens "
+        f"({len(CAPACITIES)}); oracle requests synthesised once in {synthesis_s:.1f} s"
+    )
+    rss = f"{child['peak_rss_bytes'] / 2**30:.2f}"
+    rows = [
+        (f"what-if: {len(sizes)} exact LRU curves, every capacity", f"{whatif_s:.2f}", "1", rss),
+        (f"oracle: {len(all_runs)} runs, each hashing its prompts", f"{oracle_s:.1f}",
+         f"{oracle_s / whatif_s:.0f}", ""),
+        (f"oracle: hashed once per chunk size, {len(all_runs)} simulations",
+         f"{keyed_total_s:.1f}", f"{keyed_total_s / whatif_s:.0f}", ""),
+    ]  # fmt: skip
+    if "sampled_s" in child:
+        worst = max(child["sampled_error"].values())
+        rows.append(
+            (
+                f"what-if sampled at {args.sample_rate:g} (max error {worst:.4f})",
+                f"{child['sampled_s']:.2f}",
+                f"{child['sampled_s'] / whatif_s:.2f}",
+                "",
+            )
+        )
+    print(table(rows, ("", "wall s", "time / what-if", "peak RSS GiB")))
+    print(
+        f"what-if time / {len(all_runs)} oracle runs: {whatif_s / oracle_s:.4f} "
+        f"(/ keyed oracle: {whatif_s / keyed_total_s:.4f})"
+    )
+    print()
+    per_size = [
+        (
+            str(size),
+            f"{child['chunks'][size]:,}",
+            f"{child['distinct'][size]:,}",
+            f"{statistics.median(runs_s[size]):.2f}",
+            f"{keyed_s[size]:.2f}",
+            f"{child['sampled_error'][size]:.4f}" if "sampled_error" in child else "",
+        )
+        for size in sizes
+    ]
+    print(
+        table(
+            per_size,
+            (
+                "chunk",
+                "chunk lookups",
+                "distinct chunks",
+                "oracle run s (median)",
+                "hash once + 8 sims s",
+                "sampled max error",
+            ),
+        )  # fmt: skip
+    )
+    print(f"what-if rounds (s): {', '.join(f'{s:.2f}' for s in child['samples_s'])}")
+    print(f"oracle points that differ from the curve: {mismatches} of {len(all_runs) + len(sizes)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""``kvtb whatif`` end to end on a workload, against ``kvtb run --engine oracle``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from testbed.analysis.whatif import load_whatif
+
+WORKLOAD = ["--workload-param", "num_documents=20", "--workload-param", "document_tokens=[32, 256]"]
+
+
+def kvtb(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "testbed.cli", *args],
+        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def test_whatif_of_a_workload_equals_the_oracle_runs_it_replaces(tmp_path):
+    done = kvtb("whatif", "rag", "--requests", "60", *WORKLOAD, "--chunk-sizes", "64,128",
+                "--at", "2048,8192", "--policies", "lru,belady", "--policy-points", "2",
+                "--figures", "--out", str(tmp_path / "w"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "chunk 64: unlimited" in done.stdout
+    whatif = load_whatif(tmp_path / "w")
+    assert {p.name for p in (tmp_path / "w").glob("*.png")} == {
+        "whatif_hit_rate.png", "whatif_min_capacity.png", "whatif_reuse.png"
+    }  # fmt: skip
+    for policy, capacity in (("lru", "2048"), ("belady", "8192"), ("lru", "unlimited")):
+        ran = kvtb("run", "--engine", "oracle", "--workload", "rag", "--requests", "60",
+                   *WORKLOAD, "--chunk-size", "64", "--policy", policy,
+                   "--capacity-tokens", capacity, "--out", str(tmp_path / "runs"),
+                   "--no-progress")  # fmt: skip
+        assert ran.returncode == 0, ran.stderr
+        (summary,) = [
+            json.loads(p.read_text())
+            for p in (tmp_path / "runs").glob("*/summary.json")
+            if json.loads((p.parent / "spec.json").read_text())["policy"] == policy
+            and str(json.loads((p.parent / "spec.json").read_text())["capacity_tokens"] or
+                    "unlimited") == capacity
+        ]  # fmt: skip
+        point = whatif.point(64, None if capacity == "unlimited" else int(capacity), policy)
+        assert point["token_hit_rate"] == summary["token_hit_rate"], (policy, capacity)
+        assert abs(point["mean_request_hit_rate"] - summary["mean_request_hit_rate"]) < 1e-12
+
+
+def test_bad_whatif_arguments_are_refused_before_any_work(tmp_path):
+    done = kvtb("whatif", "--out", str(tmp_path / "w"))
+    assert done.returncode == 2 and "name a SOURCE" in done.stderr
+    done = kvtb("whatif", "chat", "--policies", "lru,mru", "--out", str(tmp_path / "w"))
+    assert done.returncode == 2 and "policies must be some of" in done.stderr
+    done = kvtb("whatif", "chat", "--at", "lots", "--out", str(tmp_path / "w"))
+    assert done.returncode == 2 and "--at expects comma-separated integers" in done.stderr
+    assert not (tmp_path / "w").exists()
