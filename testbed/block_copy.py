@@ -60,8 +60,9 @@ class ChunkCopy(NamedTuple):
     """Retrieve only: leading blocks left untouched (vLLM's own prefix cache holds them)."""
 
 
-_SMALL = 64
-"""Block ids in an operation below which checking them in Python is cheaper."""
+_SMALL = 256
+"""Run indices in an operation up to which plain Python computes them faster than numpy
+(numpy's fixed cost per call dominates small operations, all the more with cold caches)."""
 
 _Copy = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 _Work = tuple[_Copy, np.ndarray, np.ndarray, np.ndarray]
@@ -76,6 +77,7 @@ class _Segment:
     base_index: np.ndarray  # (layers, *outer, 1, *mid): run index of each piece of block 0
     first_layer: int
     num_layers: int
+    rows: list[list[int]]  # base_index as lists: per (layer, *outer), over *mid
 
 
 class BlockCopier:
@@ -119,7 +121,7 @@ class BlockCopier:
         _check_buffer(pool)
         work: list[_Work] = []
         written = 0
-        for copy, indices in zip(copies, self._indices(copies), strict=True):
+        for copy, indices in zip(copies, self._indices(copies, skip=False), strict=True):
             if copy.skip_blocks:
                 raise ValueError("a store copies whole chunks; skip_blocks must be 0")
             obj = self._object(pool, copy.slot, len(copy.block_ids))
@@ -138,18 +140,22 @@ class BlockCopier:
         _check_buffer(pool)
         work: list[_Work] = []
         written = 0
-        for copy, indices in zip(copies, self._indices(copies), strict=True):
+        for copy in copies:
+            if not 0 <= copy.skip_blocks <= len(copy.block_ids):
+                raise ValueError(
+                    f"skip_blocks {copy.skip_blocks} outside a chunk of {len(copy.block_ids)} "
+                    "blocks"
+                )
+        for copy, indices in zip(copies, self._indices(copies, skip=True), strict=True):
             n, skip = len(copy.block_ids), copy.skip_blocks
             obj = self._object(pool, copy.slot, n)
-            if not 0 <= skip <= n:
-                raise ValueError(f"skip_blocks {skip} outside a chunk of {n} blocks")
             if skip == n:
                 continue
             shaped = obj.reshape(self._num_layers, *self._run_shape(n))
             kept = self._block_axis_slice(skip)
             for segment, index in zip(self._segments, indices, strict=True):
                 source = shaped[segment.first_layer : segment.first_layer + segment.num_layers]
-                work.append((_put, segment.runs, index[kept], source[kept]))
+                work.append((_put, segment.runs, index, source[kept]))
             written += (n - skip) * self._object_block_bytes
         self._run(work)
         return written
@@ -163,33 +169,47 @@ class BlockCopier:
     # Internal
     # -----------------------------------------------------------------------------------------
 
-    def _indices(self, copies: Sequence[ChunkCopy]) -> list[list[np.ndarray]]:
-        """Per copy and segment, the run indices of the chunk's blocks, shaped like the
-        segment's part of the object; every block id checked. Chunks of one length (the
-        usual case) are computed together, in a few numpy calls for the whole operation."""
+    def _indices(self, copies: Sequence[ChunkCopy], skip: bool) -> list[list[np.ndarray]]:
+        """Per copy and segment, the run indices of the blocks to copy (from ``skip_blocks``
+        on if ``skip``), shaped like that part of the segment's object; every block id
+        checked. Small operations are computed in plain Python, larger ones in a few numpy
+        calls for the whole operation (chunks of one length, the usual case, together)."""
         if not copies:
             return []
         lengths = {len(copy.block_ids) for copy in copies}
         if 0 in lengths:
             raise ValueError("a chunk needs a non-empty list of block ids")
+        lowest = min(min(copy.block_ids) for copy in copies)
+        highest = max(max(copy.block_ids) for copy in copies)
+        if lowest < 0 or highest >= self._num_blocks:
+            raise ValueError(f"block ids {lowest}..{highest} outside 0..{self._num_blocks - 1}")
+        pieces = sum(len(segment.rows) * len(segment.rows[0]) for segment in self._segments)
+        if sum(len(copy.block_ids) for copy in copies) * pieces <= _SMALL:
+            return [self._chunk_indices(copy, skip) for copy in copies]
         if len(lengths) == 1:
-            groups = [np.asarray([copy.block_ids for copy in copies], dtype=np.intp)]
+            groups = [(np.asarray([c.block_ids for c in copies], dtype=np.intp), copies)]
         else:
-            groups = [np.asarray([copy.block_ids], dtype=np.intp) for copy in copies]
+            groups = [(np.asarray([c.block_ids], dtype=np.intp), [c]) for c in copies]
         indices: list[list[np.ndarray]] = []
-        for ids in groups:
-            if ids.size <= _SMALL:  # Python's min/max beat two numpy reductions here
-                flat = ids.ravel().tolist()
-                lowest, highest = min(flat), max(flat)
-            else:
-                lowest, highest = int(ids.min()), int(ids.max())
-            if lowest < 0 or highest >= self._num_blocks:
-                raise ValueError(f"block ids {lowest}..{highest} outside 0..{self._num_blocks - 1}")
+        for ids, members in groups:
             shape = [len(ids)] + [1] * (self._run_dim + 1)
             shape[2 + self.layout.block_dim] = ids.shape[1]
             offsets = (ids * self._block_stride_runs).reshape(shape)
             per_segment = [segment.base_index + offsets for segment in self._segments]
-            indices += [[index[chunk] for index in per_segment] for chunk in range(len(ids))]
+            for number, copy in enumerate(members):
+                kept = self._block_axis_slice(copy.skip_blocks if skip else 0)
+                indices.append([index[number][kept] for index in per_segment])
+        return indices
+
+    def _chunk_indices(self, copy: ChunkCopy, skip: bool) -> list[np.ndarray]:
+        first = copy.skip_blocks if skip else 0
+        scaled = [block * self._block_stride_runs for block in copy.block_ids[first:]]
+        indices = []
+        for segment in self._segments:
+            flat = [x + block for row in segment.rows for block in scaled for x in row]
+            shape = list(segment.base_index.shape)
+            shape[1 + self.layout.block_dim] = len(scaled)
+            indices.append(np.array(flat, dtype=np.intp).reshape(shape))
         return indices
 
     def _object(self, pool: np.ndarray, slot: SlotLike, num_blocks: int) -> np.ndarray:
@@ -294,6 +314,7 @@ def _segments(
         for i, (size, stride) in enumerate(zip(coarse_shape, strides[:run_dim], strict=True))
     )
     piece_bytes = np.broadcast_to(np.asarray(grid, dtype=np.intp), coarse_shape)
+    run_dim_lead = 1 + layout.block_dim  # base_index axes before the block axis
     groups: list[list[int]] = []
     for layer in range(layout.num_layers):
         if groups and buffers[groups[-1][0]] is buffers[layer]:
@@ -311,5 +332,6 @@ def _segments(
         base_index = np.stack(
             [(piece_bytes + offset - base) // run_bytes for offset in offsets]
         ).astype(np.intp)
-        segments.append(_Segment(runs, base_index, layers[0], len(layers)))
+        rows = base_index.reshape(math.prod(base_index.shape[:run_dim_lead]), -1).tolist()
+        segments.append(_Segment(runs, base_index, layers[0], len(layers), rows))
     return segments

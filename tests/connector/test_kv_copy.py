@@ -13,7 +13,13 @@ from connector.kv_copy import PagedKV, PoolMapping
 from server.pool import SharedMemoryPool
 from testbed import protocol as p
 from testbed.block_copy import ChunkCopy
-from tests.support.paged_kv import LAYOUTS, blocks_of, reference_object, snapshot
+from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
+    LAYOUTS,
+    blocks_of,
+    index_path,
+    reference_object,
+    snapshot,
+)
 
 BLOCK_SIZE = 16
 
@@ -45,6 +51,7 @@ def test_save_then_load_into_other_blocks_is_bit_exact(shape, block_dim, dtype):
     assert kv.bytes_per_token * 32 == kv.layer_block_bytes * len(layers)
 
 
+@pytest.mark.usefixtures("index_path")
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_one_call_stores_and_loads_many_chunks_in_the_object_layout(layout):
     layers, block_dim = LAYOUTS[layout](num_layers=3, num_blocks=40, block_size=BLOCK_SIZE)
@@ -74,6 +81,7 @@ def test_one_call_stores_and_loads_many_chunks_in_the_object_layout(layout):
     assert blocks_of(layers, block_dim, untouched) == blocks_of(before, block_dim, untouched)
 
 
+@pytest.mark.usefixtures("index_path")
 def test_a_bad_chunk_is_refused_before_any_byte_moves():
     layers, block_dim = LAYOUTS["vllm_cpu"](num_layers=2, num_blocks=8, block_size=BLOCK_SIZE)
     kv = PagedKV(layers, block_dim, BLOCK_SIZE)

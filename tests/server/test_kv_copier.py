@@ -17,7 +17,13 @@ from server.pool import SharedMemoryPool
 from testbed import protocol as p
 from testbed.block_copy import ChunkCopy
 from testbed.kv_layout import SharedKVFile
-from tests.support.paged_kv import LAYOUTS, blocks_of, reference_object, snapshot
+from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
+    LAYOUTS,
+    blocks_of,
+    index_path,
+    reference_object,
+    snapshot,
+)
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24
@@ -73,6 +79,7 @@ def _retrieve(engine: Engine, mode: str, pool: SharedMemoryPool, copies: list[Ch
     ("store_mode", "retrieve_mode"),
     [("server", "server"), ("worker", "server"), ("server", "worker")],
 )
+@pytest.mark.usefixtures("index_path")
 def test_objects_round_trip_bit_exact_across_modes(layout, store_mode, retrieve_mode, pool):
     engine = Engine(layout)
     try:

@@ -13,9 +13,12 @@ Each factory returns ``(layers, block_dim)`` with seeded random contents:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
+
+from testbed import block_copy
 
 Layers = tuple[torch.Tensor, ...]
 
@@ -107,3 +110,11 @@ def blocks_of(layers: Layers, block_dim: int, block_ids: list[int]) -> list[byte
 
 def snapshot(layers: Layers) -> list[torch.Tensor]:
     return [layer.clone() for layer in layers]
+
+
+@pytest.fixture(params=["python", "numpy"])
+def index_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs a test with the run indices computed in plain Python (small operations) and with
+    numpy (large ones), whatever the operation's size: both must give the same bytes."""
+    monkeypatch.setattr(block_copy, "_SMALL", 1 << 30 if request.param == "python" else 0)
+    yield request.param
