@@ -239,16 +239,20 @@ def _pool_tensor(pool: PoolBuffer) -> torch.Tensor:
 
 
 class PoolMapping:
-    """The server's pool file mapped into this process, pages populated at map time.
+    """The server's pool file mapped into this process.
 
-    ``MAP_POPULATE`` maps every page now (and allocates those the server has not
-    pre-faulted), so copies into the pool do not pay first-touch page faults.
+    When the server pre-faulted the pool (every page of the file allocated), the mapping is
+    made with ``MAP_POPULATE``: all its pages are mapped now, so copies into the pool pay no
+    page faults. Otherwise pages stay lazy (``populated`` is False): populating would
+    allocate the whole pool, which a server sized for an unbounded run may not want.
     """
 
     def __init__(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            self.populated = os.fstat(fd).st_blocks * 512 >= size and _MAP_POPULATE != 0
+            flags = mmap.MAP_SHARED | (_MAP_POPULATE if self.populated else 0)
+            self._map = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)

@@ -7,12 +7,12 @@ never cross ZeroMQ. The allocator coalesces neighbouring free extents, so object
 sizes (different models or layouts on one server) do not fragment the pool for good.
 
 Page faults. A fresh file has no pages: each first touch of a 4 KiB page costs a fault that
-allocates and zeroes it (a 32 MiB copy into a cold pool took 3–5× as long as into a warm
-one on the development machine). :meth:`prefault`
-allocates every page at start and maps it in the server; workers map the file with
-``MAP_POPULATE`` (``connector.kv_copy.PoolMapping``). Prefaulting commits the whole pool to
-memory at once, which is the point: a pool that does not fit fails at start, not with a
-``SIGBUS`` in the middle of a copy.
+allocates and zeroes it (a 32 MiB copy into a cold pool took 3–5× as long as into a warm one
+on the development machine). :meth:`prefault` allocates every page at start and maps it in
+the server; workers then map the file with ``MAP_POPULATE`` (``connector.kv_copy.PoolMapping``;
+a pool left lazy stays lazy there). Prefaulting commits the whole pool to memory at once: a
+pool that does not fit fails at start, not with a ``SIGBUS`` in the middle of a copy, but a
+pool sized far beyond what a run stores (an "unlimited" replay) should not be prefaulted.
 """
 
 from __future__ import annotations
