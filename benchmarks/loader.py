@@ -3,9 +3,10 @@
 Writes ``--spans`` spans through the real SDK and file exporter (request spans with cache
 operation children, attributes and item events as the connector makes them), then loads
 them back ``--repeat`` times. The baseline is a plain ``json.loads`` pass over the same
-files (just parsing, no DataFrame), measured in the same run.
+files (just parsing, no DataFrame), measured in the same run. With ``--runs N`` the spans are
+spread over N complete run directories under one parent, loaded in one call as a sweep is.
 
-    python -m benchmarks.loader [--spans 200000]
+    python -m benchmarks.loader [--spans 200000] [--runs 1]
 """
 
 from __future__ import annotations
@@ -45,9 +46,19 @@ def write_spans(run_dir: Path, count: int) -> int:
     return tracing.shutdown()["ended"]
 
 
-def parse_only(run_dir: Path) -> int:
+def write_runs(parent: Path, count: int, runs: int) -> int:
+    """``runs`` complete run directories under ``parent`` holding ``count`` spans in all."""
+    written = 0
+    for index in range(runs):
+        run_dir = parent / f"run{index:03d}"
+        written += write_spans(run_dir, count // runs)
+        (run_dir / "summary.json").write_text("{}")  # complete, as far as the loader asks
+    return written
+
+
+def parse_only(directory: Path) -> int:
     count = 0
-    for path in (run_dir / "spans").glob("*.jsonl"):
+    for path in directory.glob("**/spans/*.jsonl"):
         with path.open() as lines:
             for line in lines:
                 for resource in json.loads(line)["resourceSpans"]:
@@ -60,10 +71,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--spans", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=1, help="run directories (1: a single run)")
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="kvtb-loader-"))
-    written = write_spans(run_dir, args.spans)
-    size = sum(p.stat().st_size for p in (run_dir / "spans").glob("*.jsonl"))
+    if args.runs == 1:
+        written = write_spans(run_dir, args.spans)
+    else:
+        written = write_runs(run_dir, args.spans, args.runs)
+    size = sum(p.stat().st_size for p in run_dir.glob("**/spans/*.jsonl"))
     loader, baseline = [], []
     for _ in range(args.repeat):
         started = time.perf_counter()
@@ -75,7 +90,7 @@ def main() -> None:
     assert len(frame) == parsed == written
     load_s, parse_s = sorted(loader)[len(loader) // 2], sorted(baseline)[len(baseline) // 2]
     print(
-        f"{written:,} spans, {size / 2**20:.1f} MiB of OTLP JSON lines, "
+        f"{written:,} spans in {args.runs} run(s), {size / 2**20:.1f} MiB of OTLP JSON lines, "
         f"{len(frame.columns)} columns"
     )
     print(f"load_spans (DataFrame)  median {load_s:.3f} s  {written / load_s:>12,.0f} spans/s")

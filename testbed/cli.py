@@ -4,7 +4,7 @@ kvtb server ...                 run a cache server (python -m server)
 kvtb run [--config F.toml] ...  one run into runs/<run_id>/
 kvtb sweep FILE.toml            a grid of runs (resumable), then its index
 kvtb report runs/<sweep>        tables and figures for a sweep
-kvtb export jaeger RUN_DIR -o F Jaeger-UI JSON of a run's spans
+kvtb export jaeger DIR... -o F  Jaeger-UI JSON of runs' (or sweeps') spans
 kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
 kvtb whatif SOURCE --out DIR    hit rate at every capacity, chunk size and policy, one pass
 kvtb demo                       the main job: a small sweep and its report
@@ -60,11 +60,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = commands.add_parser("report", help="tables and figures for a sweep directory")
     report.add_argument("sweep_dir", type=Path)
 
-    export = commands.add_parser("export", help="export a run's spans")
+    export = commands.add_parser("export", help="export the spans of runs or sweeps")
     formats = export.add_subparsers(dest="format", required=True, metavar="FORMAT")
     jaeger = formats.add_parser("jaeger", help="Jaeger-UI JSON (upload it in the Jaeger UI)")
-    jaeger.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    jaeger.add_argument(
+        "run_dirs", type=Path, nargs="+", metavar="DIR", help="run or sweep directories"
+    )
     jaeger.add_argument("-o", "--output", type=Path, required=True)
+    jaeger.add_argument(
+        "--request",
+        action="append",
+        default=None,
+        metavar="ID",
+        dest="request_ids",
+        help="only the traces of this request id (repeatable)",
+    )
 
     from testbed.explain_cli import add_explain_parser
 
@@ -105,7 +115,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from testbed.jaeger import export_jaeger
 
-        count = export_jaeger(args.run_dirs, args.output)
+        count = export_jaeger(args.run_dirs, args.output, request_ids=args.request_ids)
         print(f"wrote {count} spans to {args.output}")
         return 0
     if args.command == "explain":

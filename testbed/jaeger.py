@@ -1,29 +1,46 @@
-"""A run's spans as Jaeger-UI JSON (the "upload JSON" format of the Jaeger UI).
+"""Spans as Jaeger-UI JSON (the "upload JSON" format of the Jaeger UI), for runs and sweeps.
 
-``{"data": [{"traceID", "spans": [...], "processes": {...}}]}``: one entry per trace; spans
-carry ``operationName``, ``references`` (``CHILD_OF`` the parent, ``FOLLOWS_FROM`` each
-link), ``startTime``/``duration`` in microseconds, typed ``tags`` (attributes, span kind,
-status) and ``logs`` (span events); ``processes`` name the service, rank and pid. References
-to spans that are not in the run are dropped (and counted in a ``warnings`` entry), so every
-reference in the file resolves.
+``{"data": [{"traceID", "spans": [...], "processes": {...}, "warnings"}]}``: one entry per trace.
+A span carries ``operationName``, ``references`` (``CHILD_OF`` its parent first, as the UI takes
+the first reference as the parent; then ``FOLLOWS_FROM`` each link), ``startTime``/``duration``
+in microseconds, typed ``tags`` (attributes, span kind, status) and ``logs`` (span events).
+
+Made to navigate, not only to render:
+
+- a *process* is one process of one run and TP rank: its tags are the run's resource
+  attributes (``kvcache.run_id``, ``kvcache.rank``, ``process.pid``, engine, workload, chunk
+  size, TP size, MLA, policy, capacity, ... : every ``resource.*`` column of
+  :func:`testbed.analysis.load_spans`), so runs of one export (a sweep) are told apart;
+- a trace's root span is titled with the request it serves, e.g.
+  ``kvcache.request chat-00017 · conv-00003`` (the UI names a trace after its root span). Only
+  the export says so: the OTel span names stay low-cardinality;
+- :func:`select_requests` keeps only the traces of given request ids.
+
+References to spans that are not in the export are dropped (and counted in a ``warnings``
+entry), so every reference in the file resolves.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from testbed.analysis.spans import BASE_COLUMNS, load_events, load_spans
+from testbed.telemetry import attributes as a
 
 _KIND_TAG = {"SERVER": "server", "CLIENT": "client", "PRODUCER": "producer", "CONSUMER": "consumer"}
+_RESOURCE = "resource."
+_SESSION_IDS = "kvcache.session_ids"  # batched server ops: one session id per item
+TITLE_SEPARATOR = " · "
 
 
 def tag(key: str, value: Any) -> dict[str, Any]:
+    """A Jaeger key/value with its type (``bool``, ``int64``, ``float64``, ``string``)."""
     if isinstance(value, bool):
         return {"key": key, "type": "bool", "value": value}
     if isinstance(value, int):
@@ -49,28 +66,32 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
     """The Jaeger-UI document for ``spans`` (a :func:`load_spans` frame) and their events."""
     known = set(spans["span_id"])
     attribute_columns = [
-        c for c in spans.columns if c not in BASE_COLUMNS and not c.startswith("resource.")
+        c for c in spans.columns if c not in BASE_COLUMNS and not c.startswith(_RESOURCE)
     ]
+    resource_columns = [c for c in spans.columns if c.startswith(_RESOURCE)]
     logs = _logs(events)
     traces: dict[str, dict[str, Any]] = {}
+    process_tags: dict[tuple[Any, ...], tuple[str, list[dict[str, Any]]]] = {}
+    process_ids: dict[tuple[str, tuple[Any, ...]], str] = {}
     dropped = 0
     for row in spans.to_dict("records"):
-        trace = traces.setdefault(
-            row["trace_id"], {"traceID": row["trace_id"], "spans": [], "processes": {}}
-        )
-        process_id = _process(trace["processes"], row)
+        trace_id = row["trace_id"]
+        trace = traces.setdefault(trace_id, {"traceID": trace_id, "spans": [], "processes": {}})
+        key = _process_key(row)
+        if key not in process_tags:
+            process_tags[key] = _process(row, resource_columns)
+        process_id = process_ids.get((trace_id, key))
+        if process_id is None:
+            process_id = f"p{len(trace['processes']) + 1}"
+            process_ids[(trace_id, key)] = process_id
+            service, tags = process_tags[key]
+            trace["processes"][process_id] = {"serviceName": service, "tags": tags}
         references = []
-        if row["parent_span_id"]:
-            if row["parent_span_id"] in known:
-                references.append(
-                    {
-                        "refType": "CHILD_OF",
-                        "traceID": row["trace_id"],
-                        "spanID": row["parent_span_id"],
-                    }
-                )
-            else:
-                dropped += 1
+        parent = row["parent_span_id"]
+        if parent and parent in known:
+            references.append({"refType": "CHILD_OF", "traceID": trace_id, "spanID": parent})
+        elif parent:
+            dropped += 1
         for link in row["links"] or []:
             link_trace, link_span = link.split(":")
             if link_span in known:
@@ -79,6 +100,7 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
                 )
             else:
                 dropped += 1
+        is_root = not (parent and parent in known)
         tags = [tag(c, _plain(row[c])) for c in attribute_columns if _present(row[c])]
         if row["kind"] in _KIND_TAG:
             tags.append(tag("span.kind", _KIND_TAG[row["kind"]]))
@@ -91,9 +113,9 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
         start_us = int(row["start_time"].value // 1000)
         trace["spans"].append(
             {
-                "traceID": row["trace_id"],
+                "traceID": trace_id,
                 "spanID": row["span_id"],
-                "operationName": row["name"],
+                "operationName": _title(row) if is_root else row["name"],
                 "references": references,
                 "startTime": start_us,
                 "duration": max(0, int(row["end_time"].value // 1000) - start_us),
@@ -104,9 +126,9 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
                 "flags": 1,
             }
         )
-    warnings = [f"{dropped} references to spans outside this run were dropped"] if dropped else None
+    warnings = [f"{dropped} references to spans outside this export were dropped"]
     return {
-        "data": [{**trace, "warnings": warnings} for trace in traces.values()],
+        "data": [{**trace, "warnings": warnings if dropped else None} for trace in traces.values()],
         "total": 0,
         "limit": 0,
         "offset": 0,
@@ -114,28 +136,48 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
     }
 
 
-def _process(processes: dict[str, Any], row: dict[str, Any]) -> str:
+def _title(row: dict[str, Any]) -> str:
+    """A root span's operation name: its name, the request id and group where it has them."""
+    parts = [row["name"]]
+    request_id, group = row.get(a.REQUEST_ID), row.get(a.REQUEST_GROUP)
+    if request_id is not None and _present(request_id):
+        parts.append(f" {request_id}")
+        if group is not None and _present(group):
+            parts.append(f"{TITLE_SEPARATOR}{group}")
+    return "".join(parts)
+
+
+def _process_key(row: dict[str, Any]) -> tuple[Any, ...]:
     rank = row.get("rank")
-    service = row.get("service") or "unknown"
-    tags = [tag("kvcache.run_id", row.get("run_id") or "")]
-    if rank is not None and _present(rank):
-        tags.append(tag("kvcache.rank", int(rank)))
     pid = row.get("resource.process.pid")
-    if pid is not None and _present(pid):
-        tags.append(tag("process.pid", int(pid)))
-    candidate = {"serviceName": service, "tags": tags}
-    for process_id, process in processes.items():
-        if process == candidate:
-            return process_id
-    process_id = f"p{len(processes) + 1}"
-    processes[process_id] = candidate
-    return process_id
+    return (
+        row.get("service"),
+        row.get("run_id"),
+        int(rank) if rank is not None and _present(rank) else None,
+        int(pid) if pid is not None and _present(pid) else None,
+    )
+
+
+def _process(row: dict[str, Any], resource_columns: Sequence[str]) -> tuple[str, list[Any]]:
+    """(service name, tags): the run id, the rank and every resource attribute of the row's
+    process (the row's ``resource.*`` values: each process's own resource)."""
+    service, run_id, rank, _ = _process_key(row)
+    tags = []
+    if run_id is not None and _present(run_id):
+        tags.append(tag("kvcache.run_id", run_id))
+    if rank is not None:
+        tags.append(tag("kvcache.rank", rank))
+    for column in resource_columns:
+        value = row[column]
+        if _present(value):
+            tags.append(tag(column.removeprefix(_RESOURCE), _plain(value)))
+    return service or "unknown", tags
 
 
 def _logs(events: pd.DataFrame | None) -> dict[str, list[dict[str, Any]]]:
     if events is None or events.empty:
         return {}
-    fixed = {"trace_id", "span_id", "span_name", "event", "time"}
+    fixed = {"trace_id", "span_id", "span_name", "event", "time", "run_id"}
     fields = [c for c in events.columns if c not in fixed]
     logs: dict[str, list[dict[str, Any]]] = {}
     for row in events.to_dict("records"):
@@ -147,11 +189,42 @@ def _logs(events: pd.DataFrame | None) -> dict[str, list[dict[str, Any]]]:
     return logs
 
 
-def export_jaeger(run_dirs: Iterable[Path | str], output: Path) -> int:
-    """Writes the Jaeger JSON of one or more runs to ``output``; returns the span count."""
-    run_dirs = list(run_dirs)
-    spans = pd.concat([load_spans(d) for d in run_dirs], ignore_index=True, sort=False)
-    events = pd.concat([load_events(d) for d in run_dirs], ignore_index=True, sort=False)
+def select_requests(spans: pd.DataFrame, request_ids: Iterable[str]) -> pd.DataFrame:
+    """The spans of every trace in which a span names one of ``request_ids``: as its
+    ``kvcache.request_id``, in its ``kvcache.request_ids``, or as the request part of a session
+    id (``kvcache.session_id(s)``: ``"{engine_id}:{request_id}"``; a whole session id matches
+    too). That is the request's own trace and the traces of batches that served it."""
+    wanted = set(request_ids)
+
+    def names(value: Any) -> bool:
+        if isinstance(value, str):
+            return value in wanted or value.rpartition(":")[2] in wanted
+        if isinstance(value, list | tuple):
+            return any(names(item) for item in value)
+        return False
+
+    mentioned = pd.Series(False, index=spans.index)
+    for column in (a.REQUEST_ID, a.REQUEST_IDS, a.SESSION_ID, _SESSION_IDS):
+        if column in spans:
+            mentioned |= spans[column].map(names).astype(bool)
+    traces = set(spans.loc[mentioned, "trace_id"])
+    if not traces:
+        raise ValueError(f"no span names request {', '.join(sorted(wanted))}")
+    return spans[spans["trace_id"].isin(traces)].reset_index(drop=True)
+
+
+def export_jaeger(
+    paths: Iterable[Path | str], output: Path, *, request_ids: Sequence[str] | None = None
+) -> int:
+    """Writes the Jaeger JSON of the runs under ``paths`` (run or sweep directories, see
+    :func:`testbed.analysis.spans.run_dirs`) to ``output``; with ``request_ids``, only those
+    requests' traces (:func:`select_requests`). Returns the number of spans written."""
+    paths = list(paths)
+    spans = pd.concat([load_spans(p) for p in paths], ignore_index=True, sort=False)
+    events = pd.concat([load_events(p) for p in paths], ignore_index=True, sort=False)
+    if request_ids:
+        spans = select_requests(spans, request_ids)
+        events = events[events["span_id"].isin(set(spans["span_id"]))]
     document = to_jaeger(spans, events)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(document))

@@ -1,29 +1,43 @@
-"""Reading a run's span files (OTLP JSON lines) into tidy pandas DataFrames.
+"""Reading span files (OTLP JSON lines) of a run or a sweep into tidy pandas DataFrames.
+
+Both loaders take a run directory (one with ``spans/``), a sweep directory, or any directory
+of run directories (e.g. the ``--out`` of several ``kvtb run``): then every *complete* run
+(with ``summary.json``; in ``sweep.json`` order for a sweep, by name otherwise) contributes
+its rows, told apart by ``run_id``. :func:`run_dirs` says which directories those are.
 
 :func:`load_spans` gives one row per span with the columns
 
 ``trace_id, span_id, parent_span_id`` (hex; ``""`` for roots), ``name, kind`` (``INTERNAL``,
-``SERVER``, ``CLIENT``, ...), ``service, rank, run_id, start_time`` (UTC timestamps),
-``end_time, duration_ms, status`` (``UNSET``, ``OK``, ``ERROR``), ``status_message``, ``links``
-(list of ``"trace_id:span_id"``), then one column per span attribute under its own name
-(``kvcache.tokens.hit``, ...; see ``testbed.telemetry.attributes``).
+``SERVER``, ``CLIENT``, ...), ``service, rank, run_id`` (the resource's ``kvcache.run_id``, else
+the run directory's name), ``start_time`` (UTC timestamps), ``end_time, duration_ms, status``
+(``UNSET``, ``OK``, ``ERROR``), ``status_message``, ``links`` (list of ``"trace_id:span_id"``),
+``resource.<key>`` per other resource attribute (the process's: engine, workload, chunk size,
+...), then one column per span attribute under its own name (``kvcache.tokens.hit``, ...; see
+``testbed.telemetry.attributes``). Rows of a run are in start-time order.
 
-:func:`load_events` gives the span events (one per request of a batched store or retrieve).
+:func:`load_events` gives the span events (one per request of a batched store or retrieve),
+with the ``run_id`` of the run directory they were read from.
 The files are parsed by pyarrow's JSON reader and flattened with vectorised list kernels;
 attributes are pivoted per key, not per value.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
 from testbed.telemetry.setup import SPANS_DIR
+
+SUMMARY_FILE = "summary.json"  # written last by a run (testbed.run): a complete run
+SWEEP_FILE = "sweep.json"  # a sweep's manifest (testbed.sweep.index): its run ids in order
+_RUN_INDEX = "_run_index"  # while loading: which of the runs a span came from
 
 KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 STATUSES = {0: "UNSET", 1: "OK", 2: "ERROR"}
@@ -55,22 +69,68 @@ def span_files(run_dir: Path | str) -> list[Path]:
     return sorted(directory.glob("*.jsonl"))
 
 
-def load_spans(run_dir: Path | str) -> pd.DataFrame:
-    """Every span of a run, one row each (see the module docstring for the columns)."""
-    frames = [_spans_of(table) for table in _tables(run_dir)]
+def is_run_dir(path: Path | str) -> bool:
+    return (Path(path) / SPANS_DIR).is_dir()
+
+
+def run_dirs(path: Path | str) -> list[Path]:
+    """``[path]`` for a run directory; the complete runs of a sweep directory (in the sweep's
+    order) or of a directory of run directories (by name)."""
+    path = Path(path)
+    if is_run_dir(path):
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
+    manifest = path / SWEEP_FILE
+    if manifest.is_file():
+        candidates = [path / run_id for run_id in json.loads(manifest.read_text())["runs"]]
+    else:
+        candidates = sorted(child for child in path.iterdir() if child.is_dir())
+    runs = [run for run in candidates if is_run_dir(run) and (run / SUMMARY_FILE).is_file()]
+    if not runs and not manifest.is_file():
+        raise FileNotFoundError(
+            f"{path} is neither a run directory (no {SPANS_DIR}/) nor a directory of complete "
+            "runs (made by `kvtb run` or `kvtb sweep`)"
+        )
+    return runs
+
+
+def load_spans(path: Path | str) -> pd.DataFrame:
+    """Every span of a run, a sweep or a directory of runs, one row each (see the module
+    docstring for the columns)."""
+    runs = run_dirs(path)
+    parts = [(index, table) for index, run in enumerate(runs) for table in _tables(run)]
+    try:
+        # One table for all files: the per-attribute work below is then done once, not per file.
+        tables = [pa.concat_tables([t for _, t in parts], promote_options="permissive")]
+        line_runs = [np.concatenate([np.full(t.num_rows, index) for index, t in parts])]
+    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError):  # none, or types that differ
+        tables = [table for _, table in parts]
+        line_runs = [np.full(table.num_rows, index) for index, table in parts]
+    frames = [_spans_of(table, lines) for table, lines in zip(tables, line_runs, strict=True)]
     frames = [frame for frame in frames if len(frame)]
     if not frames:
         return pd.DataFrame(columns=BASE_COLUMNS)
-    spans = pd.concat(frames, ignore_index=True, sort=False)
-    return spans.sort_values("start_time", kind="stable", ignore_index=True)
+    spans = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True, sort=False)
+    run_index = spans.pop(_RUN_INDEX).to_numpy()
+    names = np.array([run.name for run in runs], dtype=object)
+    spans["run_id"] = spans["run_id"].fillna(pd.Series(names[run_index], index=spans.index))
+    order = np.lexsort((spans["start_time"].to_numpy(), run_index))  # by run, then time
+    return spans.take(order).reset_index(drop=True)
 
 
-def load_events(run_dir: Path | str) -> pd.DataFrame:
-    """Every span event: ``trace_id, span_id, span_name, event, time`` and its attributes."""
-    frames = [_events_of(table) for table in _tables(run_dir)]
-    frames = [frame for frame in frames if len(frame)]
+def load_events(path: Path | str) -> pd.DataFrame:
+    """Every span event: ``trace_id, span_id, span_name, event, time, run_id`` and its
+    attributes (of a run, a sweep or a directory of runs, as :func:`load_spans`)."""
+    frames = []
+    for run in run_dirs(path):
+        for table in _tables(run):
+            frame = _events_of(table)
+            if len(frame):
+                frame.insert(5, "run_id", run.name)
+                frames.append(frame)
     if not frames:
-        return pd.DataFrame(columns=["trace_id", "span_id", "span_name", "event", "time"])
+        return pd.DataFrame(columns=["trace_id", "span_id", "span_name", "event", "time", "run_id"])
     return pd.concat(frames, ignore_index=True, sort=False)
 
 
@@ -101,16 +161,19 @@ def _field(struct: pa.StructArray, name: str) -> pa.Array | None:
     return pc.struct_field(struct, name)
 
 
-def _hierarchy(table: pa.Table) -> tuple[pa.StructArray, pa.StructArray, pa.Array]:
-    """(resource spans, spans, index of each span's resource span)."""
-    resource_spans, _ = _flatten(table.column("resourceSpans"))
+def _hierarchy(table: pa.Table) -> tuple[pa.StructArray, pa.StructArray, pa.Array, pa.Array]:
+    """(resource spans, spans, index of each span's resource span, index of its file line)."""
+    resource_spans, resource_line = _flatten(table.column("resourceSpans"))
     scope_spans, scope_parent = _flatten(pc.struct_field(resource_spans, "scopeSpans"))
     spans, span_parent = _flatten(pc.struct_field(scope_spans, "spans"))
-    return resource_spans, spans, pc.take(scope_parent, span_parent)
+    resource_index = pc.take(scope_parent, span_parent)
+    return resource_spans, spans, resource_index, pc.take(resource_line, resource_index)
 
 
-def _spans_of(table: pa.Table) -> pd.DataFrame:
-    resource_spans, spans, resource_index = _hierarchy(table)
+def _spans_of(table: pa.Table, line_runs: np.ndarray) -> pd.DataFrame:
+    """The spans of ``table`` (lines of span files), each with the index in ``line_runs`` (one
+    entry per line) of the run it came from as the ``_RUN_INDEX`` column."""
+    resource_spans, spans, resource_index, line_index = _hierarchy(table)
     if len(spans) == 0:
         return pd.DataFrame()
     start = pc.cast(pc.struct_field(spans, "startTimeUnixNano"), pa.int64()).to_numpy()
@@ -154,14 +217,15 @@ def _spans_of(table: pa.Table) -> pd.DataFrame:
     frame["rank"] = pd.to_numeric(frame["rank"]).astype("Int64")
     for key, column in resources.items():
         if key not in ("service.name", "kvcache.run_id", "kvcache.rank"):
-            frame[f"resource.{key}"] = column.to_numpy()[rows]
+            frame[f"resource.{key}"] = column.array.take(rows)  # keeps nullable dtypes
     for key, column in attributes.items():
         frame[key] = column
+    frame[_RUN_INDEX] = line_runs[line_index.to_numpy()]
     return frame[BASE_COLUMNS + [c for c in frame.columns if c not in BASE_COLUMNS]]
 
 
 def _events_of(table: pa.Table) -> pd.DataFrame:
-    _, spans, _ = _hierarchy(table)
+    _, spans, _, _ = _hierarchy(table)
     events_column = _field(spans, "events") if len(spans) else None
     if events_column is None:
         return pd.DataFrame()
