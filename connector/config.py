@@ -74,6 +74,18 @@ class ConnectorConfig:
     curve_server_key: str = ""
     """ZeroMQ CURVE: the server's public key file (``server.key``)."""
 
+    fault_drop_fraction: float = 0.0
+    """Fault injection for experiments: the share of retrieves whose first chunk rank 0 drops
+    from the server just before retrieving it (the load-error path, under vLLM's own
+    recovery). Which retrieves is decided by a hash of the request id, its attempt and
+    ``fault_seed``, so every engine drops the same requests' chunks. Needs ``admin_token``."""
+
+    fault_seed: int = 0
+    """Seed of the fault injection's choice."""
+
+    admin_token: str = ""
+    """The server's admin token (only fault injection uses it)."""
+
     def __post_init__(self) -> None:
         problems = []
         if not self.server_url.startswith(("tcp://", "ipc://", "inproc://")):
@@ -91,6 +103,12 @@ class ConnectorConfig:
             problems.append(f"chunk_size must be positive, got {self.chunk_size}")
         if bool(self.curve_secret_key) != bool(self.curve_server_key):
             problems.append("curve_secret_key and curve_server_key go together")
+        if not 0.0 <= self.fault_drop_fraction <= 1.0:
+            problems.append(
+                f"fault_drop_fraction must be in [0, 1], got {self.fault_drop_fraction}"
+            )
+        if self.fault_drop_fraction and not self.admin_token:
+            problems.append("fault_drop_fraction needs admin_token (it drops objects)")
         if problems:
             raise ValueError("invalid kvtb connector config: " + "; ".join(problems))
 

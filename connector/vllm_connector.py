@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from connector.config import ConnectorConfig
+from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
 from connector.ops import StepPlan
 from connector.planner import Geometry
@@ -127,8 +128,18 @@ class KVTBConnector(KVConnectorBase_V1):
             )
         else:
             Geometry(chunk_size, self.block_size)  # validates the block size early
+            faults = None
+            if config.fault_drop_fraction:
+                admin = RpcClient(
+                    config.server_url,
+                    role=f"faults{tp_rank}",
+                    token=config.admin_token,
+                    timeout_s=config.mq_timeout_s,
+                    curve=curve,
+                )
+                faults = FaultInjector(admin, config.fault_drop_fraction, config.fault_seed)
             self.worker = WorkerClient(
-                self.rpc, WorkerIdentity.for_rank(model, tp_size, tp_rank, mla)
+                self.rpc, WorkerIdentity.for_rank(model, tp_size, tp_rank, mla), faults
             )
 
     def _server_chunk_size(self) -> int:

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV, PoolMapping
 from connector.ops import RetrieveOp, StoreOp
 from testbed import protocol as p
@@ -98,9 +99,12 @@ class RetrieveOutcome:
 
 
 class WorkerClient:
-    def __init__(self, rpc: RpcClient, identity: WorkerIdentity) -> None:
+    def __init__(
+        self, rpc: RpcClient, identity: WorkerIdentity, faults: FaultInjector | None = None
+    ) -> None:
         self.rpc = rpc
         self.identity = identity
+        self.faults = faults if identity.tp_rank == 0 else None
         self.kv: PagedKV | None = None
         self.chunk_size = 0
         self.epoch = 0
@@ -307,6 +311,8 @@ class WorkerClient:
         )
         op_id = self.rpc.new_op_id()
         future = None
+        if self.faults is not None:
+            self.faults.before_retrieve(ops)
         if self.rpc.alive:
             with contextlib.suppress(ServerUnavailable, RemoteError):
                 self._ensure_current()
@@ -494,6 +500,8 @@ class WorkerClient:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self.faults is not None:
+            self.faults.close()
 
 
 def _items(ops: list[StoreOp] | list[RetrieveOp]) -> list[p.OpItem]:

@@ -15,8 +15,6 @@ not depend on how fast this machine happens to be.
 
 from __future__ import annotations
 
-import contextlib
-import random
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from connector.config import ConnectorConfig
-from testbed import protocol as p
 from testbed import telemetry
 from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
@@ -42,7 +39,6 @@ from testbed.engine.vllm_setup import (
     build_worker_connector,
 )
 from testbed.engine.worker_harness import StepOutcome, WorkerHarness
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
@@ -67,8 +63,8 @@ class ReplaySpec:
     step_overhead_ms: float = 5.0
     prefill_token_us: float = 40.0
     fault_drop_fraction: float = 0.0
-    """Fault injection: share of retrieves whose first chunk is dropped from the server
-    between lookup and retrieve (exercises the load-error path)."""
+    """Fault injection (the connector's ``kvtb.fault_drop_fraction``): share of retrieves
+    whose first chunk is dropped from the server just before the retrieve."""
     seed: int = 0
     metadata_only: bool = False
     timeout_s: float = 30.0
@@ -141,6 +137,9 @@ class ReplayEngine:
             lookup_wait_s=spec.timeout_s,
             load_wait_s=spec.timeout_s,
             engine_id=spec.run_id,
+            fault_drop_fraction=spec.fault_drop_fraction if server else 0.0,
+            fault_seed=spec.seed,
+            admin_token=server.admin_token if server and spec.fault_drop_fraction else "",
         )
         self.vllm_config = build_vllm_config(
             SchedulerSpec(
@@ -170,21 +169,11 @@ class ReplayEngine:
             for rank in range(spec.tp if server else 0)
         ]
         self.aggregator = KVOutputAggregator(expected_finished_count=max(1, len(self.workers)))
-        self.admin = (
-            RpcClient(
-                server.url, role="replay-admin", token=server.admin_token, timeout_s=spec.timeout_s
-            )
-            if server is not None and spec.fault_drop_fraction
-            else None
-        )
-        self._rng = random.Random(spec.seed)
 
     def close(self) -> None:
         for worker in self.workers:
             worker.close()
         self.scheduler.shutdown()
-        if self.admin is not None:
-            self.admin.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -220,7 +209,6 @@ class ReplayEngine:
                 continue
             step_started = time.perf_counter()
             so = self.scheduler.schedule()
-            self._inject_faults(so)
             outcomes = [worker.execute(so) for worker in self.workers]
             result.integrity_errors += sum(o.integrity_errors for o in outcomes)
             engine_outputs = self.scheduler.update_from_output(
@@ -312,15 +300,6 @@ class ReplayEngine:
         aggregated = self.aggregator.aggregate([output(outcome) for outcome in outcomes])
         assert aggregated is not None
         return aggregated
-
-    def _inject_faults(self, so) -> None:
-        if self.admin is None or so.kv_connector_metadata is None:
-            return
-        for op in so.kv_connector_metadata.plan.retrieves:
-            if self._rng.random() < self.spec.fault_drop_fraction and self.admin.alive:
-                drop = p.DropObjects(chunk_hashes=op.chunk_hashes[:1], force=True)
-                with contextlib.suppress(ServerUnavailable, RemoteError):  # gone: loads fail
-                    self.admin.call(drop)
 
 
 class _Arrivals:

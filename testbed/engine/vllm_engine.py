@@ -58,6 +58,8 @@ class VllmEngineSpec:
     deterministic: bool = True
     """Lookups and loads wait for the server's answers (as in the replay), so scheduling does
     not depend on this machine's speed and both engines see the same steps."""
+    fault_drop_fraction: float = 0.0
+    """Fault injection (the connector's ``kvtb.fault_drop_fraction``; needs the admin token)."""
 
     @classmethod
     def from_run_spec(cls, spec: RunSpec, max_model_len: int) -> VllmEngineSpec:
@@ -74,6 +76,7 @@ class VllmEngineSpec:
             seed=spec.seed,
             timeout_s=spec.server_timeout_s,
             run_id=spec.run_id,
+            fault_drop_fraction=spec.fault_drop_fraction,
         )
 
 
@@ -145,6 +148,9 @@ class VllmEngine:
             lookup_wait_s=wait_s,
             load_wait_s=wait_s,
             engine_id=spec.run_id,
+            fault_drop_fraction=spec.fault_drop_fraction,
+            fault_seed=spec.seed,
+            admin_token=server.admin_token if spec.fault_drop_fraction else "",
         )
         self.llm = LLM(
             model=model,

