@@ -89,6 +89,14 @@ class RunSpec:
     server_timeout_s: float = 30.0
     """The connector's longest wait for a server reply (``kvtb.mq_timeout_s``): a dead or hung
     server stalls no engine step for longer."""
+    time_profile: str = "h100"
+    """Replay: the hardware whose step time the projected clock charges (h100, h200, a100,
+    l40s: a roofline of compute, memory and loads; see METRICS.md), or flat (5 ms + 40 µs per
+    scheduled token, loads free)."""
+    time_model: str | None = None
+    """Replay: the model whose compute the clock charges; None: the KV profile if it has a
+    compute shape (llama3-8b, deepseek-mla), else llama3-8b (the tiny profiles only keep the
+    cache's bytes small)."""
     workload_params: dict[str, Any] = field(default_factory=dict)
     """Generator parameters (see testbed.workloads)."""
 
@@ -128,6 +136,21 @@ class RunSpec:
             )
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
+        from testbed.engine.time_model import FLAT, HARDWARE
+
+        if self.time_profile not in (FLAT, *HARDWARE):
+            problems.append(
+                f"time_profile {self.time_profile!r} is unknown; choose one of "
+                f"{', '.join((FLAT, *HARDWARE))}"
+            )
+        if self.time_model is not None and (
+            self.time_model not in PROFILES or not PROFILES[self.time_model].has_compute_shape
+        ):
+            shaped = sorted(n for n, prof in PROFILES.items() if prof.has_compute_shape)
+            problems.append(
+                f"time_model {self.time_model!r} is not a profile with a compute shape; choose "
+                f"one of {', '.join(shaped)}"
+            )
         if self.server_timeout_s <= 0:
             problems.append(f"server_timeout_s must be positive, got {self.server_timeout_s}")
         for name in ("capacity_tokens", "capacity_bytes"):
@@ -136,6 +159,13 @@ class RunSpec:
                 problems.append(f"{name} must be positive, got {value}")
         if problems:
             raise ValueError("invalid run spec: " + "; ".join(problems))
+
+    @property
+    def compute_profile(self) -> KVProfile:
+        """The model the replay's projected clock charges (see ``time_model``)."""
+        if self.time_model is not None:
+            return get_profile(self.time_model)
+        return self.kv_profile if self.kv_profile.has_compute_shape else get_profile("llama3-8b")
 
     @property
     def kv_profile(self) -> KVProfile:

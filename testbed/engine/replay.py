@@ -4,13 +4,13 @@ Requests enter vLLM's ``Scheduler`` (prefix caching, chunked prefill, preemption
 loads) as they arrive on a virtual clock; each step, one :class:`WorkerHarness` per TP rank
 plays the model runner (connector hooks in vLLM's order, deterministic KV instead of a forward
 pass, every inherited block verified), and the scheduler gets the ``ModelRunnerOutput`` the
-real runner would build. The virtual clock advances by a documented cost model per step::
-
-    step_time = step_overhead_ms + prefill_token_us · scheduled_tokens
-
-which gives projected TTFTs; it does not pretend to be a GPU. Lookups and loads wait for the
-server's answers (``kvtb.lookup_wait_s`` / ``kvtb.load_wait_s``), so a replay's hit rates do
-not depend on how fast this machine happens to be.
+real runner would build. The virtual clock advances by a documented time model per step
+(``testbed.engine.time_model``): by default a roofline of the named hardware (``h100``) for
+the compute model of the run (the tokens each scheduled request computes, its context, the
+tokens loaded from the cache), or the ``flat`` clock ``5 ms + 40 µs x scheduled tokens``; it
+gives projected TTFTs, not measurements. Lookups and loads wait for the server's answers
+(``kvtb.lookup_wait_s`` / ``kvtb.load_wait_s``), so a replay's hit rates do not depend on how
+fast this machine happens to be.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.profiles import KVProfile
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.engine.time_model import TimeModel, make_time_model
 from testbed.engine.vllm_setup import (
     RequestFactory,
     SchedulerSpec,
@@ -60,8 +61,11 @@ class ReplaySpec:
     load_async: bool = True
     arrival: str = "trace"
     """``trace``: requests enter at their arrival time on the virtual clock; ``all``: at once."""
-    step_overhead_ms: float = 5.0
-    prefill_token_us: float = 40.0
+    time_profile: str = "flat"
+    """The projected clock's hardware (``testbed.engine.time_model``): flat, h100, ..."""
+    compute_profile: KVProfile | None = None
+    """The model the clock charges (``None``: ``profile``; it needs a compute shape unless
+    the clock is flat)."""
     fault_drop_fraction: float = 0.0
     """Fault injection (the connector's ``kvtb.fault_drop_fraction``): share of retrieves
     whose first chunk is dropped from the server just before the retrieve."""
@@ -99,11 +103,18 @@ class ReplaySpec:
             seed=spec.seed,
             metadata_only=spec.metadata_only,
             timeout_s=spec.server_timeout_s,
+            time_profile=spec.time_profile,
+            compute_profile=spec.compute_profile,
             run_id=spec.run_id,
         )
 
-    def step_s(self, scheduled_tokens: int) -> float:
-        return (self.step_overhead_ms * 1e-3) + self.prefill_token_us * 1e-6 * scheduled_tokens
+    def time_model(self) -> TimeModel:
+        return make_time_model(
+            self.time_profile,
+            self.compute_profile or self.profile,
+            tp=self.tp,
+            chunk_size=self.chunk_size,
+        )
 
 
 class ReplayEngine:
@@ -169,6 +180,7 @@ class ReplayEngine:
             for rank in range(spec.tp if server else 0)
         ]
         self.aggregator = KVOutputAggregator(expected_finished_count=max(1, len(self.workers)))
+        self.clock = spec.time_model()
 
     def close(self) -> None:
         for worker in self.workers:
@@ -215,7 +227,7 @@ class ReplayEngine:
                 so, self._runner_output(so, outcomes)
             )
             result.max_step_s = max(result.max_step_s, time.perf_counter() - step_started)
-            clock += spec.step_s(so.total_num_scheduled_tokens)
+            clock += self._step_s(so)
             result.steps += 1
             idle_steps = 0 if so.total_num_scheduled_tokens else idle_steps + 1
             if idle_steps > _MAX_IDLE_STEPS:
@@ -269,6 +281,30 @@ class ReplayEngine:
                 traceparent=telemetry.traceparent_of(span),
             )
         )
+
+    def _step_s(self, so) -> float:
+        """The step's projected time: per scheduled request its new and context tokens, per
+        request loading this step the tokens it loads."""
+        new, context, loaded = [], [], []
+        loads: dict[str, int] = {}
+        metadata = so.kv_connector_metadata
+        for op in metadata.plan.retrieves if metadata is not None else ():
+            tokens = op.end_token - op.start_token - op.skip_first_n_tokens
+            loads[op.request_id] = loads.get(op.request_id, 0) + tokens
+        for req in so.scheduled_new_reqs:
+            new.append(so.num_scheduled_tokens[req.req_id])
+            context.append(req.num_computed_tokens)
+            loaded.append(loads.pop(req.req_id, 0))
+        cached = so.scheduled_cached_reqs
+        for index, request_id in enumerate(cached.req_ids):
+            new.append(so.num_scheduled_tokens[request_id])
+            context.append(cached.num_computed_tokens[index])
+            loaded.append(loads.pop(request_id, 0))
+        for tokens in loads.values():  # asynchronous loads of requests not scheduled yet
+            new.append(0)
+            context.append(0)
+            loaded.append(tokens)
+        return self.clock.step_s(new, context, loaded)
 
     def _runner_output(self, so, outcomes: list[StepOutcome]) -> ModelRunnerOutput:
         """What the executor hands the scheduler: rank 0's output with every rank's connector
