@@ -1,0 +1,18 @@
+"""``kvtb chaos``: reliability scenarios against real processes, and the frame fuzzer.
+
+Everything here runs in the chaos process unless said otherwise:
+
+- ``command``: the ``kvtb chaos`` command; runs the scenarios, writes the report.
+- ``report``: the keys every scenario reports, totals, acceptance, ``reliability.json/.md``.
+- ``lab``: a scenario's settings, directory and processes (servers, engine runs).
+- ``server_faults``: the server SIGKILLed under a run, with and without a restart.
+- ``client_faults``: clients SIGKILLed while holding things; a client that loses its replies.
+- ``attacks``: fuzzing; requests without credentials or with another client's ids.
+- ``sharing``: four engines on one small server.
+- ``frames``: structure-aware fuzz frames from the protocol's structs (pure).
+- ``fuzz``: sends fuzz frames to a server and checks it afterwards (also used by the tests).
+- ``probes``: a protocol client without the connector that checks every byte it reads.
+- ``watch``: server stats and RSS sampling, quiescence, files left by dead servers.
+- ``runs``: engine runs (``execute_run``) in children of a fork server that imported vLLM.
+- ``holder``: a client *process* that holds locks, pins and a reservation until killed.
+"""
