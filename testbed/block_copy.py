@@ -11,10 +11,12 @@ that is contiguous in memory and whose size divides every other stride and offse
 then one flat array of runs per buffer, a chunk is an array of run indices, and a chunk is
 copied, all layers of a buffer at once, by one ``numpy.take`` (store: gather into the object)
 or one fancy assignment (retrieve: scatter out of it): one call per chunk for vLLM's single
-allocation, one per chunk and layer for separate layer tensors. On vLLM's layouts a run is a
-whole block of one layer (``block_size × heads × 2·head_dim`` elements: 64–128 KiB for
-Llama-3-8B), so each call is a loop of large ``memcpy`` in C with the GIL released. The run
-indices of a whole operation are computed in a few numpy calls, not per block or layer.
+allocation (one for a whole batch whose slots lie back to back in the pool, as a batch the
+server allocates in one go does), one per chunk and layer for separate layer tensors. On
+vLLM's layouts a run is a whole block of one layer (``block_size × heads × 2·head_dim``
+elements: 64–128 KiB for Llama-3-8B), so each call is a loop of large ``memcpy`` in C with
+the GIL released. The run indices of a whole operation are computed in a few numpy calls
+(plain Python for small operations), not per block or layer.
 
 Threads. numpy runs each call on the calling thread, whatever ``torch.set_num_threads`` says:
 the copies never change, nor depend on, the process-wide intra-op pool that vLLM's forward pass
@@ -119,6 +121,10 @@ class BlockCopier:
     def gather(self, pool: np.ndarray, copies: Sequence[ChunkCopy]) -> int:
         """Copies each chunk's blocks into its slot of ``pool``; returns the bytes written."""
         _check_buffer(pool)
+        whole = self._back_to_back(pool, copies, _take)
+        if whole is not None:
+            self._run([whole])
+            return sum(copy.slot.nbytes for copy in copies)
         work: list[_Work] = []
         written = 0
         for copy, indices in zip(copies, self._indices(copies, skip=False), strict=True):
@@ -138,6 +144,10 @@ class BlockCopier:
         """Copies each slot of ``pool`` into its chunk's blocks, except the first
         ``skip_blocks`` of each chunk; returns the bytes written into the KV."""
         _check_buffer(pool)
+        whole = self._back_to_back(pool, copies, _put)
+        if whole is not None:
+            self._run([whole])
+            return sum(copy.slot.nbytes for copy in copies)
         work: list[_Work] = []
         written = 0
         for copy in copies:
@@ -168,6 +178,36 @@ class BlockCopier:
     # -----------------------------------------------------------------------------------------
     # Internal
     # -----------------------------------------------------------------------------------------
+
+    def _back_to_back(
+        self, pool: np.ndarray, copies: Sequence[ChunkCopy], op: _Copy
+    ) -> _Work | None:
+        """The whole operation as one call, where it can be: all layers in one buffer,
+        chunks of one length, none skipping blocks, slots back to back in the pool (a batch
+        the server allocated in one go). None otherwise, or if anything fails a check (the
+        general path then says what)."""
+        if len(copies) < 2 or len(self._segments) != 1:
+            return None
+        n = len(copies[0].block_ids)
+        start = end = copies[0].slot.offset
+        for copy in copies:
+            slot = copy.slot
+            if copy.skip_blocks or len(copy.block_ids) != n or slot.offset != end:
+                return None
+            if slot.nbytes != n * self._object_block_bytes:
+                return None
+            end += slot.nbytes
+        if n == 0 or start < 0 or end > pool.nbytes:
+            return None
+        ids = np.asarray([copy.block_ids for copy in copies], dtype=np.intp)
+        if int(ids.min()) < 0 or int(ids.max()) >= self._num_blocks:
+            return None
+        shape = [len(ids)] + [1] * (self._run_dim + 1)
+        shape[2 + self.layout.block_dim] = n
+        segment = self._segments[0]
+        index = segment.base_index + (ids * self._block_stride_runs).reshape(shape)
+        region = pool[start:end].view(self._run_dtype)
+        return (op, segment.runs, index, region if op is _take else region.reshape(index.shape))
 
     def _indices(self, copies: Sequence[ChunkCopy], skip: bool) -> list[list[np.ndarray]]:
         """Per copy and segment, the run indices of the blocks to copy (from ``skip_blocks``

@@ -81,6 +81,28 @@ def test_one_call_stores_and_loads_many_chunks_in_the_object_layout(layout):
     assert blocks_of(layers, block_dim, untouched) == blocks_of(before, block_dim, untouched)
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_batch_in_back_to_back_slots_round_trips(layout):
+    """A batch the server allocated in one go (slots back to back, chunks of one length) is
+    one call where the layers share a buffer; the bytes are the same either way."""
+    layers, block_dim = LAYOUTS[layout](num_layers=3, num_blocks=64, block_size=BLOCK_SIZE)
+    kv = PagedKV(layers, block_dim, BLOCK_SIZE)
+    object_bytes = 4 * kv.layer_block_bytes * len(layers)
+    chunks = [[4 * c + 3, 4 * c, 60 - c, 4 * c + 1] for c in range(12)]
+    slots = [p.Slot(128 + c * object_bytes, object_bytes) for c in range(len(chunks))]
+    pool = np.zeros(128 + len(chunks) * object_bytes, dtype=np.uint8)
+    kv.store_chunks(pool, [ChunkCopy(s, c) for s, c in zip(slots, chunks, strict=True)])
+    for slot, chunk in zip(slots, chunks, strict=True):
+        stored = pool[slot.offset : slot.offset + slot.nbytes].tobytes()
+        assert stored == reference_object(layers, block_dim, chunk)
+    before = snapshot(layers)
+    targets = [[48 + c % 4, 52 + c % 4, 56 + c % 4, 60 + c % 4] for c in range(4)]
+    copies = [ChunkCopy(s, t) for s, t in zip(slots[:4], targets, strict=True)]
+    assert kv.load_chunks(pool, copies) == 4 * object_bytes
+    for chunk, target in zip(chunks[:4], targets, strict=True):
+        assert blocks_of(layers, block_dim, target) == blocks_of(before, block_dim, chunk)
+
+
 @pytest.mark.usefixtures("index_path")
 def test_a_bad_chunk_is_refused_before_any_byte_moves():
     layers, block_dim = LAYOUTS["vllm_cpu"](num_layers=2, num_blocks=8, block_size=BLOCK_SIZE)
