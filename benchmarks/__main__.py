@@ -9,6 +9,8 @@ BENCHMARKS = [
     ["benchmarks.tracing_overhead", "--rounds", "100"],
     ["benchmarks.loader", "--spans", "100000"],
     ["benchmarks.replay_throughput", "--requests", "1000"],
+    ["benchmarks.data_path", "--rounds", "30"],
+    ["benchmarks.pool_allocator", "--extents", "1000", "10000", "--pairs", "5000"],
     ["benchmarks.whatif", "--requests", "1000", "--rounds", "3"],
 ]
 
