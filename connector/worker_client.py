@@ -144,7 +144,15 @@ class WorkerClient:
             remapped = self._map_pool(reply)
             self.chunk_size = reply.chunk_size
             self.epoch = reply.epoch
-            span.set_attributes({a.EPOCH: reply.epoch, a.REASON: "remap" if remapped else "map"})
+            span.set_attributes(
+                {
+                    a.EPOCH: reply.epoch,
+                    a.REASON: "remap" if remapped else "map",
+                    a.BYTES_PER_TOKEN: kv.bytes_per_token,
+                    a.WORLD_SIZE: ident.world_size,
+                    a.OBJECT_BYTES: reply.object_bytes,
+                }
+            )
 
     def _map_pool(self, reply: p.WorkerRegistered) -> bool:
         """Maps the reply's pool unless it is the one mapped; True if a mapping was replaced."""

@@ -61,12 +61,22 @@ class RunOptions:
 class RunPlan:
     """Everything a run needs, checked before any work: the requests and the server."""
 
+    spec: RunSpec
     requests: list[WorkloadRequest]
     rejected: list[str]
     server_info: p.ServerConfigInfo | None
     """The external server's configuration (``None``: the run starts its own)."""
     bytes_per_token: int
     """KV bytes the cache stores per token for this spec's model (all TP ranks)."""
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The cache capacity the spec asks for, in bytes of this run's model."""
+        if self.spec.capacity_bytes is not None:
+            return self.spec.capacity_bytes
+        if self.spec.capacity_tokens is not None:
+            return self.spec.capacity_tokens * self.bytes_per_token
+        return None
 
 
 def is_complete(run_dir: Path) -> bool:
@@ -125,13 +135,14 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     )
     started = time.perf_counter()
     server_after: dict[str, int] | None = None
+    capacity = plan.server_info.capacity_bytes if plan.server_info else plan.capacity_bytes
     try:
         if spec.engine == "oracle":
             result = _run_oracle(spec, plan.requests)
             if options.on_progress is not None:
                 options.on_progress(len(plan.requests), len(plan.requests))
         else:
-            result, server_after = _run_with_server(spec, plan, run_dir, options)
+            result, server_after, capacity = _run_with_server(spec, plan, run_dir, options)
     finally:
         if tracing is not None:
             tracing.shutdown()
@@ -142,6 +153,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     from testbed.summary import build_summary  # pandas and pyarrow: only once there is work
 
     summary = build_summary(spec, result, run_dir, wall_s, server_after, plan.bytes_per_token)
+    summary["capacity_bytes"] = capacity
     summary.update(read_counts(run_dir))
     _write_json(run_dir / SUMMARY, summary)  # last: marks the run complete
     return summary
@@ -166,8 +178,9 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
     bytes_per_token = _bytes_per_token(spec)
     server_info = None
     if options.server is not None and spec.engine != "oracle":
-        server_info = _check_external_server(spec, options.server)
-    return RunPlan(requests, rejected, server_info, bytes_per_token)
+        asked = RunPlan(spec, [], [], None, bytes_per_token).capacity_bytes
+        server_info = _check_external_server(spec, options.server, asked)
+    return RunPlan(spec, requests, rejected, server_info, bytes_per_token)
 
 
 def _load_requests(spec: RunSpec) -> list[WorkloadRequest]:
@@ -197,7 +210,9 @@ def _bytes_per_token(spec: RunSpec) -> int:
     return spec.kv_profile.stored_bytes_per_token(spec.tp)
 
 
-def _check_external_server(spec: RunSpec, server: ServerEndpoint) -> p.ServerConfigInfo:
+def _check_external_server(
+    spec: RunSpec, server: ServerEndpoint, capacity_bytes: int | None
+) -> p.ServerConfigInfo:
     """The external server's configuration; a clear error if it is not there or does not
     match the spec (a run must record the capacity and policy that really ran)."""
     try:
@@ -214,9 +229,9 @@ def _check_external_server(spec: RunSpec, server: ServerEndpoint) -> p.ServerCon
     problems = []
     if info.chunk_size != spec.chunk_size:
         problems.append(f"its chunk size is {info.chunk_size}, the spec says {spec.chunk_size}")
-    if spec.capacity() is not None and spec.capacity() != info.capacity_bytes:
+    if capacity_bytes is not None and capacity_bytes != info.capacity_bytes:
         problems.append(
-            f"its capacity is {info.capacity_bytes} bytes, the spec asks for {spec.capacity()} "
+            f"its capacity is {info.capacity_bytes} bytes, the spec asks for {capacity_bytes} "
             "(leave out --capacity-tokens/--capacity-bytes with --server)"
         )
     if spec.policy != info.policy and spec.policy != RunSpec().policy:
@@ -230,11 +245,13 @@ def _check_external_server(spec: RunSpec, server: ServerEndpoint) -> p.ServerCon
 
 def _run_with_server(
     spec: RunSpec, plan: RunPlan, run_dir: Path, options: RunOptions
-) -> tuple[EngineResult, dict[str, int] | None]:
+) -> tuple[EngineResult, dict[str, int] | None, int | None]:
+    """The engine's result, the server's state after it, and the capacity that ran."""
     server = None
     endpoint = options.server
+    capacity = plan.server_info.capacity_bytes if plan.server_info else None
     if endpoint is None:
-        capacity = spec.capacity() or _unlimited_capacity(plan)
+        capacity = plan.capacity_bytes or _unlimited_capacity(plan)
         args = [
             "--chunk-size", str(spec.chunk_size),
             "--capacity", str(capacity),
@@ -252,7 +269,7 @@ def _run_with_server(
         endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
         result = _run_engine(spec, plan.requests, endpoint, run_dir, options)
-        return result, _server_state(endpoint)
+        return result, _server_state(endpoint), capacity
     finally:
         if server is not None:
             server.close()
@@ -370,7 +387,7 @@ def _unlimited_capacity(plan: RunPlan) -> int:
 def _resource(spec: RunSpec, plan: RunPlan) -> dict[str, Any]:
     """The run's resource attributes: what ran (an external server's real settings)."""
     info = plan.server_info
-    capacity = info.capacity_bytes if info is not None else spec.capacity()
+    capacity = info.capacity_bytes if info is not None else plan.capacity_bytes
     resource: dict[str, Any] = {
         a.ENGINE: spec.engine,
         a.WORKLOAD: spec.workload,

@@ -107,6 +107,8 @@ def build_summary(
         bool(requests["causes_resolved"].all()) if "causes_resolved" in requests else None
     )
     totals = metrics.run_totals(spans, run.events)
+    registered = metrics.registered_bytes_per_token(spans)
+    bytes_per_token = registered if registered is not None else bytes_per_token
     summary["bytes_per_token"] = bytes_per_token
     summary.update(totals)
     summary["store_amplification"] = (

@@ -302,3 +302,14 @@ def server_outage_s(spans: pd.DataFrame) -> float:
     if current_end is not None:
         total += (current_end - current_start).total_seconds()
     return total
+
+
+def registered_bytes_per_token(spans: pd.DataFrame) -> int | None:
+    """KV bytes the cache stores per token, as the workers registered them: the sum over KV
+    ranks of each rank's bytes per token (one latent rank with MLA). ``None`` without any
+    ``kvcache.connector.register`` span."""
+    register = spans[spans["name"] == a.CONNECTOR_REGISTER]
+    if register.empty or a.BYTES_PER_TOKEN not in register:
+        return None
+    per_rank = register.dropna(subset=[a.BYTES_PER_TOKEN]).groupby(a.KV_RANK)[a.BYTES_PER_TOKEN]
+    return int(per_rank.first().sum()) if len(per_rank) else None

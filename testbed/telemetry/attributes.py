@@ -100,6 +100,8 @@ PROMISED_TOKENS = "kvcache.load.promised_tokens"  # L: tokens vLLM agreed to loa
 FIRST_FAILED_TOKEN = "kvcache.load.first_failed_token"  # first token of the first failed block
 LOOKUP_STATUS = "kvcache.lookup.status"  # ok | unavailable | none
 BLOCK_SIZE = "kvcache.block_size"
+BYTES_PER_TOKEN = "kvcache.bytes_per_token"  # register: KV bytes one rank holds per token
+OBJECT_BYTES = "kvcache.object_bytes"  # register: bytes of one chunk object of the rank
 GEN_AI_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 
 # --- resource ---------------------------------------------------------------------------------
