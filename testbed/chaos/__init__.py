@@ -10,6 +10,7 @@ Everything here runs in the chaos process unless said otherwise:
 - ``attacks``: fuzzing; requests without credentials or with another client's ids.
 - ``sharing``: four engines on one small server.
 - ``frames``: structure-aware fuzz frames from the protocol's structs (pure).
+- ``frame_edits``: building and bending msgpack frames for ``frames`` (pure).
 - ``fuzz``: sends fuzz frames to a server and checks it afterwards (also used by the tests).
 - ``probes``: a protocol client without the connector that checks every byte it reads.
 - ``watch``: server stats and RSS sampling, quiescence, files left by dead servers.

@@ -28,6 +28,20 @@ import msgspec
 import msgspec.inspect as mi
 
 from testbed import protocol as p
+from testbed.chaos.frame_edits import (
+    HUGE_HEADERS,
+    MAX_UINT64,
+    OTHER_KIND_VALUES,
+    deep_copy,
+    encode_map,
+    field_paths,
+    is_struct_list,
+    kinds_of,
+    nested,
+    set_key,
+    set_path,
+    violations,
+)
 
 _REQUEST_TYPES: tuple[mi.StructType, ...] = mi.type_info(p.Request).types  # type: ignore[attr-defined]
 REQUEST_OPS: tuple[str, ...] = tuple(str(t.tag) for t in _REQUEST_TYPES)
@@ -37,31 +51,8 @@ _encoder = msgspec.msgpack.Encoder()
 _Made = tuple[list[bytes], bool, bool]
 """What a mutation makes: the message's frames, whether it must get an ``Error``, whether it
 carries no valid credential."""
-_MAX_UINT64 = (1 << 64) - 1
 _OWN_SESSIONS = tuple(f"fuzz-{i}" for i in range(16))
 _OWN_OP_IDS = tuple(range(1, 33))
-# Length prefixes claiming 4 GiB (or -1 read as int32) and 64 Ki items, with almost no data.
-_HUGE_HEADERS = (
-    b"\xdb\xff\xff\xff\xff",  # str32
-    b"\xdb\x80\x00\x00\x00",
-    b"\xc6\xff\xff\xff\xff",  # bin32
-    b"\xdd\xff\xff\xff\xff",  # array32
-    b"\xdf\xff\xff\xff\xff",  # map32
-    b"\xda\xff\xff",  # str16
-    b"\xdc\xff\xff",  # array16
-    b"\xde\xff\xff",  # map16
-    b"\xc9\xff\xff\xff\xff\x01",  # ext32
-)
-_OTHER_KIND_VALUES: dict[str, tuple[Any, ...]] = {
-    "int": (0, 7, -1, 1 << 40),
-    "str": ("", "x", "\x00\u2603"),
-    "bytes": (b"", b"\x00" * 16),
-    "list": ([], [1, "a", None]),
-    "map": ({}, {"a": 1}),
-    "nil": (None,),
-    "bool": (True, False),
-    "float": (1.5, -0.0, float("nan"), float("inf")),
-}
 
 
 @dataclass(frozen=True)
@@ -249,7 +240,7 @@ class FrameFuzzer:
     def _int(self, info: mi.Type) -> int:
         assert isinstance(info, mi.IntType)
         lo = info.ge if info.ge is not None else -(1 << 63)
-        hi = info.le if info.le is not None else _MAX_UINT64
+        hi = info.le if info.le is not None else MAX_UINT64
         rng = self.rng
         candidates = (lo, lo + 1, hi, hi - 1, rng.randint(0, 100), rng.randint(0, 1 << 32))
         return min(hi, max(lo, rng.choice(candidates)))
@@ -279,25 +270,25 @@ class FrameFuzzer:
 
     def _version(self, info: mi.StructType, pairs: list[tuple[str, Any]]) -> _Made:
         version = self.rng.choice((0, 1, p.PROTOCOL_VERSION + 1, 1 << 40, -1))
-        return [encode_map(_set(pairs, "v", version))], True, False
+        return [encode_map(set_key(pairs, "v", version))], True, False
 
     def _wrong_type(self, info: mi.StructType, pairs: list[tuple[str, Any]]) -> _Made:
-        paths = [path for path in _paths(info, pairs) if path[-1] != "op"]
+        paths = [path for path in field_paths(info, pairs) if path[-1] != "op"]
         path, field_info = self.rng.choice(paths)
-        kinds = [k for k in _OTHER_KIND_VALUES if k not in _kinds_of(field_info)]
-        value = self.rng.choice(_OTHER_KIND_VALUES[self.rng.choice(kinds)])
-        return [encode_map(_set_path(pairs, path, value))], True, False
+        kinds = [k for k in OTHER_KIND_VALUES if k not in kinds_of(field_info)]
+        value = self.rng.choice(OTHER_KIND_VALUES[self.rng.choice(kinds)])
+        return [encode_map(set_path(pairs, path, value))], True, False
 
     def _out_of_range(self, info: mi.StructType, pairs: list[tuple[str, Any]]) -> _Made:
         options = [
             (path, value)
-            for path, field_info in _paths(info, pairs)
-            for value in _violations(field_info)
+            for path, field_info in field_paths(info, pairs)
+            for value in violations(field_info)
         ]
         if not options:
             return self._version(info, pairs)
         path, value = self.rng.choice(options)
-        return [encode_map(_set_path(pairs, path, value))], True, False
+        return [encode_map(set_path(pairs, path, value))], True, False
 
     def _missing_field(self, info: mi.StructType, pairs: list[tuple[str, Any]]) -> _Made:
         required = [f.encode_name for f in info.fields if f.required]
@@ -311,13 +302,13 @@ class FrameFuzzer:
             (f"x{self.rng.randrange(1 << 20)}_{i}", self.rng.choice((1, "x", None, [1], {})))
             for i in range(self.rng.choice((1, 1, 2, 20)))  # 20: a map16 header, op first
         ]
-        nested_structs = [k for k, v in pairs if isinstance(v, dict) or _dict_list(v)]
+        nested_structs = [k for k, v in pairs if isinstance(v, dict) or is_struct_list(v)]
         if nested_structs and self.rng.random() < 0.3:  # inside ``layout`` or ``items[0]``
             key = self.rng.choice(nested_structs)
-            container = _copy(dict(pairs)[key])
+            container = deep_copy(dict(pairs)[key])
             target = container if isinstance(container, dict) else container[0]
             target.update(extra)
-            return [encode_map(_set(pairs, key, container))], True, False
+            return [encode_map(set_key(pairs, key, container))], True, False
         mixed = pairs[:1] + self.rng.sample(pairs[1:] + extra, len(pairs) - 1 + len(extra))
         return [encode_map(mixed)], True, False
 
@@ -332,7 +323,7 @@ class FrameFuzzer:
 
     def _huge_length(self, info: mi.StructType, pairs: list[tuple[str, Any]]) -> _Made:
         key = self.rng.choice([k for k, _ in pairs[1:]])
-        header = self.rng.choice(_HUGE_HEADERS) + self.rng.randbytes(self.rng.randint(0, 8))
+        header = self.rng.choice(HUGE_HEADERS) + self.rng.randbytes(self.rng.randint(0, 8))
         moved = [(k, v) for k, v in pairs if k != key] + [(key, msgspec.Raw(header))]
         return [encode_map(moved)], True, False
 
@@ -355,12 +346,12 @@ class FrameFuzzer:
         where = self.rng.choice(("field", "unknown_field", "op", "inside_list"))
         if where == "field" and len(pairs) > 2:
             key = self.rng.choice([k for k, _ in pairs[2:]])
-            mutated = _set(pairs, key, nest)
+            mutated = set_key(pairs, key, nest)
         elif where == "op":
             mutated = [("op", nest), *pairs[1:]]
         elif where == "inside_list":
             key = "chunk_hashes" if "chunk_hashes" in dict(pairs) else "deep"
-            mutated = _set(pairs, key, [nest])
+            mutated = set_key(pairs, key, [nest])
         else:
             mutated = [*pairs, ("deep", nest)]
         return [encode_map(mutated)], True, False
@@ -397,145 +388,8 @@ class FrameFuzzer:
         return [frame], True, False
 
 
-# ---------------------------------------------------------------------------------------------
-# Encoding helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def encode_map(pairs: list[tuple[Any, Any]]) -> bytes:
-    """A msgpack map with exactly these (key, value) pairs in this order (duplicates kept);
-    values may be ``msgspec.Raw`` (written as they are)."""
-    n = len(pairs)
-    if n < 16:
-        header = bytes([0x80 | n])
-    elif n < 1 << 16:
-        header = b"\xde" + n.to_bytes(2, "big")
-    else:
-        header = b"\xdf" + n.to_bytes(4, "big")
-    return header + b"".join(_encoder.encode(k) + _encoder.encode(v) for k, v in pairs)
-
-
-def nested(depth: int, rng: random.Random) -> bytes:
-    """``depth`` levels of one-element arrays and maps around ``nil``, in a few runs."""
-    cuts = sorted(rng.randint(0, depth) for _ in range(3))
-    runs = [b - a for a, b in zip([0, *cuts], [*cuts, depth], strict=True)]
-    levels = [(b"\x91" if i % 2 == 0 else b"\x81\xa1k") * n for i, n in enumerate(runs)]
-    return b"".join(levels) + b"\xc0"
-
-
 def _type_of(op: str) -> mi.StructType:
     for info in _REQUEST_TYPES:
         if info.tag == op:
             return info
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(REQUEST_OPS)}")
-
-
-def _set(pairs: list[tuple[str, Any]], key: str, value: Any) -> list[tuple[str, Any]]:
-    if any(k == key for k, _ in pairs):
-        return [(k, value if k == key else v) for k, v in pairs]
-    return [*pairs, (key, value)]
-
-
-Path = tuple[Any, ...]
-
-
-def _paths(info: mi.StructType, pairs: list[tuple[str, Any]]) -> list[tuple[Path, mi.Type]]:
-    """Every field that can be set: top-level fields (present or not), and the fields of
-    nested structs that are present (``layout``, the first of ``items``)."""
-    values = dict(pairs)
-    found: list[tuple[Path, mi.Type]] = []
-    for f in info.fields:
-        found.append(((f.encode_name,), f.type))
-        value = values.get(f.encode_name)
-        if isinstance(f.type, mi.StructType) and isinstance(value, dict):
-            found += [((f.encode_name, g.encode_name), g.type) for g in f.type.fields]
-        if (
-            isinstance(f.type, mi.ListType)
-            and isinstance(f.type.item_type, mi.StructType)
-            and isinstance(value, list)
-            and value
-        ):
-            item = f.type.item_type
-            found += [((f.encode_name, 0, g.encode_name), g.type) for g in item.fields]
-    return found
-
-
-def _set_path(pairs: list[tuple[str, Any]], path: Path, value: Any) -> list[tuple[str, Any]]:
-    if len(path) == 1:
-        return _set(pairs, path[0], value)
-    values = dict(pairs)
-    container = _copy(values[path[0]])
-    target = container
-    for step in path[1:-1]:
-        target = target[step]
-    target[path[-1]] = value
-    return _set(pairs, path[0], container)
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
-
-
-def _dict_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
-
-
-def _kinds_of(info: mi.Type) -> set[str]:
-    if isinstance(info, mi.IntType):
-        return {"int"}
-    if isinstance(info, mi.StrType):
-        return {"str"}
-    if isinstance(info, mi.BytesType):
-        return {"bytes"}
-    if isinstance(info, mi.BoolType):
-        return {"bool"}
-    if isinstance(info, mi.ListType):
-        return {"list"}
-    if isinstance(info, mi.StructType):
-        return {"map"}
-    raise TypeError(f"unexpected field type {info!r}")
-
-
-def _violations(info: mi.Type) -> list[Any]:
-    """Values just outside what ``info`` allows (none when it allows every value)."""
-    out: list[Any] = []
-    if isinstance(info, mi.IntType):
-        if info.ge is not None:
-            out += [info.ge - 1, -(1 << 63)]
-        if info.le is not None and info.le < _MAX_UINT64:
-            out += [info.le + 1, _MAX_UINT64]
-    elif isinstance(info, mi.StrType):
-        if info.max_length is not None:
-            out.append("a" * (info.max_length + 1))
-    elif isinstance(info, mi.BytesType):
-        if info.min_length:
-            out.append(b"\x01" * (info.min_length - 1))
-        if info.max_length is not None:
-            out.append(b"\x01" * (info.max_length + 1))
-    elif isinstance(info, mi.ListType):
-        if info.max_length is not None and info.max_length <= p.MAX_ITEMS_PER_BATCH:
-            element = _minimal(info.item_type)
-            out.append([element] * (info.max_length + 1))
-        out += [[bad] for bad in _violations(info.item_type)[:1]]
-    return out
-
-
-def _minimal(info: mi.Type) -> Any:
-    """The smallest valid value of ``info``."""
-    if isinstance(info, mi.IntType):
-        return info.ge or 0
-    if isinstance(info, mi.BoolType):
-        return True
-    if isinstance(info, mi.StrType):
-        return ""
-    if isinstance(info, mi.BytesType):
-        return b"\x01" * (info.min_length or 0)
-    if isinstance(info, mi.StructType):
-        return {f.encode_name: _minimal(f.type) for f in info.fields if f.required}
-    if isinstance(info, mi.ListType):
-        return []
-    raise TypeError(f"unexpected field type {info!r}")

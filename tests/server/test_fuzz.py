@@ -15,7 +15,8 @@ import pytest
 import zmq
 
 from testbed import protocol as p
-from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext, encode_map, nested
+from testbed.chaos.frame_edits import encode_map, nested
+from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext
 from testbed.chaos.fuzz import FuzzSetup, fuzz_server
 
 FRAMES = 10_000
