@@ -35,7 +35,6 @@ from testbed.telemetry import attributes as a
 
 _KIND_TAG = {"SERVER": "server", "CLIENT": "client", "PRODUCER": "producer", "CONSUMER": "consumer"}
 _RESOURCE = "resource."
-_SESSION_IDS = "kvcache.session_ids"  # batched server ops: one session id per item
 TITLE_SEPARATOR = " · "
 
 
@@ -204,7 +203,7 @@ def select_requests(spans: pd.DataFrame, request_ids: Iterable[str]) -> pd.DataF
         return False
 
     mentioned = pd.Series(False, index=spans.index)
-    for column in (a.REQUEST_ID, a.REQUEST_IDS, a.SESSION_ID, _SESSION_IDS):
+    for column in (a.REQUEST_ID, a.REQUEST_IDS, a.SESSION_ID, a.SESSION_IDS):
         if column in spans:
             mentioned |= spans[column].map(names).astype(bool)
     traces = set(spans.loc[mentioned, "trace_id"])
