@@ -74,6 +74,14 @@ class ConnectorConfig:
     curve_server_key: str = ""
     """ZeroMQ CURVE: the server's public key file (``server.key``)."""
 
+    span_dir: str = ""
+    """Where the connector writes its spans when vLLM's process has no kvtestbed tracing of its
+    own (a directory receiving ``spans/``, e.g. ``kvtb server --run-dir``; default
+    ``KVTB_SPAN_DIR``; the ``OTEL_*`` variables can ask for OTLP export instead)."""
+
+    run_id: str = ""
+    """``kvcache.run_id`` of the connector's spans (groups a deployment's traces)."""
+
     fault_drop_fraction: float = 0.0
     """Fault injection for experiments: the share of retrieves whose first chunk rank 0 drops
     from the server just before retrieving it (the load-error path, under vLLM's own

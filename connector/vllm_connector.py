@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from connector import tracing
 from connector.config import ConnectorConfig
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
@@ -54,6 +55,7 @@ from connector.worker_client import (
 from testbed import protocol as p
 from testbed.credentials import client_token
 from testbed.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
+from testbed.telemetry import attributes as a
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,6 +95,17 @@ class KVTBConnector(KVConnectorBase_V1):
         model = self.config.model_name or vllm_config.model_config.model
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker{tp_rank}"
         config = self.config
+        self._traces = tracing.acquire(
+            config.span_dir,
+            run_id=config.run_id,
+            service_name="kvtb-connector",
+            rank=None if role == KVConnectorRole.SCHEDULER else tp_rank,
+            resource={
+                a.TP_SIZE: tp_size,
+                a.MLA: bool(mla),
+                a.MODEL: str(model),
+            },
+        )
         curve = None
         if config.curve_secret_key:
             curve = CurveKeys(Path(config.curve_secret_key), Path(config.curve_server_key))
@@ -224,6 +237,9 @@ class KVTBConnector(KVConnectorBase_V1):
         if self.scheduler_side is not None:
             self.scheduler_side.close()
         self.rpc.close()
+        if self._traces:
+            self._traces = False
+            tracing.release()
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -115,7 +116,7 @@ def _router(context: zmq.Context, config: ServerConfig) -> zmq.Socket:
     return socket
 
 
-def _curve(context: zmq.Context, socket: zmq.Socket, config: ServerConfig):  # type: ignore[no-untyped-def]
+def _curve(context: zmq.Context, socket: zmq.Socket, config: ServerConfig) -> Any:
     if config.curve_dir is None:
         return None
     from zmq.auth import load_certificate

@@ -96,14 +96,14 @@ def _settle(
             yield
     session.handle = handle
     if s.chunk_log.enabled:
-        space = namespace(req.model, req.world_size, req.cache_salt)
+        space_name = namespace(req.model, req.world_size, req.cache_salt)
         for position, (chunk_hash, status) in enumerate(
             zip(req.chunk_hashes, statuses, strict=True)
         ):
             s.chunk_log.add(
                 LOOKUP,
                 chunk_hash,
-                namespace=space,
+                namespace=space_name,
                 session_id=req.session_id,
                 position=position,
                 status=status,

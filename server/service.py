@@ -445,7 +445,7 @@ class CacheService:
 
     def _start(self, client: ClientState, request: p.Request) -> list[tuple[bytes, p.Reply]]:
         name = _SPANS[type(request)]
-        span = telemetry.INVALID_SPAN
+        span: telemetry.Span = telemetry.INVALID_SPAN
         if name is not None:
             span = telemetry.start_span(
                 name,
@@ -506,22 +506,22 @@ class CacheService:
 
     def _expire(self, kind: str, owner: bytes, ident: object, now: float) -> None:
         if kind in ("store", "retrieve"):
+            assert isinstance(ident, int)
             client = self.clients.get(owner)
-            ops = (
-                None if client is None else (client.stores if kind == "store" else client.retrieves)
-            )
-            op = None if ops is None else ops.get(ident)  # type: ignore[arg-type]
-            if client is None or op is None or op.deadline > now:
+            if client is None:
+                return
+            op = (client.stores if kind == "store" else client.retrieves).get(ident)
+            if op is None or op.deadline > now:
                 return
             self.counters.expired_ops += 1
             with telemetry.traced(
                 a.SERVER_OP_EXPIRE,
-                attributes={a.OP: kind, a.OP_ID: int(ident), a.CLIENT: owner.hex()},  # type: ignore[call-overload]
+                attributes={a.OP: kind, a.OP_ID: ident, a.CLIENT: owner.hex()},
             ):
                 if kind == "store":
-                    transfers.finish_store(self, client, int(ident), ok=False)  # type: ignore[call-overload]
+                    transfers.finish_store(self, client, ident, ok=False)
                 else:
-                    transfers.finish_retrieve(self, client, int(ident), ok=[])  # type: ignore[call-overload]
+                    transfers.finish_retrieve(self, client, ident, ok=[])
         elif kind == "pending":
             session = self.sessions.get(str(ident))
             if session is not None and session.pending is not None:

@@ -9,6 +9,7 @@ kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
 kvtb whatif SOURCE --out DIR    hit rate at every capacity, chunk size and policy, one pass
 kvtb chaos [--quick] --out DIR  reliability scenarios (kills, restarts, fuzzing) → a report
 kvtb demo                       the main job: a small sweep and its report
+kvtb clean                      remove files left by cache servers that were killed
 
 ``server`` needs only the base install; the other commands need the ``lab`` extra (and the
 replay and vllm engines need vLLM) and say so, before writing anything, when it is missing.
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from testbed.credentials import ServerEndpoint, client_token
 from testbed.extras import MissingExtra, require_engines, require_lab
 from testbed.runspec import RunSpec
 from testbed.sizes import parse_bytes
@@ -99,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_chaos_parser(commands)
 
+    commands.add_parser(
+        "clean", help="remove pool and token files of cache servers that no longer run"
+    )
+
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
     demo.add_argument("--out", type=Path, default=Path("runs"))
 
@@ -120,6 +126,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from server.app import run as run_server
 
         return run_server(args)
+    if args.command == "clean":
+        from server.reclaim import reclaim_dead_server_files
+
+        removed = reclaim_dead_server_files()
+        for path in removed:
+            print(f"removed {path}")
+        print(f"{len(removed)} files of stopped cache servers removed")
+        return 0
     if args.command == "run":
         return _run(args)
     if args.command == "sweep":
@@ -195,6 +209,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--server", help="use this cache server (tcp://HOST:PORT) instead of starting one"
     )
     parser.add_argument(
+        "--token-file",
+        type=Path,
+        help="the --server's token file (its readiness line prints the path; default: "
+        "KVTB_TOKEN_FILE or KVTB_TOKEN)",
+    )
+    parser.add_argument(
         "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
     )
     parser.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"])
@@ -253,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         spec,
         args.out,
         RunOptions(
-            server_url=args.server,
+            server=_endpoint(args),
             progress=not args.no_progress,
             otlp_endpoint=args.otlp_endpoint,
             otlp_protocol=args.otlp_protocol,
@@ -261,6 +281,29 @@ def _run(args: argparse.Namespace) -> int:
     )
     print_summary(summary, args.out / spec.run_id)
     return 0 if not summary.get("integrity_errors") else 1
+
+
+def _endpoint(args: argparse.Namespace) -> ServerEndpoint | None:
+    """The ``--server`` to use and its credential, checked before any work."""
+    if args.server is None:
+        if args.token_file is not None:
+            raise ValueError("--token-file goes with --server (a run's own server makes its own)")
+        return None
+    if not args.server.startswith(("tcp://", "ipc://")):
+        raise ValueError(
+            f"--server {args.server!r} is not a ZeroMQ endpoint; give tcp://HOST:PORT as "
+            "`kvtb server` prints it"
+        )
+    host, _, port = args.server.removeprefix("tcp://").rpartition(":")
+    if args.server.startswith("tcp://") and (not host or not port.isdigit()):
+        raise ValueError(f"--server {args.server!r}: expected tcp://HOST:PORT")
+    token = client_token(None, args.token_file)
+    if not token:
+        raise ValueError(
+            "--server needs the server's credential: --token-file PATH (printed in the server's "
+            "readiness line), or KVTB_TOKEN_FILE / KVTB_TOKEN"
+        )
+    return ServerEndpoint(args.server, token)
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:

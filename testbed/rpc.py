@@ -87,6 +87,18 @@ class _Health:
         self.outages.append((started, ended))
         _record_outage(self.url, started_ns, ended - started)
 
+    def record_open_outage(self) -> None:
+        """Records an outage still going on (a client closes while the server is down); a later
+        answer records only the rest of it."""
+        with self.lock:
+            if self.alive or self.down_since is None:
+                return
+            started, started_ns = self.down_since, self.down_since_ns
+            self.down_since, self.down_since_ns = time.monotonic(), time.time_ns()
+        now = time.monotonic()
+        self.outages.append((started, now))
+        _record_outage(self.url, started_ns, now - started)
+
     def outage_s(self) -> float:
         """Seconds the server was down so far (a running outage counts up to now)."""
         total = sum(end - start for start, end in self.outages)
@@ -202,6 +214,7 @@ class RpcClient:
     def close(self) -> None:
         if self._closed.is_set():
             return
+        self.health.record_open_outage()
         self._closed.set()
         os.write(self._wake_write, b"x")
         self._thread.join(5.0)

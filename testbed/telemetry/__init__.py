@@ -35,6 +35,7 @@ __all__ = [
     "enabled",
     "fail",
     "inject",
+    "installed",
     "links_from",
     "span_id_of",
     "start_span",
@@ -55,6 +56,11 @@ def use_provider(provider: trace.TracerProvider | None) -> None:
     global _provider, _tracer
     _provider = provider
     _tracer = provider.get_tracer(_TRACER_NAME) if provider is not None else None
+
+
+def installed() -> bool:
+    """Whether an entry point of this process installed the SDK here (``use_provider``)."""
+    return _tracer is not None
 
 
 def enabled() -> bool:

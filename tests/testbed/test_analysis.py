@@ -37,7 +37,7 @@ def server_spans(tmp_path_factory):
 
     run_dir = tmp_path_factory.mktemp("spans")
     args = ["--chunk-size", str(C), "--run-dir", str(run_dir)]
-    with ServerProcess(args) as server, Harness(server.url) as h:
+    with ServerProcess(args) as server, Harness(server) as h:
         cache_cycle(h, C)
     return load_spans(run_dir)
 
