@@ -24,7 +24,7 @@ HIT, IN_FLIGHT, ABSENT = "hit", "in_flight", "absent"
 
 def lookup(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.Lookup)
-    s.check_chunks(len(req.chunk_hashes))
+    s.check_chunks(len(req.chunk_hashes) * req.world_size)  # one object per chunk and rank
     session = s.session(call, req.session_id, create=True)
     assert session is not None
     # A new lookup replaces the session's previous one (e.g. after a preemption).
@@ -72,9 +72,7 @@ def _settle(
     )
     if miss_status == IN_FLIGHT and s.clock() < pending.deadline:
         session.pending = pending
-        s.deadlines.add(
-            pending.deadline + s.config.session_ttl_s, "pending", b"", session.session_id
-        )
+        s.deadlines.add(s.pending_expiry(pending), "pending", b"", session.session_id)
         call.span.set_attribute(a.LOOKUP_PENDING, True)
         return p.LookupResult(pending=True)
     space = Space(req.model, req.world_size, req.cache_salt)

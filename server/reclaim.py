@@ -1,9 +1,10 @@
 """Files a server leaves behind when it cannot clean up (SIGKILL, power loss), and reclaiming them.
 
-A server's pool (``kvtb-pool-<pid>-<hex>``, up to its capacity of RAM in ``/dev/shm``) and
-its default token file (``kvtb-token-<pid>-<hex>.json``) carry the server's pid. A server
-removes both on every exit it can catch; at start (and ``kvtb clean``) it removes those
-whose pid no longer runs. Files of live processes, and of other users, are left alone.
+A server's pool (``kvtb-pool-<pid>-<hex>``, up to its capacity of RAM in ``/dev/shm``), its
+default token file (``kvtb-token-<pid>-<hex>.json``) and a worker's shared KV file
+(``kvtb-kv-<pid>-<hex>``, server-driven transfers) carry their process's pid. Each is removed
+on every exit its owner can catch; a server start (and ``kvtb clean``) removes those whose pid
+no longer runs. Files of live processes, and of other users, are left alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
-_SERVER_FILE = re.compile(r"kvtb-(?:pool|token)-(\d+)-[0-9a-f]+(?:\.json)?")
+_SERVER_FILE = re.compile(r"kvtb-(?:pool|token|kv)-(\d+)-[0-9a-f]+(?:\.json)?")
 
 
 def server_files_dir() -> Path:

@@ -49,6 +49,7 @@ from server.state import (
     ClientState,
     Counters,
     Deadlines,
+    PendingLookup,
     Session,
 )
 from testbed import protocol as p
@@ -351,6 +352,11 @@ class CacheService:
         flag = "--" + name.replace("_", "-")
         return ServiceError("limit", f"refused: over the server's limit of {value} {what} ({flag})")
 
+    def pending_expiry(self, pending: PendingLookup) -> float:
+        """When a pending lookup nobody polls is forgotten: its own timeout again after its
+        deadline (a poll after that is answered ``unknown_id``, which clients take as a miss)."""
+        return pending.deadline + max(1.0, self.config.lookup_pending_timeout_s)
+
     def check_chunks(self, num_chunks: int) -> None:
         if num_chunks > self.config.max_chunks_per_request:
             self.counters.refused_limits += 1
@@ -501,7 +507,8 @@ class CacheService:
         for session in self.sessions.values():
             live.append((session.last_seen + self.config.session_ttl_s, "session", b"", session))
             if session.pending is not None:
-                live.append((session.pending.deadline, "pending", b"", session.session_id))
+                expiry = self.pending_expiry(session.pending)
+                live.append((expiry, "pending", b"", session.session_id))
         return [(d, k, o, s.session_id if isinstance(s, Session) else s) for d, k, o, s in live]
 
     def _expire(self, kind: str, owner: bytes, ident: object, now: float) -> None:
@@ -525,11 +532,11 @@ class CacheService:
         elif kind == "pending":
             session = self.sessions.get(str(ident))
             if session is not None and session.pending is not None:
-                if session.pending.deadline + self.config.session_ttl_s <= now:
-                    session.pending = None
+                expiry = self.pending_expiry(session.pending)
+                if expiry <= now:
+                    session.pending = None  # nobody polled: nothing held, nothing in flight
                 else:
-                    grace = session.pending.deadline + self.config.session_ttl_s
-                    self.deadlines.add(grace, "pending", b"", session.session_id)
+                    self.deadlines.add(expiry, "pending", b"", session.session_id)
         elif kind == "session":
             session = self.sessions.get(str(ident))
             if session is None:

@@ -1,26 +1,16 @@
-"""Reliability findings of ``kvtb chaos`` that the server does not handle yet.
-
-Each test states the behaviour the server should have and is a strict ``xfail`` until the
-fix lands (it then passes, fails as an unexpected pass, and its marker goes).
-"""
+"""Reliability findings of ``kvtb chaos``, reproduced: a pending lookup nobody polls and lookup
+work multiplied by the KV ranks."""
 
 from __future__ import annotations
 
 import os
 import time
 
-import pytest
-
 from testbed import protocol as p
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.rpc import RpcClient
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a lookup answered `pending` that is never polled stays counted as in flight "
-    "(num_pending_lookups, quiescence) until lookup_pending_timeout_s + session_ttl_s",
-)
 def test_a_pending_lookup_nobody_polls_stops_counting_as_in_flight_after_its_timeout(
     start_server,
 ):
@@ -36,11 +26,6 @@ def test_a_pending_lookup_nobody_polls_stops_counting_as_in_flight_after_its_tim
     assert stats.num_pending_lookups == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="max_chunks_per_request counts chunk hashes, not chunk x KV rank: a lookup's work "
-    "is len(chunk_hashes) * world_size (all of it when the chunk log is on)",
-)
 def test_a_lookup_costs_at_most_max_chunks_per_request_chunk_operations(start_server, tmp_path):
     """1,024 hashes at world size 4,096 (a 19 KB frame) are 4 M key checks with the chunk log
     on (every `kvtb run` server has one): seconds of server CPU for one frame, 300 such
