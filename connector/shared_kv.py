@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from connector.kv_copy import PagedKV, storage_array
-from testbed.kv_layout import SharedKVFile
+from testbed.kv_layout import FILE_PREFIX, SharedKVFile
 
 _ALIGNMENT = mmap.PAGESIZE
 
@@ -72,7 +72,7 @@ class SharedKV:
             for layer in kv.layers
         ]
         self.path = _shared_directory(file_bytes, directory) / (
-            f"kvtb-kv-{os.getpid()}-{secrets.token_hex(4)}"
+            f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         )
         self._map = _create_mapped(self.path, file_bytes)
         try:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from collections.abc import Sequence
 
 import numpy as np
 
 from testbed.block_copy import BlockCopier, ChunkCopy
-from testbed.kv_layout import SharedKVFile
+from testbed.kv_layout import FILE_PREFIX, SharedKVFile
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -30,14 +31,21 @@ _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 class EngineKV:
     """One worker's shared KV file mapped into the server; context manager.
 
-    The file is mapped with its pages populated, so copies take no page faults.
+    A registration names a path, so only a regular file of this user named like
+    ``connector.shared_kv`` names its files is opened (no symbolic link). The file is mapped
+    with its pages populated, so copies take no page faults.
     """
 
     def __init__(self, shared: SharedKVFile, *, num_threads: int = 1) -> None:
         self.shared = shared
-        fd = os.open(shared.path, os.O_RDWR)
+        if not os.path.basename(shared.path).startswith(FILE_PREFIX):
+            raise ValueError(f"{shared.path} is not a shared KV file ({FILE_PREFIX}*)")
+        fd = os.open(shared.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            size = os.fstat(fd).st_size
+            stats = os.fstat(fd)
+            if not stat.S_ISREG(stats.st_mode) or stats.st_uid != os.getuid():
+                raise ValueError(f"{shared.path} is not a regular file of this user")
+            size = stats.st_size
             if size < shared.file_bytes:
                 raise ValueError(
                     f"{shared.path} has {size} bytes, the registration says {shared.file_bytes}"

@@ -26,6 +26,9 @@ from typing import Annotated
 
 import msgspec
 
+FILE_PREFIX = "kvtb-kv-"
+"""Name prefix of shared KV files (the server opens no other file a registration names)."""
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 

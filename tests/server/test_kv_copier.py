@@ -121,14 +121,22 @@ def test_the_server_sees_what_the_engine_wrote_after_registration(pool):
         engine.close()
 
 
-def test_a_file_shorter_than_its_description_is_refused(tmp_path):
+def test_only_a_shared_kv_file_of_the_right_size_is_opened(tmp_path):
     layers, block_dim = LAYOUTS["separate"](1, 4, BLOCK_SIZE)
     with SharedKV(layers, block_dim, BLOCK_SIZE) as shared:
-        short = tmp_path / "short"
+        description = shared.description
+        short = tmp_path / "kvtb-kv-short"
         short.write_bytes(b"\0" * 64)
-        moved = msgspec.structs.replace(shared.description, path=str(short))
         with pytest.raises(ValueError, match="registration says"):
-            EngineKV(moved)
+            EngineKV(msgspec.structs.replace(description, path=str(short)))
+        other = tmp_path / "secrets"
+        other.write_bytes(b"\0" * description.file_bytes)
+        with pytest.raises(ValueError, match="not a shared KV file"):
+            EngineKV(msgspec.structs.replace(description, path=str(other)))
+        link = tmp_path / "kvtb-kv-link"
+        link.symlink_to(other)
+        with pytest.raises(OSError):
+            EngineKV(msgspec.structs.replace(description, path=str(link)))
 
 
 def test_the_server_side_imports_no_torch():
