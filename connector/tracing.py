@@ -56,6 +56,10 @@ def acquire(
                 run_id=run_id,
                 rank=rank,
                 resource={a.ENGINE: "vllm-server", **resource},
+                # vLLM may stop these processes without shutting the connector down.
+                synchronous=True,
+                # With a span directory, the OTEL_* variables are vLLM's own (its tracing).
+                otlp_from_env=not directory,
             )
         )
         if _installed is None:  # OTEL_SDK_DISABLED

@@ -95,8 +95,9 @@ def _serve_bound(
 ) -> None:
     chunk_log = ChunkLog(config.run_dir) if config.run_dir is not None else None
     with CacheService(config, credentials, chunk_log=chunk_log) as service:
-        prefault = getattr(service.pool, "prefault", None)
-        prefault_s = prefault() if callable(prefault) else 0.0
+        prefault_s = 0.0
+        if service.pool is not None and service.pool.size <= config.prefault_bytes:
+            prefault_s = service.pool.prefault()
         on_ready(
             {
                 "endpoint": f"tcp://{config.host}:{port}",
@@ -269,6 +270,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=str(d.max_message_bytes),
         help="largest frame (default: 64MiB)",
     )
+    parser.add_argument(
+        "--prefault",
+        default=str(d.prefault_bytes),
+        help="allocate and map pools up to this size at start (default: 512MiB; 0: never)",
+    )
+
     for name in (
         "max_chunks_per_request",
         "max_sessions",
@@ -341,6 +348,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_sessions_per_client=args.max_sessions_per_client,
         max_tracked_chunks=args.max_tracked_chunks,
         min_object_bytes=args.min_object_bytes,
+        prefault_bytes=_size("--prefault", args.prefault),
         token_file=args.token_file,
         curve_dir=args.curve_dir,
         run_dir=args.run_dir,

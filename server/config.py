@@ -73,6 +73,11 @@ class ServerConfig:
     """Smallest object (chunk_size x bytes per token) a worker may register: bounds the number
     of objects, hence the index memory, to capacity / min_object_bytes."""
 
+    prefault_bytes: int = 512 << 20
+    """Pools up to this size are allocated and mapped at start (the readiness line says how
+    long it took), so stores pay no first-touch page faults; larger pools, e.g. the
+    "unlimited" capacity of a long trace, fill lazily. 0: never."""
+
     reap_interval_s: float = 0.1
     """How often TTLs, deadlines and liveness are checked."""
 

@@ -209,6 +209,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--server", help="use this cache server (tcp://HOST:PORT) instead of starting one"
     )
     parser.add_argument(
+        "--endpoint",
+        help="serve engine: a running vLLM OpenAI server with the connector (http://HOST:PORT)",
+    )
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="serve engine: start kvtb server and vLLM's OpenAI server for the run, then stop them",
+    )
+    parser.add_argument(
         "--token-file",
         type=Path,
         help="the --server's token file (its readiness line prints the path; default: "
@@ -274,6 +283,8 @@ def _run(args: argparse.Namespace) -> int:
         args.out,
         RunOptions(
             server=_endpoint(args),
+            endpoint=args.endpoint,
+            launch=args.launch,
             progress=not args.no_progress,
             otlp_endpoint=args.otlp_endpoint,
             otlp_protocol=args.otlp_protocol,

@@ -26,6 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from connector.config import ConnectorConfig
 from testbed import protocol as p
 from testbed.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
@@ -55,6 +56,12 @@ class RunOptions:
     otlp_protocol: str | None = None
     on_progress: Callable[[int, int], None] | None = None
     """Called with (requests done, requests total) as requests finish."""
+    endpoint: str | None = None
+    """serve engine: a running vLLM OpenAI server (with the connector) to send the workload
+    to; its connector and cache server keep their telemetry where they were told."""
+    launch: bool = False
+    """serve engine: start ``kvtb server`` and vLLM's OpenAI server for the run (their
+    telemetry lands in the run directory), and stop them after."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,10 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             result = _run_oracle(spec, plan.requests)
             if options.on_progress is not None:
                 options.on_progress(len(plan.requests), len(plan.requests))
+        elif spec.engine == "serve" and not options.launch:
+            result = _run_engine(spec, plan.requests, None, run_dir, options)
+            if options.server is not None:
+                server_after = _server_state(options.server)
         else:
             result, server_after, capacity = _run_with_server(spec, plan, run_dir, options)
     finally:
@@ -162,10 +173,14 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
 def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
     """Checks the spec against what will run it and loads the workload; raises ``ValueError``
     with a message naming the problem (nothing is written)."""
-    if spec.engine == "vllm":
+    if spec.engine in ("vllm", "serve"):
         from testbed.engine.vllm_engine import check_spec
 
         check_spec(spec)
+    if spec.engine == "serve":
+        _check_serve(options)
+    elif options.endpoint is not None or options.launch:
+        raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
     loaded = _load_requests(spec)
     requests, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
     if not requests:
@@ -190,7 +205,9 @@ def _load_requests(spec: RunSpec) -> list[WorkloadRequest]:
                 spec.workload,
                 num_requests=spec.requests,
                 seed=spec.seed,
-                vocab_size=VLLM_VOCAB if spec.engine == "vllm" else REPLAY_VOCAB,
+                vocab_size=VLLM_VOCAB
+                if spec.engine in ("vllm", "serve") and spec.model is None
+                else REPLAY_VOCAB,
                 max_output_tokens=spec.max_output_tokens,
                 params=spec.workload_params,
             )
@@ -202,8 +219,31 @@ def _load_requests(spec: RunSpec) -> list[WorkloadRequest]:
     return requests
 
 
+def _check_serve(options: RunOptions) -> None:
+    if options.launch == (options.endpoint is not None):
+        raise ValueError(
+            "the serve engine needs either --endpoint URL (a running vLLM OpenAI server with "
+            "the connector) or --launch (start kvtb server and vLLM's server for the run)"
+        )
+    if options.launch:
+        from testbed.extras import require_engines
+
+        require_engines(["vllm"])
+        return
+    import urllib.request
+
+    assert options.endpoint is not None
+    try:
+        with urllib.request.urlopen(options.endpoint.rstrip("/") + "/v1/models", timeout=2):
+            pass
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"--endpoint {options.endpoint}: no vLLM server answers there ({exc})"
+        ) from None
+
+
 def _bytes_per_token(spec: RunSpec) -> int:
-    if spec.engine == "vllm":
+    if spec.engine in ("vllm", "serve"):
         from testbed.engine.vllm_engine import bytes_per_token
 
         return bytes_per_token(spec) * spec.tp
@@ -268,7 +308,7 @@ def _run_with_server(
         server = ServerProcess(args, log_path=run_dir / "server.log").start()
         endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
-        result = _run_engine(spec, plan.requests, endpoint, run_dir, options)
+        result = _run_engine(spec, plan.requests, endpoint, run_dir, options, server)
         return result, _server_state(endpoint), capacity
     finally:
         if server is not None:
@@ -293,9 +333,10 @@ def _server_state(endpoint: ServerEndpoint) -> dict[str, int] | None:
 def _run_engine(
     spec: RunSpec,
     requests: list[WorkloadRequest],
-    endpoint: ServerEndpoint,
+    endpoint: ServerEndpoint | None,
     run_dir: Path,
     options: RunOptions,
+    server: ServerProcess | None = None,
 ) -> EngineResult:
     total = len(requests)
     bar = tqdm(
@@ -315,6 +356,9 @@ def _run_engine(
             options.on_progress(done, total)
 
     try:
+        if spec.engine == "serve":
+            return _run_serve(spec, requests, endpoint, run_dir, options, server, finished)
+        assert endpoint is not None
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
@@ -328,6 +372,70 @@ def _run_engine(
             return vllm_engine.run(requests, on_finish=finished)
     finally:
         bar.close()
+
+
+def _run_serve(
+    spec: RunSpec,
+    requests: list[WorkloadRequest],
+    endpoint: ServerEndpoint | None,
+    run_dir: Path,
+    options: RunOptions,
+    server: ServerProcess | None,
+    finished: Callable[[RequestRecord], None],
+) -> EngineResult:
+    """The workload over HTTP: to ``options.endpoint``, or to a vLLM server launched here
+    against the run's own cache server (stopped before it, so its spans are flushed)."""
+    from testbed.engine.serve import ServeEngine, ServeSpec
+
+    url = options.endpoint
+    vllm = None
+    if options.launch:
+        from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess
+        from testbed.telemetry.collector import SpanCollector
+
+        assert endpoint is not None and server is not None
+        connector = ConnectorConfig(
+            server_url=endpoint.url,
+            token_file=str(server.token_file),
+            mq_timeout_s=spec.server_timeout_s,
+            chunk_size=spec.chunk_size,
+            load_async=spec.load_async,
+            lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
+            load_wait_s=spec.server_timeout_s,
+            engine_id=spec.run_id,
+            run_id=spec.run_id,
+            span_dir=str(run_dir),
+        )
+        launch = LaunchSpec(
+            model=spec.model,
+            max_model_len=max_model_len(requests, spec.block_size),
+            block_size=spec.block_size,
+            engine_blocks=spec.engine_blocks,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            prefix_caching=spec.prefix_caching,
+            tp=spec.tp,
+            seed=spec.seed,
+            connector=connector.to_extra_config(),
+        )
+        collector = SpanCollector(run_dir).start()
+        try:
+            vllm = VllmServerProcess(launch, run_dir, otlp_endpoint=collector.endpoint).start()
+        except BaseException:
+            collector.close()
+            raise
+        url = vllm.url
+    assert url is not None
+    try:
+        serve = ServeSpec(endpoint=url, arrival=spec.arrival, max_concurrency=spec.max_num_seqs)
+        with ServeEngine(serve) as engine:
+            result = engine.run(requests, on_finish=finished)
+        result.effective["launched"] = options.launch
+        return result
+    finally:
+        if vllm is not None:
+            vllm.close()
+            collector.close()
 
 
 def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:

@@ -29,7 +29,7 @@ from server.policies import POLICIES
 from testbed.engine.profiles import PROFILES, KVProfile, get_profile
 from testbed.sizes import parse_bytes
 
-ENGINES = ("replay", "vllm", "oracle")
+ENGINES = ("replay", "vllm", "serve", "oracle")
 SERVER_POLICIES = tuple(sorted(POLICIES))
 ORACLE_POLICIES = ("lru", "belady")  # capacity None: the infinite cache
 MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
@@ -53,7 +53,8 @@ engine actually ran where it differs from the spec), none of them compared."""
 @dataclass(frozen=True)
 class RunSpec:
     engine: str = "replay"
-    """replay (vLLM's scheduler, no model), vllm (full engine), oracle (no server)."""
+    """replay (vLLM's scheduler, no model), vllm (full engine), serve (a vLLM OpenAI server
+    over HTTP: kvtb run --endpoint URL, or --launch), oracle (no server)."""
     workload: str = "chat"
     """A generator name (chat, docqa, rag, random) or mooncake:PATH."""
     requests: int | None = 200
@@ -82,6 +83,8 @@ class RunSpec:
     max_output_tokens: int | None = 16
     """Cap on generated tokens per request (None: as the workload says)."""
     load_async: bool = True
+    prefix_caching: bool = True
+    """vLLM's own prefix cache (off: every hit comes from the cache server)."""
     arrival: str = "trace"
     metadata_only: bool = False
     """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
@@ -116,8 +119,10 @@ class RunSpec:
                 f"policy {self.policy!r} is not available with engine {self.engine}; "
                 f"choose one of {', '.join(valid_policies)}"
             )
-        if self.model is not None and self.engine != "vllm":
-            problems.append("model applies to the vllm engine only (replay uses KV profiles)")
+        if self.model is not None and self.engine not in ("vllm", "serve"):
+            problems.append(
+                "model applies to the vllm and serve engines only (replay uses KV profiles)"
+            )
         if self.requests is not None and self.requests < 1:
             problems.append(f"requests must be at least 1, got {self.requests}")
         for name in (

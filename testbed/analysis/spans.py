@@ -116,7 +116,10 @@ def load_spans(path: Path | str) -> pd.DataFrame:
     names = np.array([run.name for run in runs], dtype=object)
     spans["run_id"] = spans["run_id"].fillna(pd.Series(names[run_index], index=spans.index))
     order = np.lexsort((spans["start_time"].to_numpy(), run_index))  # by run, then time
-    return spans.take(order).reset_index(drop=True)
+    spans = spans.take(order).reset_index(drop=True)
+    # A span exported twice (to a span file and to a collector) counts once.
+    duplicate = spans.duplicated(["run_id", "trace_id", "span_id"])
+    return spans[~duplicate].reset_index(drop=True) if duplicate.any() else spans
 
 
 def load_events(path: Path | str) -> pd.DataFrame:
@@ -131,7 +134,9 @@ def load_events(path: Path | str) -> pd.DataFrame:
                 frames.append(frame)
     if not frames:
         return pd.DataFrame(columns=["trace_id", "span_id", "span_name", "event", "time", "run_id"])
-    return pd.concat(frames, ignore_index=True, sort=False)
+    events = pd.concat(frames, ignore_index=True, sort=False)
+    duplicate = events.duplicated(["run_id", "trace_id", "span_id", "event", "time"])
+    return events[~duplicate].reset_index(drop=True) if duplicate.any() else events
 
 
 def _tables(run_dir: Path | str) -> list[pa.Table]:

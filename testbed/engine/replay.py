@@ -59,6 +59,7 @@ class ReplaySpec:
     max_num_seqs: int = 64
     max_model_len: int = 8192
     load_async: bool = True
+    prefix_caching: bool = True
     arrival: str = "trace"
     """``trace``: requests enter at their arrival time on the virtual clock; ``all``: at once."""
     time_profile: str = "flat"
@@ -98,6 +99,7 @@ class ReplaySpec:
             max_num_seqs=spec.max_num_seqs,
             max_model_len=max_model_len,
             load_async=spec.load_async,
+            prefix_caching=spec.prefix_caching,
             arrival=spec.arrival,
             fault_drop_fraction=spec.fault_drop_fraction,
             seed=spec.seed,
@@ -162,6 +164,7 @@ class ReplayEngine:
                 max_model_len=spec.max_model_len,
                 connector_config=connector.to_extra_config() if server else None,
                 tp_size=spec.tp,
+                prefix_caching=spec.prefix_caching,
             )
         )
         kv_cache_config = build_kv_cache_config(self.vllm_config, spec.engine_blocks)

