@@ -1,8 +1,8 @@
 """The metrics of METRICS.md, each defined once, computed from tidy DataFrames.
 
-Per-request metrics take a *requests* frame (columns ``prompt_tokens``, ``engine_hit_tokens``,
-``external_hit_tokens``, ``recomputed_tokens``; from a run's ``metrics.parquet`` or from
-:func:`testbed.analysis.tables.requests_table`). Span metrics take a :func:`load_spans` frame.
+Per-request metrics take the per-request table (:attr:`testbed.analysis.tables.Run.requests`,
+a run's ``metrics.parquet``; columns ``prompt_tokens``, ``engine_hit_tokens``,
+``external_hit_tokens``, ``recomputed_tokens``). Span metrics take a :func:`load_spans` frame.
 """
 
 from __future__ import annotations

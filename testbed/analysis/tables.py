@@ -14,25 +14,26 @@ from testbed.analysis.chunklog import has_chunk_log, load_chunk_log
 from testbed.analysis.spans import load_events, load_spans
 from testbed.telemetry import attributes as a
 
-REQUEST_COLUMNS = {
+ENGINE_REQUEST_COLUMNS = {
     a.REQUEST_ID: "request_id",
     a.REQUEST_GROUP: "group",
     a.PROMPT_TOKENS: "prompt_tokens",
-    a.ENGINE_HIT_TOKENS: "engine_hit_tokens",
-    a.EXTERNAL_HIT_TOKENS: "external_hit_tokens",
-    a.RECOMPUTED_TOKENS: "recomputed_tokens",
-    a.LOAD_FAILED_TOKENS: "load_failed_tokens",
     a.OUTPUT_TOKENS: "output_tokens",
-    a.PREEMPTIONS: "preemptions",
+    a.ARRIVAL_S: "arrival_s",
     a.TTFT_MS: "ttft_ms",
+    a.PREEMPTIONS: "preemptions",
 }
 
 
-def requests_table(spans: pd.DataFrame) -> pd.DataFrame:
-    """One row per ``kvcache.request`` span, with short column names."""
+def request_spans(spans: pd.DataFrame) -> pd.DataFrame:
+    """The engine's own record of each workload request: one row per ``kvcache.request``
+    span (``trace_id``, ``start_time``, ``duration_ms`` and the short names of
+    :data:`ENGINE_REQUEST_COLUMNS`). It holds no hit counts; the per-request table, with every
+    prompt token accounted for, is :attr:`Run.requests`."""
     requests = spans[spans["name"] == a.REQUEST]
-    table = requests.reindex(columns=["trace_id", "start_time", "duration_ms", *REQUEST_COLUMNS])
-    return table.rename(columns=REQUEST_COLUMNS).reset_index(drop=True)
+    columns = ["trace_id", "start_time", "duration_ms", *ENGINE_REQUEST_COLUMNS]
+    table = requests.reindex(columns=columns)
+    return table.rename(columns=ENGINE_REQUEST_COLUMNS).reset_index(drop=True)
 
 
 def operations_table(spans: pd.DataFrame) -> pd.DataFrame:
@@ -47,7 +48,12 @@ def operations_table(spans: pd.DataFrame) -> pd.DataFrame:
 @dataclass(frozen=True)
 class Run:
     """A run directory: its spec, summary and per-request table; spans, span events and the
-    chunk log loaded on demand."""
+    chunk log loaded on demand.
+
+    :attr:`requests` is *the* per-request table of the testbed (``metrics.parquet``): one
+    row per request, the attribution of :mod:`testbed.analysis.attribution` (``E``, ``X``,
+    ``L``, ``H`` and every token category) joined with the engine's facts (``arrival_s``,
+    ``output_tokens``, ``ttft_ms``)."""
 
     path: Path
 
@@ -61,6 +67,7 @@ class Run:
 
     @cached_property
     def requests(self) -> pd.DataFrame:
+        """The per-request table, ``metrics.parquet`` (METRICS.md; ``testbed.summary``)."""
         return pd.read_parquet(self.path / "metrics.parquet")
 
     @cached_property
@@ -119,18 +126,27 @@ _X_PREFERENCE = (
 
 def sweep_axes(sweep_dir: Path | str) -> tuple[str, list[str]]:
     """The x-axis of a sweep's figures (a numeric swept key when there is one) and the other
-    swept keys, which become series. ``engine`` is never an axis: it tells runs from bounds.
-    Keys that vary together (a linked grid dimension) make one series: the first of them."""
+    swept keys, which become series (:func:`figure_axes` of the sweep's index)."""
     manifest = json.loads((Path(sweep_dir) / "sweep.json").read_text())
-    swept = [k for k in manifest["swept"] if k != "engine"]
-    x = next((k for k in _X_PREFERENCE if k in swept), swept[0] if swept else "run_id")
     index_path = Path(sweep_dir) / "index.parquet"
-    if not index_path.exists():
+    runs = pd.read_parquet(index_path) if index_path.exists() else None
+    return figure_axes(manifest["swept"], runs)
+
+
+def figure_axes(swept: list[str], runs: pd.DataFrame | None = None) -> tuple[str, list[str]]:
+    """The x-axis among the ``swept`` keys (a numeric one when there is one, else the first;
+    ``run_id`` when nothing is swept) and the series: the other swept keys, those that tell
+    ``runs`` apart (all of them without ``runs``). ``engine`` is never an axis: it tells runs
+    from bounds. Keys that vary together (a linked grid dimension) make one series: the first
+    of them."""
+    swept = [k for k in swept if k != "engine"]
+    x = next((k for k in _X_PREFERENCE if k in swept), swept[0] if swept else "run_id")
+    if runs is None:
         return x, [k for k in swept if k != x]
-    runs = pd.read_parquet(index_path).astype(str)
+    runs = runs.astype(str)
     series: list[str] = []
     for key in swept:
-        if key == x:
+        if key == x or key not in runs:
             continue
         before = runs.groupby(series).ngroups if series else 1
         if runs.groupby([*series, key]).ngroups > before:

@@ -1,0 +1,140 @@
+"""Time to first token with and without the cache.
+
+``ttft_ms`` is the engine's (per-request table; METRICS.md: projected on the replay's clock,
+wall time for vLLM). Within a run, requests are told apart by what served their hits
+(:data:`testbed.analysis.per_request.SERVED_BY`: the external cache loaded some of their
+prompt, only vLLM's own prefix cache hit, nothing hit); across runs, by the runs' caches
+(capacity, policy, chunk size: whatever the sweep varies).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import pandas as pd
+from matplotlib import pyplot as plt
+from matplotlib import ticker
+from matplotlib.axis import Axis
+from matplotlib.figure import Figure
+
+from testbed.analysis.per_request import SERVED_BY, hit_shares
+
+ALL = "all"
+QUANTILES = (0.5, 0.9, 0.99)
+COLOURS = {"external cache": "tab:green", "engine only": "tab:blue", "no hit": "tab:red"}
+
+
+def ttft_table(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per run (``tables``: label → per-request table) and per :data:`SERVED_BY` class (and
+    ``all``): ``requests`` with a TTFT, ``mean_hit_share`` and the TTFT percentiles
+    ``p50_ms``, ``p90_ms``, ``p99_ms``. Classes without a request have no row; runs without
+    any TTFT neither."""
+    rows = []
+    for label, requests in tables.items():
+        shares = hit_shares(requests)
+        shares = shares[shares["ttft_ms"].notna()]
+        if shares.empty:
+            continue
+        classes = [(ALL, shares)] + [
+            (name, shares[shares["served_by"] == name]) for name in SERVED_BY
+        ]
+        for name, rows_of in classes:
+            if rows_of.empty:
+                continue
+            quantiles = np.quantile(rows_of["ttft_ms"].to_numpy(), QUANTILES)
+            rows.append(
+                {
+                    "run": label,
+                    "served_by": name,
+                    "requests": len(rows_of),
+                    "mean_hit_share": float(rows_of["hit_share"].mean()),
+                    **{
+                        f"p{round(q * 100)}_ms": float(v)
+                        for q, v in zip(QUANTILES, quantiles, strict=True)
+                    },
+                }
+            )
+    columns = ["run", "served_by", "requests", "mean_hit_share"]
+    return pd.DataFrame(rows, columns=[*columns, *(f"p{round(q * 100)}_ms" for q in QUANTILES)])
+
+
+def ttft_by_hit_figure(requests: pd.DataFrame, title: str) -> Figure:
+    """One dot per request: its TTFT (log scale) against its hit share, coloured by what
+    served the hits; a horizontal tick at each class's median."""
+    figure, axes = _new(title)
+    shares = hit_shares(requests)
+    shares = shares[shares["ttft_ms"].notna() & (shares["ttft_ms"] > 0)]
+    for name in SERVED_BY:
+        rows = shares[shares["served_by"] == name]
+        if rows.empty:
+            continue
+        median = float(rows["ttft_ms"].median())
+        axes.scatter(
+            rows["hit_share"] * 100,
+            rows["ttft_ms"],
+            s=16,
+            alpha=0.7,
+            color=COLOURS[name],
+            label=f"{name}: {len(rows)} requests, median {median:.3g} ms",
+        )
+        axes.axhline(median, color=COLOURS[name], lw=1, linestyle="--")
+    if shares.empty:
+        _no_data(axes, "no request has a time to first token")
+    else:
+        _log_scale(axes.yaxis, axes.set_yscale)
+        axes.legend(fontsize="small")
+    axes.set_xlabel("hit share: (engine + external) / prompt tokens (%)")
+    axes.set_ylabel("time to first token (ms, log scale)")
+    axes.set_xlim(-2, 102)
+    return figure
+
+
+def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str) -> Figure:
+    """CDFs of TTFT, one per run (``tables``: label → per-request table), each labelled
+    with its external token hit rate."""
+    figure, axes = _new(title)
+    drawn = 0
+    for label, requests in tables.items():
+        if "ttft_ms" not in requests:
+            continue
+        ttft = pd.to_numeric(requests["ttft_ms"], errors="coerce").dropna()
+        values = np.sort(ttft.to_numpy(dtype=float))
+        if not len(values):
+            continue
+        prompt = max(float(requests["prompt_tokens"].sum()), 1.0)
+        external = float(requests["external_hit_tokens"].sum()) / prompt
+        axes.plot(
+            values,
+            np.arange(1, len(values) + 1) / len(values),
+            label=f"{label} (external hits {external:.0%})",
+        )
+        drawn += 1
+    if drawn:
+        _log_scale(axes.xaxis, axes.set_xscale)
+        axes.legend(fontsize="x-small")
+    else:
+        _no_data(axes, "no run has a time to first token")
+    axes.set_xlabel("time to first token (ms, log scale)")
+    axes.set_ylabel("fraction of requests")
+    return figure
+
+
+def _new(title: str) -> tuple[Figure, plt.Axes]:
+    figure, axes = plt.subplots(figsize=(9, 5.5), layout="constrained")
+    axes.set_title(textwrap.fill(title, 90))
+    axes.grid(True, alpha=0.3)
+    return figure, axes
+
+
+def _log_scale(axis: Axis, set_scale: Callable[[str], None]) -> None:
+    """A log axis with plain numbers (12, 20, 50) as tick labels."""
+    set_scale("log")
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    axis.set_major_formatter(plain)
+    axis.set_minor_formatter(plain)
+
+
+def _no_data(axes: plt.Axes, text: str) -> None:
+    axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes)
