@@ -10,17 +10,19 @@ as span attributes (each only where it applies and was measured):
   network and the server's work;
 - **copy** (``kvcache.copy_ms``): copying KV between vLLM's blocks and the pool.
 
-**other** is the rest of the span: planning, serialisation, queueing before the send. A span
-with none of the parts is not split: it shows its total only, as ``total``. Parts are as the
-connector reports them; should they overlap (a copy the server makes while the client
-waits), ``other`` is clipped at zero and ``overlap_ms`` says by how much they exceeded the
-span.
+**other** is the rest of the span: planning, serialisation, queueing before the send. When
+the server makes the copy (server-driven transfers, ``kvcache.server_copied``) the copy is
+inside **server**, and the worker's own **copy** is (close to) zero. A span with none of the
+parts is not split: it shows its total only, as ``total``. Parts are as the connector
+reports them; should they exceed the span, ``other`` is clipped at zero and ``overlap_ms``
+says by how much.
 """
 
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -145,7 +147,7 @@ def latency_split_figure(splits: Mapping[str, pd.DataFrame], title: str) -> Figu
     figure, axes = plt.subplots(figsize=(10, height), layout="constrained")
     axes.set_title(textwrap.fill(title, 90))
     axes.grid(True, axis="x", alpha=0.3)
-    shown: set[str] = set()
+    handles: dict[str, Any] = {}
     for position, (_, _, rows) in enumerate(bars):
         left = 0.0
         for part in (*PARTS, OTHER, TOTAL):
@@ -153,15 +155,7 @@ def latency_split_figure(splits: Mapping[str, pd.DataFrame], title: str) -> Figu
             if row.empty:
                 continue
             width = float(row["mean_ms"].iloc[0])
-            name = "total (the spans carry no parts)" if part == TOTAL else part
-            axes.barh(
-                position,
-                width,
-                left=left,
-                color=COLOURS[part],
-                label=None if part in shown else name,
-            )
-            shown.add(part)
+            handles[part] = axes.barh(position, width, left=left, color=COLOURS[part])
             left += width
     if not bars:
         axes.text(
@@ -175,6 +169,14 @@ def latency_split_figure(splits: Mapping[str, pd.DataFrame], title: str) -> Figu
     axes.set_yticks(range(len(bars)), [f"{op} — {label}" for op, label, _ in bars])
     axes.invert_yaxis()
     axes.set_xlabel("mean time per operation (ms)")
-    if shown:
-        axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    order = [part for part in (*PARTS, OTHER, TOTAL) if part in handles]  # stacking order
+    if order:
+        names = ["total (the spans carry no parts)" if p == TOTAL else p for p in order]
+        axes.legend(
+            [handles[p] for p in order],
+            names,
+            fontsize="small",
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+        )
     return figure

@@ -80,7 +80,7 @@ def test_spans_without_parts_show_their_total_only():
     plt.close(figure)
     figure = ls.latency_split_figure({"run": ls.latency_split(SPANS)}, "Latency")
     labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
-    assert labels == ["waiting", "server", "other", "copy", "total (the spans carry no parts)"]
+    assert labels == ["waiting", "server", "copy", "other", "total (the spans carry no parts)"]
     plt.close(figure)
     table = ls.split_table({"a": split, "b": split})
     assert list(table["run"].unique()) == ["a", "b"]
