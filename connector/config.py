@@ -53,6 +53,17 @@ class ConnectorConfig:
     load_wait_s: float = 0.0
     """How long ``get_finished`` may wait for in-flight retrieves (replays: deterministic)."""
 
+    store_wait_s: float = 0.0
+    """How long ``get_finished`` may wait for in-flight stores. 0: stores complete on their
+    own timing (the forward pass never waits for them; a repeat request may find its
+    predecessor's store still in flight). Replays set it so that every step's stores commit
+    within the step and results do not depend on timing."""
+
+    transfer_mode: str = "worker"
+    """Who copies KV between vLLM's blocks and the cache server's pool: ``worker`` (this
+    connector, in vLLM's worker) or ``server`` (the cache server, from the KV tensors the
+    worker moves into shared memory at registration: LMCache's lmcache_driven)."""
+
     store_decode_tokens: bool = False
     """Also store complete chunks of generated tokens (default: prompt chunks only)."""
 
@@ -104,7 +115,11 @@ class ConnectorConfig:
         for name in ("mq_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("lookup_wait_s", "load_wait_s"):
+        if self.transfer_mode not in ("worker", "server"):
+            problems.append(
+                f"transfer_mode must be 'worker' or 'server', got {self.transfer_mode!r}"
+            )
+        for name in ("lookup_wait_s", "load_wait_s", "store_wait_s"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative, got {getattr(self, name)}")
         if self.chunk_size <= 0:

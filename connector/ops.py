@@ -50,6 +50,12 @@ class StepPlan:
 
     retrieves: list[RetrieveOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+    delayed_request_ids: list[str] = field(default_factory=list)
+    """Requests that finished with stores possibly in flight: vLLM keeps their blocks until
+    every worker reports them in ``finished_sending`` (once their stores completed)."""
+    cancelled_request_ids: list[str] = field(default_factory=list)
+    """Requests preempted since the last step: their blocks may be reused, so stores not yet
+    copied are abandoned."""
 
     def __len__(self) -> int:
         return len(self.retrieves) + len(self.stores)

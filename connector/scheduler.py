@@ -14,7 +14,8 @@ hook contracts follow ``KVConnectorBase_V1``:
   chunks the engine's own prefix cache holds;
 - :meth:`SchedulerSide.build_plan` emits the step's retrieves and the stores of newly
   completed chunks;
-- :meth:`SchedulerSide.request_finished` ends the session.
+- :meth:`SchedulerSide.request_finished` ends the session and says whether vLLM must keep the
+  request's blocks until its (asynchronous) stores are done.
 
 Telemetry is the record: each request gets one ``kvcache.connector.request`` span (a child of
 the request's own trace context when vLLM passes one, else the root of the request's trace),
@@ -78,6 +79,7 @@ class SchedulerSide:
         default_cache_salt: str = "",
         load_async: bool = True,
         lookup_wait_s: float = 0.0,
+        wait_pending: bool = True,
         store_decode_tokens: bool = False,
         tp_size: int = 1,
     ) -> None:
@@ -87,10 +89,14 @@ class SchedulerSide:
         self.default_cache_salt = default_cache_salt
         self.load_async = load_async
         self.lookup_wait_s = lookup_wait_s
+        self.wait_pending = wait_pending
+        """Whether a ``pending`` answer (a store in flight) is waited for within
+        ``lookup_wait_s``, or the request deferred to the next step at once."""
         self.store_decode_tokens = store_decode_tokens
         self.tp_size = tp_size
         self.trackers: dict[str, RequestTracker] = {}
         self._spans: dict[str, telemetry.Span] = {}
+        self._delayed: list[str] = []
 
     def session_id(self, request_id: str) -> str:
         return f"{self.engine_id}:{request_id}"
@@ -113,7 +119,9 @@ class SchedulerSide:
                         parent=tracker.traceparent,
                     )
                     tracker.lookup_submitted = True
-                answer = self.client.lookup_result(tracker.session_id, self.lookup_wait_s)
+                answer = self.client.lookup_result(
+                    tracker.session_id, self.lookup_wait_s, wait_pending=self.wait_pending
+                )
                 if answer is None:
                     return None, False
                 tracker.hit_tokens = answer.hit_chunks * self.geometry.chunk_size
@@ -149,11 +157,13 @@ class SchedulerSide:
     def build_plan(
         self, scheduled: Iterable[ScheduledRequest], preempted_ids: Iterable[str] = ()
     ) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(delayed_request_ids=self._delayed)
+        self._delayed = []
         for request_id in preempted_ids:
             tracker = self.trackers.get(request_id)
             if tracker is not None:
                 self._reset(tracker)
+                plan.cancelled_request_ids.append(request_id)
         for tracker in self.trackers.values():
             op = plan_retrieve(tracker, self.geometry)
             if op is not None:
@@ -174,13 +184,16 @@ class SchedulerSide:
             )
             if store is not None:
                 plan.stores.append(store)
+                tracker.stores_planned = True
         return plan
 
-    def request_finished(self, request_id: str) -> RequestTracker | None:
-        """Ends the session and the request's span; returns the tracker and forgets it."""
+    def request_finished(self, request_id: str) -> bool:
+        """Ends the session and the request's span and forgets the request. True when stores
+        of it may still be in flight: vLLM must then keep its blocks until the workers report
+        it in ``finished_sending`` (they learn it from the next step's plan)."""
         tracker = self.trackers.pop(request_id, None)
         if tracker is None:
-            return None
+            return False
         # Finished (aborted) before allocation: its lookup's locks would otherwise wait for the
         # TTL. The server handles the free after the lookup, in order.
         unallocated = tracker.phase is Phase.LOOKUP and tracker.lookup_submitted
@@ -188,7 +201,9 @@ class SchedulerSide:
             self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
         self.client.end_session(tracker.session_id, parent=tracker.traceparent)
         self._end_span(tracker)
-        return tracker
+        if tracker.stores_planned:
+            self._delayed.append(request_id)
+        return tracker.stores_planned
 
     def close(self) -> None:
         """Ends the spans of requests still tracked (the engine is shutting down)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from testbed import protocol as p
 from testbed import telemetry
-from testbed.rpc import RpcClient
+from testbed.rpc import RpcClient, reply_timing
 from testbed.telemetry import SpanKind
 from testbed.telemetry import attributes as a
 
@@ -42,6 +42,15 @@ class _Lookup:
     num_chunks: int
     polls: int = 0
     answer: LookupAnswer | None = None
+    server_s: float = 0.0
+    """Sending each request (lookup, polls) to its reply's arrival, summed."""
+    poll_wait_s: float = 0.0
+    """Replies arrived but not yet taken (the scheduler was busy elsewhere), summed."""
+
+    def took(self, future: Future[p.Reply]) -> None:
+        server_s, waited_s = reply_timing(future)
+        self.server_s += server_s
+        self.poll_wait_s += waited_s
 
 
 class SchedulerClient:
@@ -98,11 +107,15 @@ class SchedulerClient:
             )
         self._lookups[session_id] = _Lookup(future, span, time.monotonic(), len(chunk_hashes))
 
-    def lookup_result(self, session_id: str, wait_s: float = 0.0) -> LookupAnswer | None:
+    def lookup_result(
+        self, session_id: str, wait_s: float = 0.0, *, wait_pending: bool = True
+    ) -> LookupAnswer | None:
         """The session's lookup answer, or ``None`` while it is outstanding.
 
-        Waits up to ``wait_s`` for the answer. Failures (timeout, dead server, error reply)
-        count as a miss: 0 chunks, ``ok`` False.
+        Waits up to ``wait_s`` for the answer. A ``pending`` answer (the next chunk's store is
+        in flight) is polled again: within ``wait_s`` when ``wait_pending``, else the poll is
+        sent and ``None`` returned at once (its reply is taken at the next call). Failures
+        (timeout, dead server, error reply) count as a miss: 0 chunks, ``ok`` False.
         """
         lookup = self._lookups[session_id]
         deadline = time.monotonic() + wait_s
@@ -120,16 +133,20 @@ class SchedulerClient:
             except Exception as exc:  # ServerUnavailable or the client closing
                 self._settle(lookup, None, str(exc))
                 break
+            lookup.took(lookup.future)
             if isinstance(reply, p.Error):
                 self._settle(lookup, None, f"{reply.code}: {reply.message}")
             elif isinstance(reply, p.LookupResult) and reply.pending:
                 lookup.polls += 1
-                time.sleep(self.poll_interval_s)
+                if wait_pending:
+                    time.sleep(self.poll_interval_s)
                 lookup.future = self.rpc.submit(
                     p.LookupPoll(
                         session_id=session_id, traceparent=telemetry.traceparent_of(lookup.span)
                     )
                 )
+                if not wait_pending:
+                    return None
             else:
                 assert isinstance(reply, p.LookupResult)
                 self._settle(lookup, reply, None)
@@ -146,6 +163,8 @@ class SchedulerClient:
                 a.TOKENS_HIT: hit_chunks * self.chunk_size,
                 a.LOOKUP_POLLS: lookup.polls,
                 a.WAIT_MS: (time.monotonic() - lookup.started_at) * 1e3,
+                a.SERVER_MS: lookup.server_s * 1e3,
+                a.POLL_WAIT_MS: lookup.poll_wait_s * 1e3,
                 a.OK: error is None,
             }
         )

@@ -14,6 +14,9 @@ moved under the tensors, not the tensors replaced:
    shape, strides, dtype and contents and now reads and writes the file. The old memory is
    freed. (Where torch lacks the swap, or with ``method="set"``, each registered tensor is
    ``set_`` onto the new storage instead; views made earlier would keep the old memory.)
+   Tensors follow; raw pointers taken before do not: a numpy array made earlier from one of
+   the tensors (``tensor.numpy()``) still points at the freed allocation, so make such
+   arrays after registration.
 
 :attr:`SharedKV.description` (a :class:`testbed.kv_layout.SharedKVFile`) is what a
 registration message carries: the server maps the file with numpy (``server.kv_copier``) and

@@ -68,6 +68,8 @@ class RequestTracker:
     """Chunks known to be in the cache or already planned for storing."""
     preemptions: int = 0
     """Times the engine started the request over: the current admission's ``attempt``."""
+    stores_planned: bool = False
+    """Whether any store was planned (its blocks must outlive the request until stored)."""
     first_admission: Admission | None = None
     """What the request got at its first admission (the accounting counts that one)."""
 

@@ -14,11 +14,16 @@ Installing kvtestbed registers it with vLLM by name (:mod:`connector.plugin`)::
 - scheduler process, role SCHEDULER: ``get_num_new_matched_tokens``,
   ``update_state_after_alloc``, ``build_connector_meta``, ``request_finished`` delegate to
   :class:`connector.scheduler.SchedulerSide` after converting vLLM's objects to plain ones;
+  ``request_finished`` asks vLLM to keep the blocks of a request whose stores may be in
+  flight;
 - each worker process, role WORKER: ``register_kv_caches`` registers the paged KV tensors
-  with the server; ``start_load_kv`` starts the step's retrieves (or finishes them, with
-  synchronous loads); ``wait_for_save`` stores the step's newly completed chunks;
-  ``get_finished`` reports completed loads; ``get_block_ids_with_load_errors`` the blocks
-  whose chunks were gone, which vLLM then recomputes.
+  with the server (server-driven transfers: after moving them into shared memory);
+  ``handle_preemptions`` drops stores of preempted requests not copied yet (before the
+  forward pass may reuse their blocks); ``start_load_kv`` starts the step's retrieves (or
+  finishes them, with synchronous loads); ``wait_for_save`` starts the stores
+  of the step's newly completed chunks without waiting; ``get_finished`` reports completed
+  loads and the finished requests whose stores are all done; ``get_block_ids_with_load_errors``
+  the blocks whose chunks were gone, which vLLM then recomputes.
 
 The cache is best effort (``requires_kv_delivery`` is False): a dead server means misses and
 recomputation, never a hang (every wait is bounded by ``kvtb.mq_timeout_s``).
@@ -136,6 +141,9 @@ class KVTBConnector(KVConnectorBase_V1):
                 default_cache_salt=self.config.cache_salt,
                 load_async=self.config.load_async,
                 lookup_wait_s=self.config.lookup_wait_s,
+                # Stores on their own timing: a pending answer may wait on this engine's own
+                # worker, which runs after the scheduler; vLLM asks again next step.
+                wait_pending=self.config.store_wait_s > 0,
                 store_decode_tokens=self.config.store_decode_tokens,
                 tp_size=tp_size,
             )
@@ -151,9 +159,14 @@ class KVTBConnector(KVConnectorBase_V1):
                     curve=curve,
                 )
                 faults = FaultInjector(admin, config.fault_drop_fraction, config.fault_seed)
-            self.worker = WorkerClient(
-                self.rpc, WorkerIdentity.for_rank(model, tp_size, tp_rank, mla), faults
+            identity = WorkerIdentity.for_rank(
+                model, tp_size, tp_rank, mla, transfer_mode=config.transfer_mode
             )
+            self.worker = WorkerClient(self.rpc, identity, faults)
+            # Finished requests whose blocks vLLM keeps for our stores, in finishing order: vLLM
+            # frees them in the order it reads finished_sending, and that order decides which
+            # blocks its own prefix cache evicts first (runs must not depend on set order).
+            self._delayed: dict[str, None] = {}
 
     def _server_chunk_size(self) -> int:
         try:
@@ -188,9 +201,18 @@ class KVTBConnector(KVConnectorBase_V1):
             log.warning("could not register KV caches with the cache server: %s", exc)
             self.worker.kv = kv  # registration is retried on the first store or retrieve
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before this step's forward pass may overwrite them: no store copies out of the
+        blocks of requests preempted since the last step (server-driven: waits until the
+        server's copies of them are done)."""
+        if self.worker is not None and isinstance(kv_connector_metadata, KVTBConnectorMetadata):
+            self.worker.cancel_stores(kv_connector_metadata.plan.cancelled_request_ids)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
         plan = self._plan()
+        self._delayed.update(dict.fromkeys(plan.delayed_request_ids))
+        self.worker.progress_stores()
         if plan.retrieves:
             self.worker.submit_retrieves(plan.retrieves)
             if not self.config.load_async:
@@ -214,18 +236,28 @@ class KVTBConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
+        """Starts the step's stores and returns: the forward pass never waits on the network;
+        vLLM keeps a finished request's blocks until its stores are done (request_finished
+        returned True, and get_finished reports it in finished_sending)."""
         assert self.worker is not None
         plan = self._plan()
-        if plan.stores:
-            self.worker.store(plan.stores)
+        self.worker.submit_stores(plan.stores)
+        self.worker.progress_stores()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        if not self.config.load_async or not self.worker.num_inflight_retrieves:
-            return None, None
-        outcome = self.worker.complete_retrieves(wait_s=self.config.load_wait_s)
-        self._load_errors |= outcome.failed_block_ids
-        return None, outcome.finished or None
+        self.worker.progress_stores(self.config.store_wait_s)
+        pending = self.worker.pending_store_requests
+        done = [request_id for request_id in self._delayed if request_id not in pending]
+        for request_id in done:
+            del self._delayed[request_id]
+        sent = set(done)  # vLLM's type; built in finishing order
+        recving = None
+        if self.config.load_async and self.worker.num_inflight_retrieves:
+            outcome = self.worker.complete_retrieves(wait_s=self.config.load_wait_s)
+            self._load_errors |= outcome.failed_block_ids
+            recving = outcome.finished or None
+        return sent or None, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -277,8 +309,7 @@ class KVTBConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
-        self.scheduler_side.request_finished(request.request_id)
-        return False, None
+        return self.scheduler_side.request_finished(request.request_id), None
 
 
 # ---------------------------------------------------------------------------------------------

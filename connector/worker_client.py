@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +35,11 @@ from typing import Any
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV, PoolMapping
 from connector.ops import RetrieveOp, StoreOp
+from connector.shared_kv import SharedKV
 from testbed import protocol as p
 from testbed import telemetry
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.block_copy import ChunkCopy
+from testbed.rpc import RemoteError, RpcClient, ServerUnavailable, reply_timing
 from testbed.telemetry import SpanKind
 from testbed.telemetry import attributes as a
 
@@ -56,9 +59,14 @@ class WorkerIdentity:
     mla: bool = False
     writer: bool = True
     """Whether this rank stores (with MLA only the first rank writes)."""
+    transfer_mode: str = "worker"
+    """worker (the worker copies between its KV and the pool) or server (the server does,
+    from the KV it maps)."""
 
     @classmethod
-    def for_rank(cls, model: str, tp_size: int, tp_rank: int, mla: bool) -> WorkerIdentity:
+    def for_rank(
+        cls, model: str, tp_size: int, tp_rank: int, mla: bool, transfer_mode: str = "worker"
+    ) -> WorkerIdentity:
         """TP rank ``tp_rank``'s identity: its own shard of the heads (KV rank = TP rank), or
         with MLA the one latent copy all ranks share (KV rank 0, written by rank 0)."""
         return cls(
@@ -69,6 +77,7 @@ class WorkerIdentity:
             tp_rank=tp_rank,
             mla=mla,
             writer=tp_rank == 0 or not mla,
+            transfer_mode=transfer_mode,
         )
 
 
@@ -93,6 +102,30 @@ class _Retrieve:
 
 
 @dataclass
+class _Store:
+    ops: list[StoreOp]
+    op_id: int
+    epoch: int
+    span: telemetry.Span
+    submitted_at: float
+    future: Future[p.Reply] | None = None
+    stage: str = "begin"
+    """begin (waiting for the plan), then commit (waiting for the commit's answer)."""
+    plan: p.StorePlan | None = None
+    failure: str | None = None
+    cancelled: bool = False
+    retried: bool = False
+    copy_ms: float = 0.0
+    server_s: float = 0.0
+    """Seconds between sending a request and its reply arriving (both round trips)."""
+    poll_wait_s: float = 0.0
+    """Seconds replies waited for the worker's next hook to take them."""
+    step_wait_s: float = 0.0
+    """Seconds the engine's step was held waiting for this store's replies (0 when stores
+    are asynchronous: the forward pass never waits on the network)."""
+
+
+@dataclass
 class RetrieveOutcome:
     finished: set[str] = field(default_factory=set)
     failed_block_ids: set[int] = field(default_factory=set)
@@ -112,6 +145,11 @@ class WorkerClient:
         self._pool: PoolMapping | None = None
         self._pool_path = ""
         self._inflight: list[_Retrieve] = []
+        self._stores: list[_Store] = []
+        self.stores_failed = 0
+        """Stores (batches) that did not commit, since the client started."""
+        self.shared: SharedKV | None = None
+        """Server-driven transfers: the KV tensors moved into a file the server maps."""
 
     # -----------------------------------------------------------------------------------------
     # Registration
@@ -119,7 +157,11 @@ class WorkerClient:
 
     def register(self, kv: PagedKV) -> None:
         """Announces the layout and maps the server's pool (unmapping another instance's);
-        raises if the server refuses or is down."""
+        raises if the server refuses or is down. Server-driven, the KV tensors first move
+        (in place: vLLM keeps using them) into a shared file the server maps."""
+        if self.identity.transfer_mode == "server" and self.shared is None:
+            self.shared = SharedKV(kv.layers, kv.block_dim, kv.block_size)
+            kv = PagedKV(kv.layers, kv.block_dim, kv.block_size)
         self.kv = kv
         ident = self.identity
         with telemetry.traced(
@@ -136,6 +178,7 @@ class WorkerClient:
                     tp_size=ident.tp_size,
                     mla=ident.mla,
                     layout=kv.layout(),
+                    shared_kv=None if self.shared is None else self.shared.description,
                     traceparent=traceparent,
                     tracestate=tracestate,
                 )
@@ -151,6 +194,7 @@ class WorkerClient:
                     a.BYTES_PER_TOKEN: kv.bytes_per_token,
                     a.WORLD_SIZE: ident.world_size,
                     a.OBJECT_BYTES: reply.object_bytes,
+                    a.TRANSFER_MODE: ident.transfer_mode,
                 }
             )
 
@@ -183,79 +227,169 @@ class WorkerClient:
         assert self.kv is not None
         return self.chunk_size // self.kv.block_size
 
-    def _begin(self, make: Any) -> p.Reply:
-        """Sends a begin request built by ``make(epoch)``; registers again and retries once
-        when the server does not know this worker or its epoch (it restarted)."""
-        self._ensure_current()
-        try:
-            return self.rpc.call(make(self.epoch))
-        except RemoteError as exc:
-            if exc.code not in _REGISTER_AGAIN or self.kv is None:
-                raise
-            log.warning("cache server lost our registration (%s); registering again", exc.code)
-            self.register(self.kv)
-            return self.rpc.call(make(self.epoch))
-
     # -----------------------------------------------------------------------------------------
     # Store
     # -----------------------------------------------------------------------------------------
 
-    def store(self, ops: list[StoreOp]) -> bool:
-        """Stores the chunks of ``ops``; False if the batch was not (fully) stored."""
+    def store(self, ops: list[StoreOp], wait_s: float | None = None) -> bool:
+        """Stores the chunks of ``ops`` and waits for the commit (tests and tools; engines use
+        :meth:`submit_stores` and :meth:`progress_stores`); False if not (fully) stored."""
         if not ops or not self.identity.writer:
             return True
+        before = self.stores_failed
+        self.submit_stores(ops)
+        self.progress_stores(self.rpc.timeout_s * 2 if wait_s is None else wait_s)
+        return self.stores_failed == before and not self._stores
+
+    def submit_stores(self, ops: list[StoreOp]) -> None:
+        """Starts storing ``ops`` and returns at once: the forward pass never waits on the
+        network. :meth:`progress_stores` moves the store on (copy, commit) as replies come."""
+        if not ops or not self.identity.writer:
+            return
         assert self.kv is not None, "register() first"
-        with telemetry.traced(
+        span = telemetry.start_span(
             a.CONNECTOR_STORE,
             kind=SpanKind.CLIENT,
             parent=ops[0].traceparent,
             links=[op.traceparent for op in ops],
             attributes=self._batch_attributes(ops),
-        ) as span:
-            if not self.rpc.alive:
-                self._store_items(span, ops, None, committed=False)
-                return _give_up(span, "cache server unavailable; not storing")
-            op_id = self.rpc.new_op_id()
-            try:
-                traceparent, tracestate = telemetry.inject()
-                traceparent = traceparent or ops[0].traceparent  # untraced worker: the request
-                plan = self._begin(
-                    lambda epoch: p.StoreBegin(
-                        op_id=op_id,
-                        epoch=epoch,
-                        items=_items(ops),
-                        traceparent=traceparent,
-                        tracestate=tracestate,
-                    )
-                )
-                assert isinstance(plan, p.StorePlan)
+        )
+        op_id = self.rpc.new_op_id()
+        store = _Store(ops, op_id, self.epoch, span, time.monotonic())
+        span.set_attribute(a.OP_ID, op_id)
+        if not self.rpc.alive:
+            self._end_store(store, "cache server unavailable; not storing")
+            return
+        with contextlib.suppress(ServerUnavailable, RemoteError):
+            self._ensure_current()
+        store.epoch = self.epoch
+        traceparent = telemetry.traceparent_of(span) or ops[0].traceparent
+        begin = p.StoreBegin(
+            op_id=op_id, epoch=self.epoch, items=self._items(ops), traceparent=traceparent
+        )
+        store.future = self.rpc.submit(begin)
+        self._stores.append(store)
+
+    def progress_stores(self, wait_s: float = 0.0) -> None:
+        """Moves every store on as far as its replies allow, waiting up to ``wait_s`` in all:
+        a plan arrived → copy (worker-driven) → commit; a commit arrived → done."""
+        deadline = time.monotonic() + wait_s
+        still: list[_Store] = []
+        for store in self._stores:
+            while store.future is not None:
+                remaining = deadline - time.monotonic()
+                if not store.future.done() and remaining > 0:
+                    blocked_at = time.monotonic()
+                    with contextlib.suppress(Exception):
+                        store.future.result(remaining)
+                    store.step_wait_s += time.monotonic() - blocked_at
+                if not store.future.done():
+                    break
+                self._advance(store)
+            if store.future is not None:
+                still.append(store)
+        self._stores = still
+
+    def cancel_stores(self, request_ids: Iterable[str]) -> None:
+        """The engine preempted these requests: their blocks may be reused, so stores whose
+        copy has not happened yet are abandoned (aborted when their plan comes). Server-driven,
+        the server copies while it plans, so this waits for those plans first."""
+        cancelled = set(request_ids)
+        if not cancelled:
+            return
+        for store in self._stores:
+            if store.stage == "begin" and any(op.request_id in cancelled for op in store.ops):
+                store.cancelled = True
+                if self.identity.transfer_mode == "server" and store.future is not None:
+                    # The server copies while it plans: its reply must be in before the next
+                    # forward pass may write into the blocks (bounded by the RPC timeout).
+                    blocked_at = time.monotonic()
+                    with contextlib.suppress(Exception):
+                        store.future.result(self.rpc.timeout_s)
+                    store.step_wait_s += time.monotonic() - blocked_at
+
+    @property
+    def pending_store_requests(self) -> set[str]:
+        """Requests with a store of this worker still in flight."""
+        return {op.request_id for store in self._stores for op in store.ops}
+
+    def _advance(self, store: _Store) -> None:
+        """One reply of ``store`` arrived: take the next step."""
+        assert store.future is not None
+        reply = _reply_or_error(store.future, store)
+        store.future = None
+        if isinstance(reply, str):
+            if store.stage == "begin":
+                self._abort([store.op_id])
+                if ("not_registered" in reply or "stale_epoch" in reply) and not store.retried:
+                    with contextlib.suppress(ServerUnavailable, RemoteError):
+                        assert self.kv is not None
+                        self.register(self.kv)  # the server restarted: once more, anew
+                        store.retried = True
+                        store.op_id = self.rpc.new_op_id()
+                        store.epoch = self.epoch
+                        store.future = self.rpc.submit(
+                            p.StoreBegin(
+                                op_id=store.op_id,
+                                epoch=self.epoch,
+                                items=self._items(store.ops),
+                                traceparent=telemetry.traceparent_of(store.span),
+                            )
+                        )
+                        return
+            self._end_store(store, f"store not committed: {reply}")
+            return
+        if store.stage == "begin":
+            assert isinstance(reply, p.StorePlan)
+            store.plan = reply
+            if store.cancelled:
+                store.failure = "the request was preempted before its blocks were copied"
+            elif reply.epoch != store.epoch or self._stale():
+                store.failure = "the server restarted during the store"
+            elif not reply.copied:
                 started = time.perf_counter()
-                ok = self._copy_in(ops, plan) if plan.epoch == self.epoch else False
-                copy_ms = (time.perf_counter() - started) * 1e3
-                commit = p.StoreCommit(
-                    op_id=op_id, ok=ok, traceparent=traceparent, tracestate=tracestate
-                )
-                done = self.rpc.call(commit)
-            except (ServerUnavailable, RemoteError) as exc:
-                self._abort([op_id])
-                self._store_items(span, ops, None, committed=False)
-                return _give_up(span, f"store not committed: {exc}")
-            assert isinstance(done, p.StoreDone)
-            self._store_items(span, ops, plan, committed=ok)
+                if not self._copy_in(store.ops, reply):
+                    store.failure = "copying KV into the pool failed"
+                store.copy_ms = (time.perf_counter() - started) * 1e3
+            commit = p.StoreCommit(
+                op_id=store.op_id,
+                ok=store.failure is None,
+                traceparent=telemetry.traceparent_of(store.span),
+            )
+            store.stage = "commit"
+            store.future = self.rpc.submit(commit)
+            return
+        assert isinstance(reply, p.StoreDone)
+        self._end_store(store, store.failure, committed=reply.num_committed)
+
+    def _end_store(self, store: _Store, failure: str | None, committed: int = 0) -> None:
+        span = store.span
+        ok = failure is None
+        plan = store.plan
+        self._store_items(span, store.ops, plan, committed=ok)
+        span.set_attributes(
+            {
+                a.OK: ok,
+                a.CHUNKS_WRITTEN: committed,
+                a.BYTES: _slot_bytes(plan.items) if ok and plan is not None else 0,
+                a.COPY_MS: store.copy_ms,
+                a.SERVER_MS: store.server_s * 1e3,
+                a.POLL_WAIT_MS: store.poll_wait_s * 1e3,
+                a.STEP_WAIT_MS: store.step_wait_s * 1e3,
+                a.SERVER_COPIED: bool(plan is not None and plan.copied),
+            }
+        )
+        if plan is not None:
             span.set_attributes(
                 {
-                    a.OP_ID: op_id,
-                    a.OK: ok,
-                    a.CHUNKS_WRITTEN: done.num_committed,
                     a.CHUNKS_PRESENT: sum(item.num_present for item in plan.items),
                     a.CHUNKS_FULL: sum(item.num_full for item in plan.items),
-                    a.BYTES: _slot_bytes(plan.items) if ok else 0,
-                    a.COPY_MS: copy_ms,
                 }
             )
-            if not ok:
-                telemetry.fail(span, "copying KV into the pool failed; the store was aborted")
-            return ok
+        if not ok:
+            self.stores_failed += 1
+            _give_up(span, failure or "store failed")
+        span.end()
 
     def _store_items(
         self,
@@ -284,16 +418,39 @@ class WorkerClient:
             return True  # metadata-only server: nothing to copy
         assert self.kv is not None
         per_chunk = self.blocks_per_chunk
+        copies = [
+            ChunkCopy(slot, op.block_ids[index * per_chunk : (index + 1) * per_chunk])
+            for op, item in zip(ops, plan.items, strict=True)
+            for index, slot in enumerate(item.slots)
+            if slot is not None
+        ]
         try:
-            for op, item in zip(ops, plan.items, strict=True):
-                for index, slot in enumerate(item.slots):
-                    if slot is not None:
-                        blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
-                        self.kv.save(self._pool.tensor, slot, blocks)
+            if copies:
+                self.kv.store_chunks(self._pool.array, copies)
         except (RuntimeError, ValueError, IndexError):
             log.exception("copying KV into the pool failed; aborting the store")
             return False
         return True
+
+    def _items(self, ops: list[StoreOp] | list[RetrieveOp]) -> list[p.OpItem]:
+        """The ops as protocol items; server-driven, with the blocks the server copies."""
+        assert self.kv is not None
+        with_blocks = self.shared is not None
+        return [
+            p.OpItem(
+                session_id=op.session_id,
+                cache_salt=op.cache_salt,
+                chunk_hashes=op.chunk_hashes,
+                first_chunk=op.first_chunk,
+                handle=op.handle,
+                traceparent=op.traceparent,
+                block_ids=op.block_ids if with_blocks else [],
+                skip_blocks=op.skip_first_n_tokens // self.kv.block_size
+                if with_blocks and isinstance(op, RetrieveOp)
+                else 0,
+            )
+            for op in ops
+        ]
 
     def _abort(self, op_ids: list[int]) -> None:
         """Tells the server to drop operations this worker gave up on (fire and forget; if
@@ -327,7 +484,7 @@ class WorkerClient:
             request = p.RetrieveBegin(
                 op_id=op_id,
                 epoch=self.epoch,
-                items=_items(ops),
+                items=self._items(ops),
                 traceparent=telemetry.traceparent_of(span) or ops[0].traceparent,
             )
             future = self.rpc.submit(request)
@@ -392,22 +549,17 @@ class WorkerClient:
             self._abort([retrieve.op_id])
             self._fail_all(retrieve, outcome, "the server restarted during the retrieve")
             return
+        timing = reply_timing(retrieve.future)
         started = time.perf_counter()
-        oks, failed, nbytes = self._copy_out(retrieve.ops, plan)
-        copy_ms = (time.perf_counter() - started) * 1e3
-        released = 0
-        confirmed = False
-        try:
-            done = self.rpc.call(
-                p.RetrieveEnd(
-                    op_id=retrieve.op_id, ok=oks, traceparent=telemetry.traceparent_of(span)
-                )
-            )
-            assert isinstance(done, p.RetrieveDone)
-            released = done.num_locks_released
-            confirmed = True
-        except (ServerUnavailable, RemoteError) as exc:
-            log.warning("retrieve end not confirmed; its loads count as failed: %s", exc)
+        if plan.copied:  # server-driven: it copied while the objects were pinned
+            oks, failed, nbytes = self._missing(retrieve.ops, plan)
+            released, confirmed = plan.num_locks_released, True
+            copy_ms = 0.0
+        else:
+            oks, failed, nbytes = self._copy_out(retrieve.ops, plan)
+            copy_ms = (time.perf_counter() - started) * 1e3
+            released, confirmed, end_s = self._end_retrieve(retrieve, oks)
+            timing = (timing[0] + end_s, timing[1])
         assert self.kv is not None
         missing = 0
         for op, blocks in zip(retrieve.ops, failed, strict=True):
@@ -432,6 +584,9 @@ class WorkerClient:
                 a.BYTES: nbytes if confirmed else 0,
                 a.LOCKS_RELEASED: released,
                 a.COPY_MS: copy_ms,
+                a.SERVER_MS: timing[0] * 1e3,
+                a.POLL_WAIT_MS: timing[1] * 1e3,
+                a.SERVER_COPIED: plan.copied,
                 a.WAIT_MS: (time.monotonic() - retrieve.started_at) * 1e3,
             }
         )
@@ -443,6 +598,47 @@ class WorkerClient:
                 else "the server did not confirm the release; every load is recomputed",
             )
         span.end()
+
+    def _end_retrieve(self, retrieve: _Retrieve, oks: list[bool]) -> tuple[int, bool, float]:
+        """Releases the pins; (lock units released, whether the server confirmed, seconds)."""
+        started = time.monotonic()
+        try:
+            done = self.rpc.call(
+                p.RetrieveEnd(
+                    op_id=retrieve.op_id,
+                    ok=oks,
+                    traceparent=telemetry.traceparent_of(retrieve.span),
+                )
+            )
+        except (ServerUnavailable, RemoteError) as exc:
+            log.warning("retrieve end not confirmed; its loads count as failed: %s", exc)
+            return 0, False, time.monotonic() - started
+        assert isinstance(done, p.RetrieveDone)
+        return done.num_locks_released, True, time.monotonic() - started
+
+    def _missing(
+        self, ops: list[RetrieveOp], plan: p.RetrievePlan
+    ) -> tuple[list[bool], list[list[int]], int]:
+        """A server-driven retrieve's outcome: per item ok, the blocks of missing chunks
+        (minus skipped ones), and the bytes the server copied."""
+        assert self.kv is not None
+        per_chunk = self.blocks_per_chunk
+        oks: list[bool] = []
+        failed: list[list[int]] = []
+        nbytes = 0
+        for op, item in zip(ops, plan.items, strict=True):
+            skip_blocks = op.skip_first_n_tokens // self.kv.block_size
+            item_failed: list[int] = []
+            for index, slot in enumerate(item.slots):
+                chunk_blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
+                skip = min(max(0, skip_blocks - index * per_chunk), len(chunk_blocks))
+                if slot is None:
+                    item_failed += chunk_blocks[skip:]
+                else:
+                    nbytes += slot.nbytes
+            oks.append(not item_failed)
+            failed.append(item_failed)
+        return oks, failed, nbytes
 
     def _stale(self) -> bool:
         return self.rpc.server_epoch not in (0, self.epoch)
@@ -459,6 +655,7 @@ class WorkerClient:
         for op, item in zip(ops, plan.items, strict=True):
             skip_blocks = op.skip_first_n_tokens // self.kv.block_size
             item_failed: list[int] = []
+            copies: list[ChunkCopy] = []
             try:
                 for index, slot in enumerate(item.slots):
                     chunk_blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
@@ -466,9 +663,10 @@ class WorkerClient:
                     if slot is None:
                         item_failed += chunk_blocks[skip:]
                         continue
-                    if self._pool is not None:
-                        self.kv.load(self._pool.tensor, slot, chunk_blocks, skip)
+                    copies.append(ChunkCopy(slot, chunk_blocks, skip))
                     nbytes += slot.nbytes
+                if copies and self._pool is not None:  # one batched copy per request
+                    self.kv.load_chunks(self._pool.array, copies)
             except (RuntimeError, ValueError, IndexError) as exc:
                 log.error("copying KV out of the pool failed for %s: %s", op.request_id, exc)
                 item_failed = self._loadable_blocks(op)
@@ -496,7 +694,14 @@ class WorkerClient:
     # -----------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Abandons in-flight retrieves (aborted on the server) and leaves the server."""
+        """Finishes the stores in flight (up to the timeout), abandons in-flight retrieves
+        (aborted on the server) and leaves the server."""
+        if self._stores and self.rpc.alive:
+            self.progress_stores(self.rpc.timeout_s)
+        for store in self._stores:
+            self._abort([store.op_id])
+            self._end_store(store, "worker closed before the store finished")
+        self._stores = []
         self._abort([retrieve.op_id for retrieve in self._inflight])
         for retrieve in self._inflight:
             _give_up(retrieve.span, "worker closed")
@@ -510,20 +715,9 @@ class WorkerClient:
             self._pool = None
         if self.faults is not None:
             self.faults.close()
-
-
-def _items(ops: list[StoreOp] | list[RetrieveOp]) -> list[p.OpItem]:
-    return [
-        p.OpItem(
-            session_id=op.session_id,
-            cache_salt=op.cache_salt,
-            chunk_hashes=op.chunk_hashes,
-            first_chunk=op.first_chunk,
-            handle=op.handle,
-            traceparent=op.traceparent,
-        )
-        for op in ops
-    ]
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
 
 def _slot_bytes(items: list[p.ItemSlots]) -> int:
@@ -551,6 +745,20 @@ def _failed_item(op: RetrieveOp, failed_blocks: list[int], block_size: int) -> d
     index = next((i for i, block in enumerate(op.block_ids) if block in failed), None)
     first = op.end_token if index is None else op.start_token + index * block_size
     return {**_op_attributes(op), a.OK: index is None, a.FIRST_FAILED_TOKEN: first}
+
+
+def _reply_or_error(future: Future[p.Reply], store: _Store) -> p.Reply | str:
+    """The reply (or why there is none), adding its timing to the store's."""
+    server_s, waited_s = reply_timing(future)
+    store.server_s += server_s
+    store.poll_wait_s += waited_s
+    try:
+        reply = future.result(0)
+    except Exception as exc:
+        return str(exc)
+    if isinstance(reply, p.Error):
+        return f"{reply.code}: {reply.message}"
+    return reply
 
 
 def _plan_or_error(future: Future[p.Reply] | None) -> p.RetrievePlan | str:

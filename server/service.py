@@ -172,6 +172,9 @@ class CacheService:
 
     def close(self) -> None:
         self.chunk_log.close()
+        for client in self.clients.values():
+            if client.worker is not None:
+                client.worker.close()
         if self.pool is not None:
             self.pool.close()
 
@@ -273,6 +276,8 @@ class CacheService:
                 )
         for session_id in list(client.sessions):
             self.drop_session(session_id)
+        if client.worker is not None:
+            client.worker.close()
         with telemetry.traced(
             a.SERVER_CLIENT_GONE,
             attributes={a.CLIENT: client_id.hex(), a.REASON: reason, a.OPS: ops},

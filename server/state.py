@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from server.cache import CacheObject, ObjectKey, Space
 from testbed import protocol as p
@@ -25,6 +25,13 @@ CLIENT_INDEX_BYTES = 1024
 class Worker:
     request: p.RegisterWorker
     object_bytes: int
+    engine: Any = None
+    """Server-driven transfers: the worker's KV mapped here (``server.kv_copier.EngineKV``)."""
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def key(self, chunk_hash: bytes, cache_salt: str) -> ObjectKey:
         r = self.request

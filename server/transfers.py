@@ -7,6 +7,7 @@ end or abort it, and its deadline (``op_ttl_s``) expires it if the client never 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
@@ -59,9 +60,26 @@ def register(s: CacheService, call: Call, req: p.Request) -> Generator[None, Non
                 f"model {req.model!r} world size {req.world_size} is already registered "
                 f"with {worker.object_bytes} bytes per chunk, not {object_bytes}",
             )
-    call.client.worker = Worker(req, object_bytes)
+    engine = None
+    if req.shared_kv is not None:
+        if s.pool is None:
+            raise _error("invalid", "server-driven transfers need a pool (not --metadata-only)")
+        from server.kv_copier import EngineKV
+
+        try:
+            engine = EngineKV(req.shared_kv)
+        except (OSError, ValueError) as exc:
+            raise _error("invalid", f"cannot map the worker's shared KV: {exc}") from None
+    if call.client.worker is not None:
+        call.client.worker.close()
+    call.client.worker = Worker(req, object_bytes, engine)
     call.span.set_attributes(
-        {a.MODEL: req.model, a.WORLD_SIZE: req.world_size, a.KV_RANK: req.kv_rank}
+        {
+            a.MODEL: req.model,
+            a.WORLD_SIZE: req.world_size,
+            a.KV_RANK: req.kv_rank,
+            a.TRANSFER_MODE: "server" if engine is not None else "worker",
+        }
     )
     return p.WorkerRegistered(
         chunk_size=chunk_size,
@@ -78,6 +96,8 @@ def unregister(s: CacheService, call: Call, req: p.Request) -> Generator[None, N
         finish_store(s, client, op_id, ok=False)
     for op_id in list(client.retrieves):
         finish_retrieve(s, client, op_id, ok=[])
+    if client.worker is not None:
+        client.worker.close()
     client.worker = None
     return p.Ack()
     yield
@@ -167,6 +187,9 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
                 yield
         plans.append(plan)
     s.record_eviction(eviction, call.traceparent)
+    copied = False
+    if worker.engine is not None and objects:
+        copied = yield from _server_store_copy(s, call, worker, req, plans, objects)
     deadline = s.clock() + s.config.op_ttl_s
     call.client.stores[req.op_id] = InflightStore(
         req.op_id, objects, positions, deadline, call.span_id
@@ -188,7 +211,47 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
             a.USED_BYTES: s.cache.used_bytes,
         }
     )
-    return p.StorePlan(op_id=req.op_id, items=plans, evicted_objects=len(eviction.objects))
+    return p.StorePlan(
+        op_id=req.op_id, items=plans, evicted_objects=len(eviction.objects), copied=copied
+    )
+
+
+def _server_store_copy(
+    s: CacheService,
+    call: Call,
+    worker: Worker,
+    req: p.StoreBegin,
+    plans: list[p.ItemSlots],
+    objects: list[CacheObject],
+) -> Generator[None, None, bool]:
+    """Server-driven: copies the engine's blocks into the reserved slots, an item at a time
+    (other clients are served in between). A failure drops the reservations."""
+    from testbed.block_copy import ChunkCopy
+
+    assert s.pool is not None
+    per_chunk = s.config.chunk_size // worker.request.layout.block_size
+    started = time.perf_counter()
+    try:
+        for item, plan in zip(req.items, plans, strict=True):
+            if len(item.block_ids) < len(item.chunk_hashes) * per_chunk:
+                raise ValueError(
+                    f"item of {len(item.chunk_hashes)} chunks names {len(item.block_ids)} blocks"
+                )
+            copies = [
+                ChunkCopy(slot, item.block_ids[index * per_chunk : (index + 1) * per_chunk])
+                for index, slot in enumerate(plan.slots)
+                if slot is not None
+            ]
+            if copies:
+                worker.engine.store(s.pool.array, copies)
+                if call.spend(len(copies) * per_chunk):
+                    yield
+    except (ValueError, IndexError, OSError) as exc:
+        for obj in objects:
+            s.cache.remove(obj)
+        raise _error("invalid", f"copying the engine's blocks failed: {exc}") from None
+    call.span.set_attribute(a.COPY_MS, (time.perf_counter() - started) * 1e3)
+    return True
 
 
 def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
@@ -279,6 +342,8 @@ def retrieve_begin(s: CacheService, call: Call, req: p.Request) -> Generator[Non
     call.client.retrieves[req.op_id] = InflightRetrieve(
         req.op_id, items, worker.object_bytes, deadline
     )
+    if worker.engine is not None:
+        return (yield from _server_retrieve_copy(s, call, worker, req, plans))
     s.deadlines.add(deadline, "retrieve", call.client.client_id, req.op_id)
     num_present = sum(plan.num_present for plan in plans)
     num_chunks = sum(len(keys) for _, _, keys, _ in items)
@@ -294,6 +359,43 @@ def retrieve_begin(s: CacheService, call: Call, req: p.Request) -> Generator[Non
         }
     )
     return p.RetrievePlan(op_id=req.op_id, items=plans)
+
+
+def _server_retrieve_copy(
+    s: CacheService, call: Call, worker: Worker, req: p.RetrieveBegin, plans: list[p.ItemSlots]
+) -> Generator[None, None, p.Reply]:
+    """Server-driven: copies the pinned objects into the engine's blocks (never the first
+    ``skip_blocks`` of an item), then ends the retrieve as ``RetrieveEnd`` would: unpins and
+    releases the items' lock units. A failed item's chunks count as missing."""
+    from testbed.block_copy import ChunkCopy
+
+    assert s.pool is not None
+    per_chunk = s.config.chunk_size // worker.request.layout.block_size
+    oks: list[bool] = []
+    started = time.perf_counter()
+    for item, plan in zip(req.items, plans, strict=True):
+        copies = []
+        for index, slot in enumerate(plan.slots):
+            if slot is None:
+                continue
+            blocks = item.block_ids[index * per_chunk : (index + 1) * per_chunk]
+            skip = min(max(0, item.skip_blocks - index * per_chunk), len(blocks))
+            copies.append(ChunkCopy(slot, blocks, skip))
+        try:
+            if copies:
+                worker.engine.retrieve(s.pool.array, copies)
+            oks.append(True)
+        except (ValueError, IndexError, OSError):
+            plan.slots = [None] * len(plan.slots)  # nothing of it was loaded
+            plan.num_present = 0
+            oks.append(False)
+        if call.spend(max(1, len(copies)) * per_chunk):
+            yield
+    released = finish_retrieve(s, call.client, req.op_id, oks, call.span_id)
+    call.span.set_attributes(
+        {a.COPY_MS: (time.perf_counter() - started) * 1e3, a.LOCKS_RELEASED: released}
+    )
+    return p.RetrievePlan(op_id=req.op_id, items=plans, copied=True, num_locks_released=released)
 
 
 def retrieve_end(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:

@@ -52,6 +52,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from testbed.kv_layout import SharedKVFile
+
 PROTOCOL_VERSION = 2
 
 # A chunk hash is the 16-byte rolling prefix hash of testbed.keys.
@@ -119,7 +121,10 @@ class KVLayout(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class RegisterWorker(_Request, tag="register_worker", kw_only=True):
-    """A worker announces its KV layout and identity; the reply maps it to the pool."""
+    """A worker announces its KV layout and identity; the reply maps it to the pool.
+
+    With ``shared_kv`` (server-driven transfers, LMCache's ``lmcache_driven``) the worker's
+    paged KV lives in that shared file, the server maps it and does every copy itself."""
 
     model: Name
     world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
@@ -127,6 +132,7 @@ class RegisterWorker(_Request, tag="register_worker", kw_only=True):
     tp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     mla: bool = False
     layout: KVLayout
+    shared_kv: SharedKVFile | None = None
 
 
 class UnregisterWorker(_Request, tag="unregister_worker", kw_only=True):
@@ -179,6 +185,10 @@ class OpItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     first_chunk: Count = 0
     handle: Handle = b""
     traceparent: TraceHeader = ""
+    block_ids: Annotated[list[Count], msgspec.Meta(max_length=MAX_CHUNKS_PER_ITEM * 64)] = []
+    """Server-driven transfers: the engine's KV blocks of the chunks, in order."""
+    skip_blocks: Count = 0
+    """Server-driven retrieves: leading blocks the engine already holds (never written)."""
 
 
 class StoreBegin(_Request, tag="store_begin", kw_only=True):
@@ -346,9 +356,13 @@ class ItemSlots(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class StorePlan(_Reply, tag="store_plan", kw_only=True):
+    """The reserved slots; ``copied``: the server already copied the blocks into them
+    (server-driven), so the worker only commits."""
+
     op_id: int
     items: list[ItemSlots]
     evicted_objects: int = 0
+    copied: bool = False
 
 
 class StoreDone(_Reply, tag="store_done", kw_only=True):
@@ -357,8 +371,14 @@ class StoreDone(_Reply, tag="store_done", kw_only=True):
 
 
 class RetrievePlan(_Reply, tag="retrieve_plan", kw_only=True):
+    """The pinned slots; ``copied``: the server already copied them into the engine's blocks
+    while they were pinned, unpinned them and released the items' lock units (server-driven:
+    no ``RetrieveEnd`` follows)."""
+
     op_id: int
     items: list[ItemSlots]
+    copied: bool = False
+    num_locks_released: int = 0
 
 
 class RetrieveDone(_Reply, tag="retrieve_done", kw_only=True):

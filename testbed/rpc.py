@@ -193,8 +193,11 @@ class RpcClient:
         request.rid = next(self._rids)
         if not isinstance(request, p.Ping):
             request.auth = self.token
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        self._outbox.put(_Outgoing(request.rid, p.encode(request), future, deadline))
+        now = time.monotonic()
+        future.sent_at = now  # type: ignore[attr-defined]  # timing: the span's server_ms
+        self._outbox.put(
+            _Outgoing(request.rid, p.encode(request), future, now + (timeout_s or self.timeout_s))
+        )
         os.write(self._wake_write, b"x")
         return future
 
@@ -317,6 +320,7 @@ class RpcClient:
                 self.server_epoch = reply.epoch
             out = waiting.pop(reply.rid, None)
             if out is not None and not out.future.done():
+                out.future.arrived_at = time.monotonic()  # type: ignore[attr-defined]
                 out.future.set_result(reply)
 
     def _expire(self, now: float, unsent: list[_Outgoing], waiting: dict[int, _Outgoing]) -> None:
@@ -346,3 +350,13 @@ def check(reply: p.Reply) -> p.Reply:
 def _fail(future: Future[p.Reply], exc: BaseException) -> None:
     if not future.done():
         future.set_exception(exc)
+
+
+def reply_timing(future: Future[p.Reply] | None) -> tuple[float, float]:
+    """(seconds from sending a request to its reply's arrival, seconds the reply has waited
+    since for the caller to take it): a span's ``server_ms`` and ``poll_wait_ms``."""
+    sent = getattr(future, "sent_at", None)
+    arrived = getattr(future, "arrived_at", None)
+    if sent is None or arrived is None:
+        return 0.0, 0.0
+    return arrived - sent, max(0.0, time.monotonic() - arrived)

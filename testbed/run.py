@@ -402,6 +402,8 @@ def _run_serve(
             load_async=spec.load_async,
             lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
             load_wait_s=spec.server_timeout_s,
+            store_wait_s=spec.server_timeout_s if spec.store_wait else 0.0,
+            transfer_mode=spec.transfer_mode,
             engine_id=spec.run_id,
             run_id=spec.run_id,
             span_dir=str(run_dir),

@@ -85,6 +85,14 @@ class RunSpec:
     load_async: bool = True
     prefix_caching: bool = True
     """vLLM's own prefix cache (off: every hit comes from the cache server)."""
+    transfer_mode: str = "worker"
+    """Who copies KV between vLLM's blocks and the server's pool: ``worker`` (the connector,
+    in vLLM's worker) or ``server`` (the cache server, from the KV the worker moved into
+    shared memory: LMCache's lmcache_driven)."""
+    store_wait: bool = True
+    """Each step's stores commit before the step reports (hits then do not depend on this
+    machine's speed); False: stores complete behind the forward pass, as in production, and a
+    repeat may arrive while its predecessor's store is still in flight."""
     arrival: str = "trace"
     metadata_only: bool = False
     """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
@@ -135,6 +143,15 @@ class RunSpec:
         ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.transfer_mode not in ("worker", "server"):
+            problems.append(
+                f"transfer_mode must be 'worker' or 'server', got {self.transfer_mode!r}"
+            )
+        elif self.transfer_mode == "server" and self.metadata_only:
+            problems.append(
+                "transfer_mode 'server' copies KV bytes; a metadata_only run has none "
+                "(use transfer_mode 'worker')"
+            )
         if self.chunk_size % self.block_size:
             problems.append(
                 f"chunk_size {self.chunk_size} must be a multiple of block_size {self.block_size}"

@@ -21,6 +21,14 @@ from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
 from testbed.analysis.tables import Run
 from testbed.engine.results import EngineResult
 from testbed.runspec import RunSpec
+from testbed.telemetry import attributes as a
+
+_TIMING_PARTS = {
+    "lookup": (("server", a.SERVER_MS), ("poll_wait", a.POLL_WAIT_MS)),
+    "store": (("server", a.SERVER_MS), ("poll_wait", a.POLL_WAIT_MS), ("copy", a.COPY_MS)),
+    "retrieve": (("server", a.SERVER_MS), ("poll_wait", a.POLL_WAIT_MS), ("copy", a.COPY_MS)),
+}
+"""Per operation, the parts of its connector spans' time the summary reports (p50)."""
 
 METRICS_FILE = "metrics.parquet"
 QUIESCENCE_KEYS = (
@@ -139,6 +147,17 @@ def build_summary(
             summary[f"{operation}_{label}_ms"] = metrics.operation_latency_ms(
                 spans, operation, quantile
             )
+    for operation, parts in _TIMING_PARTS.items():
+        for part, attribute in parts:
+            summary[f"{operation}_{part}_p50_ms"] = metrics.operation_part_ms(
+                spans, operation, attribute, 0.5
+            )
+    stores = spans[spans["name"] == a.CONNECTOR_STORE]
+    summary["store_step_wait_ms"] = (
+        float(pd.to_numeric(stores[a.STEP_WAIT_MS], errors="coerce").fillna(0).sum())
+        if a.STEP_WAIT_MS in stores
+        else 0.0
+    )
     return summary
 
 

@@ -32,11 +32,7 @@ from matplotlib.figure import Figure
 from testbed.analysis.tables import Run
 from testbed.telemetry import attributes as a
 
-POLL_WAIT_MS = "kvcache.poll_wait_ms"
-"""Answer ready → consumed (the connector's span attribute)."""
-SERVER_MS = "kvcache.server_ms"
-"""Request sent → reply received (the connector's span attribute)."""
-PARTS = {"waiting": POLL_WAIT_MS, "server": SERVER_MS, "copy": a.COPY_MS}
+PARTS = {"waiting": a.POLL_WAIT_MS, "server": a.SERVER_MS, "copy": a.COPY_MS}
 """Part name → span attribute, in stacking order."""
 OPERATIONS = {
     "lookup": a.CONNECTOR_LOOKUP,

@@ -81,6 +81,18 @@ def operation_latency_ms(spans: pd.DataFrame, operation: str, quantile: float) -
     return float(np.quantile(durations, quantile)) if len(durations) else None
 
 
+def operation_part_ms(
+    spans: pd.DataFrame, operation: str, attribute: str, quantile: float
+) -> float | None:
+    """A percentile of one timing attribute (``kvcache.server_ms``, ``kvcache.poll_wait_ms``,
+    ``kvcache.copy_ms``, ``kvcache.step_wait_ms``) over an operation's connector spans."""
+    selected = spans[spans["name"] == OPERATIONS[operation]]
+    if attribute not in selected:
+        return None
+    values = pd.to_numeric(selected[attribute], errors="coerce").dropna()
+    return float(np.quantile(values, quantile)) if len(values) else None
+
+
 def evictions(spans: pd.DataFrame) -> pd.DataFrame:
     """One row per eviction span: time, reason, objects and bytes."""
     evict = spans[spans["name"] == a.SERVER_EVICT]

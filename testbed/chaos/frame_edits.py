@@ -129,6 +129,10 @@ def kinds_of(info: mi.Type) -> set[str]:
         return {"list"}
     if isinstance(info, mi.StructType):
         return {"map"}
+    if isinstance(info, mi.NoneType):
+        return {"nil"}
+    if isinstance(info, mi.UnionType):  # an optional field: any of its kinds, or nil
+        return set().union(*(kinds_of(t) for t in info.types))
     raise TypeError(f"unexpected field type {info!r}")
 
 

@@ -200,6 +200,22 @@ class FrameFuzzer:
             return rng.choice((128, 128, 64, self._int(info)))
         if name == "dtype":
             return "float16"
+        if name == "shared_kv":  # mostly worker-driven; else a file that is not there
+            if rng.random() < 0.8:
+                return None
+            return {
+                "path": f"/dev/shm/kvtb-kv-fuzz-{rng.getrandbits(32):08x}",
+                "file_bytes": 2 * 4 * 16 * 128 * 2,
+                "layout": {
+                    "layer_offsets_bytes": [0, 4 * 16 * 128 * 2],
+                    "shape": [4, 16, 128],
+                    "strides_bytes": [16 * 128 * 2, 128 * 2, 2],
+                    "dtype": "float16",
+                    "itemsize": 2,
+                    "block_dim": 0,
+                    "block_size": 16,
+                },
+            }
         if name == "cache_salt":
             return rng.choice(("", "", "salt"))
         if name in ("traceparent", "tracestate"):
@@ -235,6 +251,11 @@ class FrameFuzzer:
             return [self._value(name, info.item_type) for _ in range(count)]
         if isinstance(info, mi.StructType):
             return self._fields(info)
+        if isinstance(info, mi.UnionType):  # optional fields: mostly absent, as clients send
+            present = [t for t in info.types if not isinstance(t, mi.NoneType)]
+            if len(present) < len(info.types) and rng.random() < 0.8:
+                return None
+            return self._value(name, rng.choice(present))
         raise TypeError(f"no generator for {info!r}")
 
     def _int(self, info: mi.Type) -> int:

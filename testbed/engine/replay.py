@@ -60,6 +60,9 @@ class ReplaySpec:
     max_model_len: int = 8192
     load_async: bool = True
     prefix_caching: bool = True
+    transfer_mode: str = "worker"
+    store_wait: bool = True
+    """Each step's stores commit before the step reports (``kvtb.store_wait_s``)."""
     arrival: str = "trace"
     """``trace``: requests enter at their arrival time on the virtual clock; ``all``: at once."""
     time_profile: str = "flat"
@@ -100,6 +103,8 @@ class ReplaySpec:
             max_model_len=max_model_len,
             load_async=spec.load_async,
             prefix_caching=spec.prefix_caching,
+            transfer_mode=spec.transfer_mode,
+            store_wait=spec.store_wait,
             arrival=spec.arrival,
             fault_drop_fraction=spec.fault_drop_fraction,
             seed=spec.seed,
@@ -149,6 +154,8 @@ class ReplayEngine:
             load_async=spec.load_async,
             lookup_wait_s=spec.timeout_s,
             load_wait_s=spec.timeout_s,
+            store_wait_s=spec.timeout_s if spec.store_wait else 0.0,
+            transfer_mode=spec.transfer_mode,
             engine_id=spec.run_id,
             fault_drop_fraction=spec.fault_drop_fraction if server else 0.0,
             fault_seed=spec.seed,

@@ -28,6 +28,7 @@ from testbed import telemetry
 from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.engine.vllm_compat import kernel_scan_safe
 from testbed.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
@@ -53,6 +54,9 @@ class VllmEngineSpec:
     tp: int = 1
     load_async: bool = True
     prefix_caching: bool = True
+    transfer_mode: str = "worker"
+    store_wait: bool = True
+    """Each step's stores commit before the step reports (with ``deterministic``)."""
     seed: int = 0
     timeout_s: float = 30.0
     run_id: str = "vllm"
@@ -75,6 +79,8 @@ class VllmEngineSpec:
             tp=spec.tp,
             load_async=spec.load_async,
             prefix_caching=spec.prefix_caching,
+            transfer_mode=spec.transfer_mode,
+            store_wait=spec.store_wait,
             seed=spec.seed,
             timeout_s=spec.server_timeout_s,
             run_id=spec.run_id,
@@ -117,10 +123,11 @@ def bytes_per_token(spec: RunSpec) -> int:
 
 
 class VllmEngine:
-    """Context manager: one ``vllm.LLM`` connected to ``server``; closed on exit."""
+    """Context manager: one ``vllm.LLM`` connected to ``server`` (``None``: vLLM alone, no
+    connector: the baseline a cache is measured against); closed on exit."""
 
     def __init__(
-        self, spec: VllmEngineSpec, server: ServerEndpoint, work_dir: Path | None = None
+        self, spec: VllmEngineSpec, server: ServerEndpoint | None, work_dir: Path | None = None
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,8 +147,8 @@ class VllmEngine:
             model = str(write_model_dir(directory, tiny, weights_seed=spec.seed))
         wait_s = spec.timeout_s if spec.deterministic else 0.0
         connector = ConnectorConfig(
-            server_url=server.url,
-            token=server.token,
+            server_url=server.url if server else "tcp://127.0.0.1:5555",
+            token=server.token if server else "",
             mq_timeout_s=spec.timeout_s,
             chunk_size=spec.chunk_size,
             # The tiny model lives in each run's directory; its KV depends only on the seed.
@@ -149,36 +156,40 @@ class VllmEngine:
             load_async=spec.load_async,
             lookup_wait_s=wait_s,
             load_wait_s=wait_s,
+            store_wait_s=wait_s if spec.store_wait else 0.0,
+            transfer_mode=spec.transfer_mode,
             engine_id=spec.run_id,
             fault_drop_fraction=spec.fault_drop_fraction,
             fault_seed=spec.seed,
-            admin_token=server.admin_token if spec.fault_drop_fraction else "",
+            admin_token=server.admin_token if server and spec.fault_drop_fraction else "",
         )
-        self.llm = LLM(
-            model=model,
-            skip_tokenizer_init=spec.model is None,
-            dtype="float32" if spec.model is None else "auto",
-            block_size=spec.block_size,
-            max_model_len=spec.max_model_len,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            enable_chunked_prefill=True,
-            enable_prefix_caching=spec.prefix_caching,
-            enforce_eager=True,
-            seed=spec.seed,
-            tensor_parallel_size=spec.tp,
-            kv_cache_memory_bytes=spec.engine_blocks * spec.block_size * tiny_bytes_per_token()
-            if spec.model is None
-            else None,
-            use_tqdm_on_load=False,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector=CONNECTOR_CLASS,
-                kv_connector_module_path=CONNECTOR_MODULE,
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config=connector.to_extra_config(),
-            ),
+        transfer = KVTransferConfig(
+            kv_connector=CONNECTOR_CLASS,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=connector.to_extra_config(),
         )
+        with kernel_scan_safe():  # a what-if run before in this process: see vllm_compat
+            self.llm = LLM(
+                model=model,
+                skip_tokenizer_init=spec.model is None,
+                dtype="float32" if spec.model is None else "auto",
+                block_size=spec.block_size,
+                max_model_len=spec.max_model_len,
+                max_num_seqs=spec.max_num_seqs,
+                max_num_batched_tokens=spec.max_num_batched_tokens,
+                enable_chunked_prefill=True,
+                enable_prefix_caching=spec.prefix_caching,
+                enforce_eager=True,
+                seed=spec.seed,
+                tensor_parallel_size=spec.tp,
+                kv_cache_memory_bytes=spec.engine_blocks * spec.block_size * tiny_bytes_per_token()
+                if spec.model is None
+                else None,
+                use_tqdm_on_load=False,
+                kv_transfer_config=transfer if server else None,
+            )
 
     def effective(self) -> dict[str, Any]:
         """Settings vLLM derived itself, as they ran."""
@@ -203,6 +214,19 @@ class VllmEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Steps the idle engine until vLLM holds no finished request's blocks (their
+        asynchronous stores are done: ``finished_sending``), at most ``timeout_s``; True if
+        it got there. Empty steps still run the connector's hooks, as in a server."""
+        core = self.llm.llm_engine.engine_core
+        scheduler = core.engine_core.scheduler  # type: ignore[attr-defined]  # in-process core
+        deadline = time.monotonic() + timeout_s
+        while scheduler.has_requests():
+            if time.monotonic() > deadline:
+                return False
+            self.llm.llm_engine.step()
+        return True
 
     def run(
         self,

@@ -70,14 +70,16 @@ class WorkerHarness:
             torch.zeros((num_blocks, block_size, elements), dtype=torch.int16)
             for _ in range(profile.num_layers)
         ]
-        self._flat = [
-            layer.view(num_blocks * block_size, elements).numpy() for layer in self.layers
-        ]
         self._constants = _rank_constants(profile, tp, rank)
         self._requests: dict[str, _RequestKV] = {}
         connector.register_kv_caches(
             {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(self.layers)}
         )
+        # Only after registration: server-driven, it moves the tensors' bytes into shared
+        # memory, and a numpy view made earlier would keep pointing at the old allocation.
+        self._flat = [
+            layer.view(num_blocks * block_size, elements).numpy() for layer in self.layers
+        ]
 
     # -----------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from connector.kv_copy import PagedKV
 from tests.support.cache_harness import BLOCK_SIZE, Harness, blocks_equal
 
 C = 64  # chunk size of the `server` fixture
@@ -22,9 +23,25 @@ def blocks(first: int, count: int) -> list[int]:
     return list(range(first, first + count))
 
 
-def test_store_then_lookup_hits_every_complete_chunk_and_retrieve_is_bit_exact(server):
+@pytest.fixture(params=["worker", "server"])
+def mode(request) -> str:
+    """Who copies the bytes: the worker (into the mapped pool) or the server (from the
+    worker's KV in shared memory). Every copying test runs in both."""
+    return request.param
+
+
+def test_store_then_lookup_hits_every_complete_chunk_and_retrieve_is_bit_exact(
+    server, mode, monkeypatch
+):
     tokens = prompt(200)  # 3 complete chunks + 8 tokens
-    with Harness(server) as h:
+    if mode == "server":  # the worker must not copy a byte itself
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a server-driven worker copied blocks itself")
+
+        monkeypatch.setattr(PagedKV, "store_chunks", refuse)
+        monkeypatch.setattr(PagedKV, "load_chunks", refuse)
+    with Harness(server, transfer_mode=mode) as h:
         h.prefill("a", tokens, blocks(0, 13))
         assert h.stats().num_objects == 3
         assert h.matched("b", tokens) == 3 * C
@@ -69,9 +86,9 @@ def test_a_changed_token_caps_the_hit_and_other_namespaces_miss(server, start_se
         assert tp2.matched("tp2", tokens) == 0
 
 
-def test_retrieve_leaves_skipped_engine_blocks_untouched(server):
+def test_retrieve_leaves_skipped_engine_blocks_untouched(server, mode):
     tokens = prompt(3 * C + 10)
-    with Harness(server) as h:
+    with Harness(server, transfer_mode=mode) as h:
         h.prefill("a", tokens, blocks(0, 13))
         engine_hit = C + BLOCK_SIZE  # the engine holds chunk 0 and one block of chunk 1
         assert h.matched("b", tokens, engine_hit=engine_hit) == 3 * C - engine_hit
@@ -122,9 +139,9 @@ def test_end_session_keeps_locks_and_the_read_lock_ttl_releases_them(start_serve
         assert stats.num_locks == 0 and stats.expired_locks == 2
 
 
-def test_retrieve_releases_its_locks_even_when_it_fails(server):
+def test_retrieve_releases_its_locks_even_when_it_fails(server, mode):
     tokens = prompt(3 * C + 1)
-    with Harness(server) as h:
+    with Harness(server, transfer_mode=mode) as h:
         h.prefill("a", tokens, blocks(0, 13))
         h.matched("b", tokens)
         plan = h.allocate("b", blocks(40, 13), 3 * C)
@@ -171,9 +188,9 @@ def _present(h: Harness, indices, tag: str) -> set[int]:
     return found
 
 
-def test_tp2_needs_every_rank_and_mla_stores_one_copy_for_two_readers(server):
+def test_tp2_needs_every_rank_and_mla_stores_one_copy_for_two_readers(server, mode):
     tokens = prompt(2 * C + 3)
-    with Harness(server, tp=2) as h:
+    with Harness(server, tp=2, transfer_mode=mode) as h:
         plan = h.compute("only-rank0", 0, 0, [], True)
         h.matched("only-rank0", tokens)
         h.side.update_state_after_alloc("only-rank0", blocks(0, 9), 0)
@@ -181,7 +198,7 @@ def test_tp2_needs_every_rank_and_mla_stores_one_copy_for_two_readers(server):
         h.ranks[0].client.store(plan.stores)  # rank 1 never stores its shard
         h.side.request_finished("only-rank0")
         assert h.matched("probe", tokens) == 0
-    with Harness(server, tp=2, mla=True, model="mla-model") as mla:
+    with Harness(server, tp=2, mla=True, model="mla-model", transfer_mode=mode) as mla:
         before = mla.stats().num_objects
         mla.prefill("a", tokens, blocks(0, 9))
         assert mla.stats().num_objects - before == 2  # one latent copy, not one per rank
@@ -200,13 +217,13 @@ def test_tp2_needs_every_rank_and_mla_stores_one_copy_for_two_readers(server):
                 assert torch.equal(layer[blocks(30, 8)], source[blocks(0, 8)])
 
 
-def test_a_chunk_gone_before_retrieve_fails_only_its_blocks(start_server):
+def test_a_chunk_gone_before_retrieve_fails_only_its_blocks(start_server, mode):
     object_bytes = C * 128
     server = start_server(
         "--chunk-size", str(C), "--capacity", str(3 * object_bytes), "--read-lock-ttl", "0.3"
     )
     tokens = prompt(3 * C + 1)
-    with Harness(server) as h:
+    with Harness(server, transfer_mode=mode) as h:
         h.prefill("a", tokens, blocks(0, 13))
         h.matched("b", tokens)
         plan = h.allocate("b", blocks(40, 13), 3 * C)

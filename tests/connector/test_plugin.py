@@ -80,4 +80,3 @@ def test_vllm_builds_the_connector_named_only_by_kv_connector(tmp_path, server):
     assert result["by_name"] == "connector.vllm_connector.KVTBConnector"
     assert result["built"] == "connector.vllm_connector.KVTBConnector"
     assert result["loaded_by_connector"] == []  # a vLLM deployment needs no lab
-

@@ -73,7 +73,7 @@ def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishe
     tmp_path, start_server
 ):
     server = start_server("--chunk-size", str(C))
-    vllm_config, kv_cache_config = build(tmp_path, server)
+    vllm_config, kv_cache_config = build(tmp_path, server, store_wait_s=5.0)
     worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
     kv = torch.randint(-1000, 1000, (64, B, 16), dtype=torch.int16)
     worker.register_kv_caches({"model.layers.0.self_attn.attn": kv})
@@ -81,7 +81,8 @@ def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishe
     hashes = chunk_hashes(tokens, C)
     store = StepPlan(stores=[_op("writer", hashes, list(range(0, 6)), store=True)])
     worker.bind_connector_metadata(KVTBConnectorMetadata(store))
-    worker.wait_for_save()
+    worker.wait_for_save()  # starts the store...
+    worker.get_finished(set())  # ...which commits within the step (store_wait_s)
     worker.clear_connector_metadata()
     with connect(server, admin=True) as admin:
         assert admin.call(p.GetStats()).num_objects == 3

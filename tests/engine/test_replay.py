@@ -70,6 +70,30 @@ def test_a_prompt_evicted_from_the_engine_comes_back_from_the_cache_counted_once
     assert run.stats.num_locks == 0
 
 
+@pytest.mark.parametrize(
+    ("mode", "store_wait"),
+    [("worker", True), ("worker", False), ("server", True), ("server", False)],
+)
+def test_both_transfer_modes_and_store_timings_keep_kv_intact(tmp_path, mode, store_wait):
+    shared = tokens(1, 1000)
+    flood = [request(f"flood{i}", tokens(100 + i, 1500), at=1.0 + i) for i in range(8)]
+    workload = [request("first", shared), *flood, request("later", shared, at=20.0)]
+    run = replay(tmp_path, workload, engine_blocks=40, transfer_mode=mode, store_wait=store_wait)
+    assert run.result.integrity_errors == 0 and len(run.result.records) == len(workload)
+    assert run["later"].external_hit_tokens == 768  # from the cache, verified block by block
+    assert run.stats.num_locks == 0 and run.stats.num_pins == 0
+    assert run.stats.num_inflight_stores == 0 and run.stats.num_inflight_retrieves == 0
+    stores = run.run.spans
+    stores = stores[stores["name"] == "kvcache.connector.store"]
+    assert len(stores) and stores["kvcache.ok"].all()
+    assert (stores["kvcache.server_copied"] == (mode == "server")).all()
+    waited = stores["kvcache.step_wait_ms"]
+    if store_wait:  # each step waits for its stores to commit: deterministic hits
+        assert waited.sum() > 0
+    else:  # the step never waits on the network: the commit comes at a later hook
+        assert (waited == 0).all()
+
+
 def test_chunked_prefill_stores_every_prompt_chunk_and_no_decode_tokens(tmp_path):
     workload = [request(f"long{i}", tokens(i, 1000 + 37 * i), output=300) for i in range(3)]
     run = replay(tmp_path, workload, max_num_batched_tokens=96, engine_blocks=256)
@@ -151,13 +175,18 @@ def test_replay_matches_the_oracle_on_2000_mooncake_requests(tmp_path):
 
 def test_the_integrity_check_catches_wrong_kv(tmp_path, monkeypatch):
     from connector.kv_copy import PagedKV
+    from testbed.block_copy import ChunkCopy
 
-    original = PagedKV.load
+    original = PagedKV.load_chunks
 
-    def off_by_one_block(self, pool, slot, block_ids, skip_blocks=0):
-        original(self, pool, slot, block_ids[1:] + block_ids[:1], skip_blocks)  # rotated
+    def off_by_one_block(self, pool, copies):
+        rotated = [
+            ChunkCopy(c.slot, list(c.block_ids[1:]) + list(c.block_ids[:1]), c.skip_blocks)
+            for c in copies
+        ]
+        return original(self, pool, rotated)
 
-    monkeypatch.setattr(PagedKV, "load", off_by_one_block)
+    monkeypatch.setattr(PagedKV, "load_chunks", off_by_one_block)
     shared = tokens(3, 1000)
     flood = [request(f"flood{i}", tokens(200 + i, 1500), at=1.0 + i) for i in range(8)]
     workload = [request("first", shared), *flood, request("later", shared, at=20.0)]

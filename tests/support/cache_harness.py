@@ -64,6 +64,7 @@ class Harness:
         seed: int = 0,
         timeout_s: float = 2.0,
         engine_id: str = "engine",
+        transfer_mode: str = "worker",
     ) -> None:
         self.chunk_size = chunk_size
         self.server = server
@@ -91,7 +92,7 @@ class Harness:
                 for _ in range(num_layers)
             )
             rpc = connect(server, role=f"worker{rank}", timeout_s=timeout_s)
-            worker = WorkerClient(rpc, WorkerIdentity.for_rank(model, tp, rank, mla))
+            worker = WorkerClient(rpc, WorkerIdentity.for_rank(model, tp, rank, mla, transfer_mode))
             kv = PagedKV(layers, 0, BLOCK_SIZE)
             worker.register(kv)
             self.ranks.append(Rank(rpc, kv, worker))
