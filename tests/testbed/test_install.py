@@ -141,8 +141,18 @@ def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugi
     if head is None:
         pytest.skip("not a git checkout")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(tmp_path), str(REPO)],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(REPO),
+        ],  # fmt: skip
         check=True,
         capture_output=True,
         timeout=300,

@@ -26,8 +26,7 @@ def sweep_of_three(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     path = out / "three.toml"
     path.write_text(
-        'name = "three"\n[base]\nworkload = "chat"\n'
-        f"[grid]\nchunk_size = {CHUNK_SIZES}\n"
+        f'name = "three"\n[base]\nworkload = "chat"\n[grid]\nchunk_size = {CHUNK_SIZES}\n'
     )
     sweep = load_sweep(path)
     sweep_dir = out / sweep.name
