@@ -1,10 +1,18 @@
-"""Client side of the protocol: a DEALER socket driven by one I/O thread, with futures.
+"""Client side of the protocol: a DEALER socket, futures, timeouts and heartbeats.
 
 Used by the connector's scheduler and worker clients (and by tools and tests). Callers on any
-thread :meth:`RpcClient.submit` a request and get a :class:`concurrent.futures.Future`; the I/O
-thread sends it (with the client's credential), matches the reply by ``rid``, fails it with
-:class:`ServerUnavailable` when no reply arrives within the timeout, and sends heartbeats so
-the server knows the client lives.
+thread :meth:`RpcClient.submit` a request and get a future; the reply is matched by ``rid``,
+the future fails with :class:`ServerUnavailable` when no reply arrives within the timeout, and
+heartbeats tell the server the client lives.
+
+The caller's own thread does the I/O: ``submit`` sends at once, and asking a future (``done``,
+``result``) reads the replies that have arrived, waiting in ZeroMQ's poll (without the GIL)
+when it must wait. Nothing depends on another Python thread getting the GIL: in vLLM's
+processes the engine loop holds it almost all the time, and a reply handed over by a
+background thread arrived one GIL switch interval (5 ms) late per hop, twice per round trip.
+A background thread, holding the socket only briefly, sends heartbeats, retries requests not
+yet sendable, expires timed-out ones and reads replies nobody asks for. Every use of the socket
+is under one lock.
 
 Liveness is shared by every client of one server URL in a process: once any of them saw a
 timeout, the server is *down* (:attr:`RpcClient.alive` is False) for all of them until a
@@ -18,8 +26,6 @@ is the latest seen. Nothing here blocks longer than a timeout.
 from __future__ import annotations
 
 import itertools
-import os
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -33,7 +39,12 @@ from testbed import protocol as p
 from testbed import telemetry
 from testbed.telemetry import attributes as a
 
-_POLL_MS = 50
+_IDLE_S = 0.05
+"""The background thread's period when nothing is outstanding."""
+_BUSY_S = 0.005
+"""Its period while requests are outstanding (replies nobody asks for, expiry)."""
+_WAIT_SLICE_S = 0.005
+"""A waiting caller polls the socket in slices this long (the lock is free in between)."""
 _DOWN_PROBE_INTERVAL_S = 0.5
 
 
@@ -126,6 +137,46 @@ def _record_outage(url: str, start_ns: int, duration_s: float) -> None:
     span.end(end_time=start_ns + int(duration_s * 1e9))
 
 
+class RpcFuture(Future[p.Reply]):
+    """A reply to come. Asking it (``done``, ``result``, ``exception``) first reads the replies
+    that have arrived on its client's socket, in the asking thread."""
+
+    def __init__(self, client: RpcClient | None) -> None:
+        super().__init__()
+        self._client = client
+        self.sent_at: float | None = None
+        """When the request was handed to the socket (timing: a span's ``server_ms``)."""
+        self.arrived_at: float | None = None
+        """When its reply was read off the socket."""
+
+    def done(self) -> bool:
+        if not super().done() and self._client is not None:
+            self._client._pump(0.0)
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> p.Reply:
+        return super().result(self._wait(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return super().exception(self._wait(timeout))
+
+    def _wait(self, timeout: float | None) -> float | None:
+        """Reads replies until this one is in or ``timeout`` passed; returns what is left of
+        the timeout for the plain wait (0 once done or expired; the rest once the client is
+        closing, which fails its futures itself)."""
+        client = self._client
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while client is not None and not super().done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                client._pump(0.0)
+                return 0.0
+            slice_s = _WAIT_SLICE_S if remaining is None else min(remaining, _WAIT_SLICE_S)
+            if not client._pump(slice_s):
+                return remaining
+        return 0.0
+
+
 @dataclass
 class _Outgoing:
     rid: int
@@ -164,8 +215,12 @@ class RpcClient:
         """The epoch of the latest reply (0 before any)."""
         self._curve = curve
         self._context = context or zmq.Context.instance()
-        self._outbox: queue.SimpleQueue[_Outgoing] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
+        self._lock = threading.Lock()
+        """Guards the socket and the request tables below (any thread may do the I/O)."""
+        self._socket = self._open_socket()
+        self._waiting: dict[int, _Outgoing] = {}  # sent, awaiting a reply
+        self._unsent: list[_Outgoing] = []  # not connected yet: retried until their deadline
+        self._next_heartbeat = time.monotonic() + heartbeat_interval_s
         self._rids = itertools.count(1)
         self._op_ids = itertools.count(1)
         self._closed = threading.Event()
@@ -182,23 +237,27 @@ class RpcClient:
         """A fresh operation id for a store or retrieve of this connection."""
         return next(self._op_ids)
 
-    def submit(self, request: p.Request, timeout_s: float | None = None) -> Future[p.Reply]:
-        """Sends ``request`` (its ``rid`` and credential are set here); the future holds the
-        reply. It fails with :class:`ServerUnavailable` after ``timeout_s`` (default: the
-        client's) without a reply. ``Error`` replies are returned, not raised."""
-        future: Future[p.Reply] = Future()
+    def submit(self, request: p.Request, timeout_s: float | None = None) -> RpcFuture:
+        """Sends ``request`` (its ``rid`` and credential are set here) from this thread; the
+        future holds the reply. It fails with :class:`ServerUnavailable` after ``timeout_s``
+        (default: the client's) without a reply. ``Error`` replies are returned, not raised."""
+        future = RpcFuture(self)
         if self._closed.is_set():
             future.set_exception(ServerUnavailable("client is closed"))
             return future
         request.rid = next(self._rids)
         if not isinstance(request, p.Ping):
             request.auth = self.token
+        frame = p.encode(request)
         now = time.monotonic()
-        future.sent_at = now  # type: ignore[attr-defined]  # timing: the span's server_ms
-        self._outbox.put(
-            _Outgoing(request.rid, p.encode(request), future, now + (timeout_s or self.timeout_s))
-        )
-        os.write(self._wake_write, b"x")
+        future.sent_at = now
+        out = _Outgoing(request.rid, frame, future, now + (timeout_s or self.timeout_s))
+        with self._lock:
+            if self._closed.is_set():
+                future.set_exception(ServerUnavailable("client is closed"))
+                return future
+            self._unsent.append(out)
+            self._flush()
         return future
 
     def call(self, request: p.Request, timeout_s: float | None = None) -> p.Reply:
@@ -206,8 +265,8 @@ class RpcClient:
         timeout = timeout_s or self.timeout_s
         try:
             reply = self.submit(request, timeout).result(timeout + 5.0)
-        except TimeoutError:  # the I/O thread is gone; should not happen
-            raise ServerUnavailable("no reply and no timeout from the I/O thread") from None
+        except TimeoutError:  # the expiry did not run; should not happen
+            raise ServerUnavailable("no reply and no timeout from the client") from None
         return check(reply)
 
     def fire(self, request: p.Request) -> None:
@@ -219,10 +278,13 @@ class RpcClient:
             return
         self.health.record_open_outage()
         self._closed.set()
-        os.write(self._wake_write, b"x")
         self._thread.join(5.0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        with self._lock:
+            self._socket.close(0)
+            outstanding = [*self._unsent, *self._waiting.values()]
+            self._unsent, self._waiting = [], {}
+        for out in outstanding:
+            _fail(out.future, ServerUnavailable("client closed before the reply arrived"))
 
     def __enter__(self) -> RpcClient:
         return self
@@ -231,10 +293,10 @@ class RpcClient:
         self.close()
 
     # -----------------------------------------------------------------------------------------
-    # I/O thread
+    # I/O (under the lock, on whichever thread asks)
     # -----------------------------------------------------------------------------------------
 
-    def _socket(self) -> zmq.Socket:
+    def _open_socket(self) -> zmq.Socket:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a server that is not connected
@@ -249,66 +311,36 @@ class RpcClient:
         socket.connect(self.url)
         return socket
 
-    def _run(self) -> None:
-        socket = self._socket()
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
-        waiting: dict[int, _Outgoing] = {}  # sent, awaiting a reply
-        unsent: list[_Outgoing] = []  # not connected yet: retried until their deadline
-        next_heartbeat = time.monotonic() + self.heartbeat_interval_s
-        try:
-            while not self._closed.is_set():
-                timeout = 5 if unsent else _POLL_MS
-                for sock, _ in poller.poll(timeout):
-                    if sock == self._wake_read:
-                        os.read(self._wake_read, 4096)
-                    else:
-                        self._receive(socket, waiting)
-                while True:
-                    try:
-                        unsent.append(self._outbox.get_nowait())
-                    except queue.Empty:
-                        break
-                now = time.monotonic()
-                if not self.health.alive:  # probe often while the server is down
-                    next_heartbeat = min(next_heartbeat, now + _DOWN_PROBE_INTERVAL_S)
-                if now >= next_heartbeat:
-                    unsent.append(self._heartbeat(now))
-                    next_heartbeat = now + self.heartbeat_interval_s
-                unsent = self._send(socket, unsent, waiting)
-                self._expire(now, unsent, waiting)
-        finally:
-            socket.close(0)
-            for out in [*unsent, *waiting.values()]:
-                _fail(out.future, ServerUnavailable("client closed before the reply arrived"))
-            while True:
-                try:
-                    _fail(self._outbox.get_nowait().future, ServerUnavailable("client is closed"))
-                except queue.Empty:
-                    break
+    def _pump(self, wait_s: float) -> bool:
+        """Sends what could not be sent yet and reads every reply that has arrived, first
+        waiting up to ``wait_s`` for one (in ZeroMQ's poll, without the GIL). False once the
+        client is closed."""
+        with self._lock:
+            if self._socket.closed:
+                return False
+            if self._unsent:
+                self._flush()
+            if wait_s > 0 and self._waiting:
+                self._socket.poll(max(1, int(wait_s * 1000)), zmq.POLLIN)
+            self._receive()
+        return True
 
-    def _heartbeat(self, now: float) -> _Outgoing:
-        rid = next(self._rids)
-        future: Future[p.Reply] = Future()
-        frame = p.encode(p.Heartbeat(rid=rid, auth=self.token))
-        return _Outgoing(rid, frame, future, now + self.timeout_s)
-
-    def _send(
-        self, socket: zmq.Socket, unsent: list[_Outgoing], waiting: dict[int, _Outgoing]
-    ) -> list[_Outgoing]:
-        for index, out in enumerate(unsent):
+    def _flush(self) -> None:
+        sent = 0
+        for out in self._unsent:
             try:
-                socket.send(out.frame, zmq.NOBLOCK)
-            except zmq.Again:
-                return unsent[index:]
-            waiting[out.rid] = out
-        return []
+                self._socket.send(out.frame, zmq.NOBLOCK)
+            except zmq.Again:  # not connected (yet): the background thread retries
+                break
+            self._waiting[out.rid] = out
+            sent += 1
+        if sent:
+            del self._unsent[:sent]
 
-    def _receive(self, socket: zmq.Socket, waiting: dict[int, _Outgoing]) -> None:
+    def _receive(self) -> None:
         while True:
             try:
-                frame = socket.recv(zmq.NOBLOCK)
+                frame = self._socket.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -318,26 +350,54 @@ class RpcClient:
             self.health.up()
             if reply.epoch:
                 self.server_epoch = reply.epoch
-            out = waiting.pop(reply.rid, None)
-            if out is not None and not out.future.done():
-                out.future.arrived_at = time.monotonic()  # type: ignore[attr-defined]
+            out = self._waiting.pop(reply.rid, None)
+            if out is not None and not Future.done(out.future):  # not the pumping done()
+                if isinstance(out.future, RpcFuture):
+                    out.future.arrived_at = time.monotonic()
                 out.future.set_result(reply)
 
-    def _expire(self, now: float, unsent: list[_Outgoing], waiting: dict[int, _Outgoing]) -> None:
-        expired = [out for out in unsent if out.deadline <= now]
-        expired += [out for out in waiting.values() if out.deadline <= now]
+    # -----------------------------------------------------------------------------------------
+    # Background thread: heartbeats, retries, expiry, replies nobody asks for
+    # -----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._closed.wait(_BUSY_S if self._waiting or self._unsent else _IDLE_S):
+            with self._lock:
+                if self._closed.is_set():
+                    break
+                now = time.monotonic()
+                if not self.health.alive:  # probe often while the server is down
+                    self._next_heartbeat = min(self._next_heartbeat, now + _DOWN_PROBE_INTERVAL_S)
+                if now >= self._next_heartbeat:
+                    self._unsent.append(self._heartbeat(now))
+                    self._next_heartbeat = now + self.heartbeat_interval_s
+                self._flush()
+                self._receive()
+                expired = self._expire(now)
+            for out in expired:
+                self.health.down()
+                _fail(
+                    out.future,
+                    ServerUnavailable(
+                        f"no reply from the cache server at {self.url} within the timeout; is "
+                        f"it running? (start one with `kvtb server`)"
+                    ),
+                )
+
+    def _heartbeat(self, now: float) -> _Outgoing:
+        rid = next(self._rids)
+        future: Future[p.Reply] = Future()
+        frame = p.encode(p.Heartbeat(rid=rid, auth=self.token))
+        return _Outgoing(rid, frame, future, now + self.timeout_s)
+
+    def _expire(self, now: float) -> list[_Outgoing]:
+        expired = [out for out in self._unsent if out.deadline <= now]
+        expired += [out for out in self._waiting.values() if out.deadline <= now]
         for out in expired:
-            waiting.pop(out.rid, None)
-            if out in unsent:
-                unsent.remove(out)
-            self.health.down()
-            _fail(
-                out.future,
-                ServerUnavailable(
-                    f"no reply from the cache server at {self.url} within the timeout; is it "
-                    f"running? (start one with `kvtb server`)"
-                ),
-            )
+            self._waiting.pop(out.rid, None)
+            if out in self._unsent:
+                self._unsent.remove(out)
+        return expired
 
 
 def check(reply: p.Reply) -> p.Reply:
@@ -348,7 +408,7 @@ def check(reply: p.Reply) -> p.Reply:
 
 
 def _fail(future: Future[p.Reply], exc: BaseException) -> None:
-    if not future.done():
+    if not Future.done(future):
         future.set_exception(exc)
 
 
