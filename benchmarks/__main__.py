@@ -10,6 +10,7 @@ BENCHMARKS = [
     ["benchmarks.loader", "--spans", "100000"],
     ["benchmarks.replay_throughput", "--requests", "1000"],
     ["benchmarks.data_path", "--rounds", "30"],
+    ["benchmarks.vllm_e2e", "--samples", "3", "--lengths", "1024", "4096"],
     ["benchmarks.pool_allocator", "--extents", "1000", "10000", "--pairs", "5000"],
     ["benchmarks.whatif", "--requests", "1000", "--rounds", "3"],
 ]
