@@ -38,7 +38,7 @@ from connector.ops import RetrieveOp, StoreOp
 from connector.shared_kv import SharedKV
 from testbed import protocol as p
 from testbed import telemetry
-from testbed.block_copy import ChunkCopy
+from testbed.block_copy import item_copies
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable, reply_timing
 from testbed.telemetry import SpanKind
 from testbed.telemetry import attributes as a
@@ -417,12 +417,10 @@ class WorkerClient:
         if self._pool is None:
             return True  # metadata-only server: nothing to copy
         assert self.kv is not None
-        per_chunk = self.blocks_per_chunk
         copies = [
-            ChunkCopy(slot, op.block_ids[index * per_chunk : (index + 1) * per_chunk])
+            copy
             for op, item in zip(ops, plan.items, strict=True)
-            for index, slot in enumerate(item.slots)
-            if slot is not None
+            for copy in item_copies(op.block_ids, item.slots, self.blocks_per_chunk)[0]
         ]
         try:
             if copies:
@@ -622,22 +620,17 @@ class WorkerClient:
         """A server-driven retrieve's outcome: per item ok, the blocks of missing chunks
         (minus skipped ones), and the bytes the server copied."""
         assert self.kv is not None
-        per_chunk = self.blocks_per_chunk
         oks: list[bool] = []
         failed: list[list[int]] = []
         nbytes = 0
         for op, item in zip(ops, plan.items, strict=True):
             skip_blocks = op.skip_first_n_tokens // self.kv.block_size
-            item_failed: list[int] = []
-            for index, slot in enumerate(item.slots):
-                chunk_blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
-                skip = min(max(0, skip_blocks - index * per_chunk), len(chunk_blocks))
-                if slot is None:
-                    item_failed += chunk_blocks[skip:]
-                else:
-                    nbytes += slot.nbytes
-            oks.append(not item_failed)
-            failed.append(item_failed)
+            copies, missing = item_copies(
+                op.block_ids, item.slots, self.blocks_per_chunk, skip_blocks
+            )
+            nbytes += sum(copy.slot.nbytes for copy in copies)
+            oks.append(not missing)
+            failed.append(missing)
         return oks, failed, nbytes
 
     def _stale(self) -> bool:
@@ -648,23 +641,16 @@ class WorkerClient:
     ) -> tuple[list[bool], list[list[int]], int]:
         """Copies what is present; per item: ok, the blocks that failed, and bytes copied."""
         assert self.kv is not None
-        per_chunk = self.blocks_per_chunk
         oks: list[bool] = []
         failed: list[list[int]] = []
         nbytes = 0
         for op, item in zip(ops, plan.items, strict=True):
             skip_blocks = op.skip_first_n_tokens // self.kv.block_size
-            item_failed: list[int] = []
-            copies: list[ChunkCopy] = []
+            copies, item_failed = item_copies(
+                op.block_ids, item.slots, self.blocks_per_chunk, skip_blocks
+            )
             try:
-                for index, slot in enumerate(item.slots):
-                    chunk_blocks = op.block_ids[index * per_chunk : (index + 1) * per_chunk]
-                    skip = min(max(0, skip_blocks - index * per_chunk), len(chunk_blocks))
-                    if slot is None:
-                        item_failed += chunk_blocks[skip:]
-                        continue
-                    copies.append(ChunkCopy(slot, chunk_blocks, skip))
-                    nbytes += slot.nbytes
+                nbytes += sum(copy.slot.nbytes for copy in copies)
                 if copies and self._pool is not None:  # one batched copy per request
                     self.kv.load_chunks(self._pool.array, copies)
             except (RuntimeError, ValueError, IndexError) as exc:

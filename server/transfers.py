@@ -226,7 +226,7 @@ def _server_store_copy(
 ) -> Generator[None, None, bool]:
     """Server-driven: copies the engine's blocks into the reserved slots, an item at a time
     (other clients are served in between). A failure drops the reservations."""
-    from testbed.block_copy import ChunkCopy
+    from testbed.block_copy import item_copies
 
     assert s.pool is not None
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
@@ -237,11 +237,7 @@ def _server_store_copy(
                 raise ValueError(
                     f"item of {len(item.chunk_hashes)} chunks names {len(item.block_ids)} blocks"
                 )
-            copies = [
-                ChunkCopy(slot, item.block_ids[index * per_chunk : (index + 1) * per_chunk])
-                for index, slot in enumerate(plan.slots)
-                if slot is not None
-            ]
+            copies, _ = item_copies(item.block_ids, plan.slots, per_chunk)
             if copies:
                 worker.engine.store(s.pool.array, copies)
                 if call.spend(len(copies) * per_chunk):
@@ -367,20 +363,14 @@ def _server_retrieve_copy(
     """Server-driven: copies the pinned objects into the engine's blocks (never the first
     ``skip_blocks`` of an item), then ends the retrieve as ``RetrieveEnd`` would: unpins and
     releases the items' lock units. A failed item's chunks count as missing."""
-    from testbed.block_copy import ChunkCopy
+    from testbed.block_copy import item_copies
 
     assert s.pool is not None
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
     oks: list[bool] = []
     started = time.perf_counter()
     for item, plan in zip(req.items, plans, strict=True):
-        copies = []
-        for index, slot in enumerate(plan.slots):
-            if slot is None:
-                continue
-            blocks = item.block_ids[index * per_chunk : (index + 1) * per_chunk]
-            skip = min(max(0, item.skip_blocks - index * per_chunk), len(blocks))
-            copies.append(ChunkCopy(slot, blocks, skip))
+        copies, _ = item_copies(item.block_ids, plan.slots, per_chunk, item.skip_blocks)
         try:
             if copies:
                 worker.engine.retrieve(s.pool.array, copies)

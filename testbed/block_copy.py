@@ -62,6 +62,28 @@ class ChunkCopy(NamedTuple):
     """Retrieve only: leading blocks left untouched (vLLM's own prefix cache holds them)."""
 
 
+def item_copies(
+    block_ids: Sequence[int],
+    slots: Sequence[SlotLike | None],
+    blocks_per_chunk: int,
+    skip_blocks: int = 0,
+) -> tuple[list[ChunkCopy], list[int]]:
+    """One protocol item's chunks: a copy per chunk with a slot (``block_ids`` cut into
+    chunks of ``blocks_per_chunk``; a retrieve never writes the item's first ``skip_blocks``),
+    and the blocks of the chunks without one (minus the skipped ones), which must be
+    recomputed."""
+    copies: list[ChunkCopy] = []
+    missing: list[int] = []
+    for index, slot in enumerate(slots):
+        blocks = block_ids[index * blocks_per_chunk : (index + 1) * blocks_per_chunk]
+        skip = min(max(0, skip_blocks - index * blocks_per_chunk), len(blocks))
+        if slot is None:
+            missing += blocks[skip:]
+        else:
+            copies.append(ChunkCopy(slot, blocks, skip))
+    return copies, missing
+
+
 _SMALL = 256
 """Run indices in an operation up to which plain Python computes them faster than numpy
 (numpy's fixed cost per call dominates small operations, all the more with cold caches)."""

@@ -12,7 +12,7 @@ import torch
 from connector.kv_copy import PagedKV, PoolMapping
 from server.pool import SharedMemoryPool
 from testbed import protocol as p
-from testbed.block_copy import ChunkCopy
+from testbed.block_copy import ChunkCopy, item_copies
 from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
     LAYOUTS,
     blocks_of,
@@ -216,3 +216,16 @@ def test_cuda_kv_is_staged_through_the_host_pool_in_the_same_layout(layout):
     back = tuple(layer.cpu() for layer in layers)
     assert blocks_of(back, block_dim, [6, 7]) == blocks_of(host, block_dim, [0, 9])
     assert blocks_of(back, block_dim, [5]) == blocks_of(host, block_dim, [5])
+
+
+def test_an_items_chunks_split_into_copies_and_blocks_to_recompute():
+    present = [p.Slot(offset=0, nbytes=64), None, p.Slot(offset=64, nbytes=64)]
+    blocks = list(range(10, 22))  # 3 chunks of 4 blocks
+    copies, missing = item_copies(blocks, present, 4, skip_blocks=5)
+    # chunk 0 is wholly skipped (its blocks are the engine's), chunk 1 is gone: recompute
+    # its blocks but the skipped first one, chunk 2 copies whole.
+    assert [(c.slot.offset, list(c.block_ids), c.skip_blocks) for c in copies] == [
+        (0, [10, 11, 12, 13], 4),
+        (64, [18, 19, 20, 21], 0),
+    ]
+    assert missing == [15, 16, 17]
