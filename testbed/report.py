@@ -31,7 +31,7 @@ matplotlib.use("Agg")  # files only, no display
 
 from testbed.analysis import attribution_plots, metrics, plots
 from testbed.analysis.spans import load_spans
-from testbed.analysis.tables import sweep_axes
+from testbed.analysis.tables import figure_axes
 from testbed.analysis.whatif import figures as whatif_figures
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
 from testbed.telemetry import attributes as a
@@ -65,7 +65,7 @@ def write_report(sweep_dir: Path) -> Path:
     runs = index[index["status"] == COMPLETE].copy()
     if runs.empty:
         raise ValueError(f"{sweep_dir} has no finished runs to report on (run `kvtb sweep` first)")
-    x, series = sweep_axes(sweep_dir)
+    x, series = figure_axes(manifest["swept"], index)
     swept = [x, *series] if x in runs else series
     runs["label"] = runs.apply(lambda row: _label(row, swept), axis=1)
     runs = runs.sort_values([x, *series, "engine"], kind="stable")
@@ -189,8 +189,14 @@ def _figures(
 
 
 def _label(row: pd.Series, swept: list[str]) -> str:
-    parts = [str(row["engine"])] + [f"{k}={plots.short_label(row[k])}" for k in swept]
+    parts = [str(row["engine"])] + [f"{k}={_value_label(k, row[k])}" for k in swept]
     return " ".join(parts)
+
+
+def _value_label(key: str, value: object) -> str:
+    if key.startswith("capacity") and pd.isna(value):
+        return "unlimited"  # a run without a capacity limit
+    return plots.short_label(value)
 
 
 def _context(manifest: dict, runs: pd.DataFrame, swept: list[str]) -> str:

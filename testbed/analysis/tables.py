@@ -124,15 +124,6 @@ _X_PREFERENCE = (
 )
 
 
-def sweep_axes(sweep_dir: Path | str) -> tuple[str, list[str]]:
-    """The x-axis of a sweep's figures (a numeric swept key when there is one) and the other
-    swept keys, which become series (:func:`figure_axes` of the sweep's index)."""
-    manifest = json.loads((Path(sweep_dir) / "sweep.json").read_text())
-    index_path = Path(sweep_dir) / "index.parquet"
-    runs = pd.read_parquet(index_path) if index_path.exists() else None
-    return figure_axes(manifest["swept"], runs)
-
-
 def figure_axes(swept: list[str], runs: pd.DataFrame | None = None) -> tuple[str, list[str]]:
     """The x-axis among the ``swept`` keys (a numeric one when there is one, else the first;
     ``run_id`` when nothing is swept) and the series: the other swept keys, those that tell

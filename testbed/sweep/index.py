@@ -58,7 +58,31 @@ def write_manifest(sweep_dir: Path, sweep: SweepSpec) -> None:
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())
+    """``sweep.json`` of ``sweep_dir``; for a directory of runs written by ``kvtb run --out``
+    (no ``sweep.json``), a manifest derived from the runs' ``spec.json``: every subdirectory
+    holding one is a run, and the swept keys are those whose values differ between runs."""
+    sweep_dir = Path(sweep_dir)
+    if (sweep_dir / SWEEP_FILE).is_file():
+        return json.loads((sweep_dir / SWEEP_FILE).read_text())
+    run_ids = sorted(path.parent.name for path in sweep_dir.glob(f"*/{SPEC_FILE}"))
+    if not run_ids:
+        raise FileNotFoundError(
+            f"{sweep_dir} has neither {SWEEP_FILE} nor run directories (*/{SPEC_FILE}): "
+            "give a sweep directory or the --out directory of `kvtb run`"
+        )
+    specs = [json.loads((sweep_dir / run_id / SPEC_FILE).read_text()) for run_id in run_ids]
+    swept = [
+        key
+        for key in _SPEC_KEYS
+        if key != "run_id"
+        and len({json.dumps(spec.get(key), sort_keys=True, default=str) for spec in specs}) > 1
+    ]
+    return {
+        "name": sweep_dir.name,
+        "description": f"Runs found in `{sweep_dir.name}` (no {SWEEP_FILE}).",
+        "swept": swept,
+        "runs": run_ids,
+    }
 
 
 def record_failure(run_dir: Path, spec: RunSpec, error: str, details: str = "") -> None:
@@ -79,15 +103,9 @@ def read_failure(run_dir: Path) -> str | None:
 
 
 def build_index(sweep_dir: Path) -> pd.DataFrame:
-    """Builds ``index.parquet`` from the run directories listed in ``sweep.json``; returns it.
-
-    Without ``sweep.json`` every subdirectory holding a ``spec.json`` is a run (sorted by id).
-    """
+    """Builds ``index.parquet`` from the run directories of :func:`read_manifest`; returns it."""
     sweep_dir = Path(sweep_dir)
-    if (sweep_dir / SWEEP_FILE).is_file():
-        run_ids = read_manifest(sweep_dir)["runs"]
-    else:
-        run_ids = sorted(path.parent.name for path in sweep_dir.glob(f"*/{SPEC_FILE}"))
+    run_ids = read_manifest(sweep_dir)["runs"]
     rows = [row for run_id in run_ids if (row := _row(sweep_dir / run_id)) is not None]
     frame = _frame(rows)
     tmp = sweep_dir / (INDEX_FILE + ".tmp")

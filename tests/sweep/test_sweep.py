@@ -444,3 +444,26 @@ chunk_size = [64, 128]
                 "bad",
             )
         )
+
+
+def test_report_takes_the_out_directory_of_plain_runs(tmp_path, capsys):
+    pytest.importorskip("testbed.report", reason="testbed.report is not written yet")
+    out = tmp_path / "runs"
+    common = ["run", "--engine", "oracle", "--workload", "chat", "--requests", "20"]
+    assert kvtb([*common, "--out", str(out), "--no-progress"]) == 0
+    assert kvtb([*common, "--capacity-tokens", "2000", "--out", str(out), "--no-progress"]) == 0
+    assert not (out / SWEEP_FILE).exists()
+    capsys.readouterr()
+
+    assert kvtb(["report", str(out)]) == 0
+
+    report = (out / "report" / "report.md").read_text()
+    assert "2 finished runs" in report and "Swept: capacity_tokens." in report
+    table = pd.read_csv(out / "report" / "runs.csv")
+    assert sorted(table["capacity_tokens"].fillna(-1)) == [-1, 2000]
+    assert (out / "report" / "hit_rate.png").is_file()
+
+
+def test_report_of_a_directory_without_runs_says_what_to_give(tmp_path, capsys):
+    assert kvtb(["report", str(tmp_path)]) != 0
+    assert "kvtb run" in capsys.readouterr().err
