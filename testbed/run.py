@@ -452,8 +452,13 @@ def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:
         policy=policy,
         capacity_chunks=None if capacity is None else capacity // chunk_bytes,
     )
+    # An unlimited cache misses only what no earlier request had: its misses are the cold
+    # ones, and what it would have hit beyond the limited cache is the capacity miss.
+    unlimited = oracle if capacity is None else simulate(requests, spec.chunk_size)
     result = EngineResult(engine="oracle")
-    for request, hit in zip(requests, oracle.per_request_hit_tokens, strict=True):
+    for request, hit, unlimited_hit in zip(
+        requests, oracle.per_request_hit_tokens, unlimited.per_request_hit_tokens, strict=True
+    ):
         result.records.append(
             RequestRecord(
                 request_id=request.request_id,
@@ -461,6 +466,7 @@ def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:
                 prompt_tokens=len(request.prompt_token_ids),
                 arrival_s=request.arrival_s,
                 hit_tokens=hit,
+                unlimited_hit_tokens=unlimited_hit,
             )
         )
     return result

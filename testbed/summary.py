@@ -61,10 +61,14 @@ def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame
 
 def _oracle_table(result: EngineResult, engine: pd.DataFrame, chunk_size: int) -> pd.DataFrame:
     """The oracle has no engine and no telemetry: its matched chunks are external hits, the
-    rest is the partial tail or missed chunks (cold: an infinite cache misses only those;
-    capacity otherwise is told apart by the oracle itself in ``testbed.engine.oracle``)."""
+    rest is the partial tail or missed chunks: cold where an unlimited cache misses them too,
+    capacity where only the oracle's capacity lost them."""
     table = engine.copy()
     hits = pd.Series([record.hit_tokens or 0 for record in result.records], dtype="int64")
+    unlimited = pd.Series(
+        [record.unlimited_hit_tokens or record.hit_tokens or 0 for record in result.records],
+        dtype="int64",
+    )
     prompt = table["prompt_tokens"].astype("int64")
     complete = prompt // chunk_size * chunk_size
     table["workload_request_id"] = table["request_id"]
@@ -76,7 +80,8 @@ def _oracle_table(result: EngineResult, engine: pd.DataFrame, chunk_size: int) -
         table[name] = 0
     table["external"] = hits
     table["partial_chunk"] = prompt - complete - (hits - complete).clip(lower=0)
-    table["cold"] = (complete - hits).clip(lower=0)
+    table["capacity"] = (unlimited - hits).clip(lower=0)
+    table["cold"] = (complete - unlimited.clip(lower=hits)).clip(lower=0)
     return table
 
 

@@ -30,6 +30,9 @@ class RequestRecord:
     finish_s: float | None = None
     hit_tokens: int | None = None
     """Only the oracle (no engine, no telemetry) reports hits here: its matched tokens."""
+    unlimited_hit_tokens: int | None = None
+    """The oracle with a capacity: the tokens an unlimited cache would have matched (the
+    difference is its capacity misses)."""
 
     @property
     def ttft_ms(self) -> float | None:

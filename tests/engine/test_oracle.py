@@ -182,3 +182,18 @@ def test_bad_policy_arguments_are_rejected():
     with pytest.raises(ValueError, match="chunk_size must be positive"):
         simulate(requests, 0)
     assert simulate([], C).token_hit_rate == 0.0
+
+
+def test_a_capacity_limited_oracle_run_tells_capacity_misses_from_cold_ones(tmp_path):
+    from testbed.run import RunOptions, execute_run
+    from testbed.runspec import RunSpec
+
+    base = dict(engine="oracle", workload="chat", requests=60, chunk_size=64)
+    options = RunOptions(progress=False)
+    unlimited = execute_run(RunSpec(**base), tmp_path, options)["tokens"]
+    limited = execute_run(RunSpec(**base, capacity_tokens=1024), tmp_path, options)["tokens"]
+    assert unlimited["capacity"] == 0 and limited["capacity"] > 0
+    # The cold misses are the unlimited cache's misses; what it hit and the small one did not
+    # is the capacity miss.
+    assert limited["cold"] == unlimited["cold"]
+    assert limited["external"] + limited["capacity"] == unlimited["external"]
