@@ -451,9 +451,13 @@ class WorkerClient:
         ]
 
     def _abort(self, op_ids: list[int]) -> None:
-        """Tells the server to drop operations this worker gave up on (fire and forget; if
-        the server is gone, its operation deadline cleans up)."""
-        if op_ids and self.rpc.alive:
+        """Tells the server to drop operations this worker gave up on (fire and forget).
+
+        Sent even when the server looks down: one that was only frozen or slow reads it when
+        it resumes, after the request it aborts (one connection keeps their order), so its
+        pins or reservation go at once; for one that is gone, its operation deadline cleans up.
+        """
+        if op_ids:
             with contextlib.suppress(ServerUnavailable):
                 self.rpc.fire(p.Abort(op_ids=op_ids))
 
@@ -537,6 +541,10 @@ class WorkerClient:
         span = retrieve.span
         plan = _plan_or_error(retrieve.future)
         if isinstance(plan, str):
+            if retrieve.future is not None:
+                # No plan (a timeout, an error): whatever the server pinned for it is unowned
+                # by anyone waiting; release it now rather than at its operation deadline.
+                self._abort([retrieve.op_id])
             if "not_registered" in plan or "stale_epoch" in plan:
                 with contextlib.suppress(ServerUnavailable, RemoteError):
                     assert self.kv is not None

@@ -105,8 +105,12 @@ def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
             second.close()
 
 
-def test_sync_loads_still_outstanding_fail_in_the_same_step_and_are_aborted(start_server):
-    server = start_server("--chunk-size", str(C))
+@pytest.mark.parametrize(
+    "wait_s",
+    [0.5, 1.5],  # within the client's 1 s timeout, and past it (the server then looks down)
+)
+def test_sync_loads_still_outstanding_fail_in_the_same_step_and_are_aborted(start_server, wait_s):
+    server = start_server("--chunk-size", str(C), "--op-ttl", "120")  # only an abort frees it
     tokens = prompt(3 * C + 1, seed=4)
     with Harness(server, timeout_s=1.0) as h:
         h.prefill("writer", tokens, list(range(13)))
@@ -117,8 +121,8 @@ def test_sync_loads_still_outstanding_fail_in_the_same_step_and_are_aborted(star
         try:
             started = time.monotonic()
             worker.submit_retrieves(plan.retrieves)
-            outcome = worker.complete_retrieves(wait_s=1.0, fail_outstanding=True)
-            assert time.monotonic() - started < 2.0
+            outcome = worker.complete_retrieves(wait_s=wait_s, fail_outstanding=True)
+            assert time.monotonic() - started < wait_s + 1.0
         finally:
             os.kill(server.pid, signal.SIGCONT)
         assert outcome.finished == {"reader"}
