@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from testbed.credentials import ServerEndpoint, client_token
 from testbed.extras import MissingExtra, require_engines, require_lab
-from testbed.runspec import RunSpec
-from testbed.sizes import parse_bytes
+from testbed.run_flags import add_spec_arguments, spec_from_args
 from testbed.version import package_version
 
 
@@ -177,31 +173,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="TOML file with run keys (flags override it)")
-    hints = typing.get_type_hints(RunSpec)
-    defaults = RunSpec()
-    for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
-        if name == "workload_params":
-            continue
-        flag = "--" + name.replace("_", "-")
-        annotation = hints[name]
-        default = getattr(defaults, name)
-        if annotation is bool:
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"(default: {default})",
-            )
-            continue
-        parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
-    parser.add_argument(
-        "--workload-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a workload generator parameter (repeatable; VALUE is parsed as TOML)",
-    )
+    add_spec_arguments(parser)
     parser.add_argument(
         "--out", type=Path, default=Path("runs"), help="parent directory (default: runs)"
     )
@@ -228,49 +200,6 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"])
     parser.add_argument("--no-progress", action="store_true")
-
-
-def spec_from_args(args: argparse.Namespace) -> RunSpec:
-    values: dict[str, Any] = {}
-    if args.config is not None:
-        values.update(tomllib.loads(args.config.read_text()))
-    hints = typing.get_type_hints(RunSpec)
-    for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
-        raw = getattr(args, name, None)
-        if raw is None or name == "workload_params":
-            continue
-        values[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
-    params = dict(values.get("workload_params", {}))
-    for item in args.workload_param:
-        key, _, value = item.partition("=")
-        params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
-    if params:
-        values["workload_params"] = params
-    source = str(args.config) if args.config else "command line"
-    return RunSpec.from_mapping(values, source=source)
-
-
-def _parse_flag(name: str, raw: str, annotation: Any) -> Any:
-    if raw.lower() in ("none", "unlimited"):
-        return None
-    options = (
-        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    )
-    if name == "capacity_bytes":
-        return parse_bytes(raw)
-    if int in options:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(
-                f"--{name.replace('_', '-')} expects an integer, got {raw!r}"
-            ) from None
-    if float in options:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"--{name.replace('_', '-')} expects a number, got {raw!r}") from None
-    return raw
 
 
 def _run(args: argparse.Namespace) -> int:

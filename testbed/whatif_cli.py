@@ -93,7 +93,7 @@ def run_whatif(args: argparse.Namespace) -> int:
 
 
 def _workload_spec(args: argparse.Namespace, workload: str) -> Any:
-    from testbed.cli import spec_from_args
+    from testbed.run_flags import spec_from_args
 
     values = argparse.Namespace(**vars(args))
     values.workload = workload
