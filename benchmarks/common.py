@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -26,8 +26,8 @@ def spread(samples: list[float]) -> str:
     return f"{q1 * 1e3:.3f}–{q3 * 1e3:.3f}"
 
 
-def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [list(header), *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.common import table
+from testbed.credentials import ServerEndpoint
 from testbed.engine.profiles import get_profile
 from testbed.engine.replay import ReplayEngine, ReplaySpec
 from testbed.launch import ServerProcess
@@ -63,7 +64,10 @@ def main() -> None:
         "--capacity",
         str(parse_bytes(args.capacity)),
     ]
-    with ServerProcess(server_args) as server, ReplayEngine(spec, server.url) as replay:
+    with (
+        ServerProcess(server_args) as server,
+        ReplayEngine(spec, ServerEndpoint(server.url, server.token)) as replay,
+    ):
         results["replay (connector + server + KV)"] = replay.run(requests)
     rows = []
     base_s = results["vLLM scheduler, no connector"].wall_s

@@ -65,10 +65,12 @@ def main() -> None:
     ):
         tracing = configure_tracing(TracingConfig("bench-engine", run_dir=work))
         assert tracing is not None
-        samples = {mode: {op: [] for op in OPS} for mode in ("off", "on")}
+        samples: dict[str, dict[str, list[float]]] = {
+            mode: {op: [] for op in OPS} for mode in ("off", "on")
+        }
         with (
-            Harness(off_server.url, chunk_size=C, num_blocks=256) as off,
-            Harness(on_server.url, chunk_size=C, num_blocks=256) as on,
+            Harness(off_server, chunk_size=C, num_blocks=256) as off,
+            Harness(on_server, chunk_size=C, num_blocks=256) as on,
         ):
             for index in range(args.rounds):
                 telemetry.use_provider(None)
