@@ -12,6 +12,7 @@ BENCHMARKS = [
     ["benchmarks.data_path", "--rounds", "30"],
     ["benchmarks.vllm_e2e", "--samples", "3", "--lengths", "1024", "4096"],
     ["benchmarks.pool_allocator", "--extents", "1000", "10000", "--pairs", "5000"],
+    ["benchmarks.eviction", "--objects", "100000", "--batches", "5"],
     ["benchmarks.whatif", "--requests", "1000", "--rounds", "3"],
 ]
 

@@ -17,6 +17,7 @@ SMALL = {
     "benchmarks.replay_throughput": (["--requests", "20"], "integrity errors"),
     "benchmarks.data_path": (["--rounds", "2"], "× memcpy"),
     "benchmarks.pool_allocator": (["--extents", "100", "--pairs", "200"], "µs per pair"),
+    "benchmarks.eviction": (["--objects", "2000", "--batches", "2", "--batch", "100"], "vs lru"),
     "benchmarks.whatif": (["--requests", "50", "--rounds", "1"], "oracle points that differ"),
 }
 
