@@ -6,6 +6,7 @@ always cover whole chunks; ``block_ids`` are the vLLM blocks covering exactly th
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -59,3 +60,31 @@ class StepPlan:
 
     def __len__(self) -> int:
         return len(self.retrieves) + len(self.stores)
+
+
+class FinishingOrder(set[str]):
+    """Request ids that iterate in the order they were given, not in hash order.
+
+    vLLM frees the blocks of the requests in ``finished_sending`` in the order it iterates
+    the set, and that order decides which blocks its own prefix cache evicts first. A plain
+    set iterates in hash order, and vLLM gives every request id a random suffix, so the same
+    workload would evict differently from run to run. Members added later (vLLM does not add
+    any) iterate after the ordered ones, in set order.
+    """
+
+    def __init__(self, request_ids: Iterable[str] = ()) -> None:
+        ordered = list(dict.fromkeys(request_ids))
+        super().__init__(ordered)
+        self._order = ordered
+
+    def __iter__(self) -> Iterator[str]:
+        seen = set()
+        for request_id in self._order:
+            if set.__contains__(self, request_id):
+                seen.add(request_id)
+                yield request_id
+        if len(seen) < len(self):
+            yield from (r for r in set.__iter__(self) if r not in seen)
+
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        return (type(self), (list(self),))

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 
@@ -47,7 +48,7 @@ from connector import tracing
 from connector.config import ConnectorConfig
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
-from connector.ops import StepPlan
+from connector.ops import FinishingOrder, StepPlan
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
@@ -251,13 +252,21 @@ class KVTBConnector(KVConnectorBase_V1):
         done = [request_id for request_id in self._delayed if request_id not in pending]
         for request_id in done:
             del self._delayed[request_id]
-        sent = set(done)  # vLLM's type; built in finishing order
+        sent = FinishingOrder(done)  # a set, as vLLM types it, iterating in finishing order
         recving = None
         if self.config.load_async and self.worker.num_inflight_retrieves:
             outcome = self.worker.complete_retrieves(wait_s=self.config.load_wait_s)
             self._load_errors |= outcome.failed_block_ids
             recving = outcome.finished or None
         return sent or None, recving
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished` as vLLM's runner takes it, keeping the finishing order that
+        the base class's plain sets would lose."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending or FinishingOrder(), finished_recving=set(recving or ())
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

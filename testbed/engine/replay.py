@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from connector.config import ConnectorConfig
+from connector.ops import FinishingOrder
 from testbed import telemetry
 from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
@@ -190,6 +191,7 @@ class ReplayEngine:
             for rank in range(spec.tp if server else 0)
         ]
         self.aggregator = KVOutputAggregator(expected_finished_count=max(1, len(self.workers)))
+        self._send_order: dict[str, int] = {}  # request id -> when a rank first reported it
         self.clock = spec.time_model()
 
     def close(self) -> None:
@@ -343,8 +345,19 @@ class ReplayEngine:
 
         if not outcomes:
             return output(None)
+        for outcome in outcomes:  # rank order, each rank's in its finishing order
+            for request_id in outcome.finished_sending:
+                self._send_order.setdefault(request_id, len(self._send_order))
         aggregated = self.aggregator.aggregate([output(outcome) for outcome in outcomes])
         assert aggregated is not None
+        kv = aggregated.kv_connector_output
+        if kv is not None and kv.finished_sending:
+            # The aggregator counts ranks in a plain set; vLLM frees blocks in the order it
+            # iterates it, so it gets the ranks' finishing order back, as a one-rank engine.
+            order = self._send_order
+            kv.finished_sending = FinishingOrder(sorted(kv.finished_sending, key=order.__getitem__))
+            for request_id in kv.finished_sending:
+                del order[request_id]
         return aggregated
 
 

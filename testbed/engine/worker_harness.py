@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from connector.ops import FinishingOrder
 from testbed.engine import kv_content
 from testbed.engine.profiles import KVProfile
 
@@ -29,7 +30,7 @@ class StepOutcome:
     """What one rank's step reports: its connector output as vLLM's runner would send it,
     and the integrity errors the harness found (engine-side verification, not accounting)."""
 
-    finished_sending: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=FinishingOrder)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     integrity_errors: int = 0
@@ -113,7 +114,7 @@ class WorkerHarness:
         connector.wait_for_save()
         results = connector.get_transfer_results(so.finished_req_ids)
         outcome = StepOutcome(
-            finished_sending=set(results.finished_sending or ()),
+            finished_sending=FinishingOrder(results.finished_sending or ()),
             finished_recving=set(results.finished_recving or ()),
             invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
         )
