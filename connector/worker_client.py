@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +38,7 @@ from connector.ops import RetrieveOp, StoreOp
 from connector.shared_kv import SharedKV
 from testbed import protocol as p
 from testbed import telemetry
-from testbed.block_copy import item_copies
+from testbed.block_copy import ChunkCopy, item_copies
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable, reply_timing
 from testbed.telemetry import SpanKind
 from testbed.telemetry import attributes as a
@@ -627,19 +627,27 @@ class WorkerClient:
     ) -> tuple[list[bool], list[list[int]], int]:
         """A server-driven retrieve's outcome: per item ok, the blocks of missing chunks
         (minus skipped ones), and the bytes the server copied."""
-        assert self.kv is not None
         oks: list[bool] = []
         failed: list[list[int]] = []
         nbytes = 0
+        for _, copies, missing in self._item_copies(ops, plan):
+            nbytes += sum(copy.slot.nbytes for copy in copies)
+            oks.append(not missing)
+            failed.append(missing)
+        return oks, failed, nbytes
+
+    def _item_copies(
+        self, ops: list[RetrieveOp], plan: p.RetrievePlan
+    ) -> Iterator[tuple[RetrieveOp, list[ChunkCopy], list[int]]]:
+        """Per op: its chunk copies from the plan's slots and the blocks of missing chunks
+        (both past the op's skipped blocks)."""
+        assert self.kv is not None
         for op, item in zip(ops, plan.items, strict=True):
             skip_blocks = op.skip_first_n_tokens // self.kv.block_size
             copies, missing = item_copies(
                 op.block_ids, item.slots, self.blocks_per_chunk, skip_blocks
             )
-            nbytes += sum(copy.slot.nbytes for copy in copies)
-            oks.append(not missing)
-            failed.append(missing)
-        return oks, failed, nbytes
+            yield op, copies, missing
 
     def _stale(self) -> bool:
         return self.rpc.server_epoch not in (0, self.epoch)
@@ -652,11 +660,7 @@ class WorkerClient:
         oks: list[bool] = []
         failed: list[list[int]] = []
         nbytes = 0
-        for op, item in zip(ops, plan.items, strict=True):
-            skip_blocks = op.skip_first_n_tokens // self.kv.block_size
-            copies, item_failed = item_copies(
-                op.block_ids, item.slots, self.blocks_per_chunk, skip_blocks
-            )
+        for op, copies, item_failed in self._item_copies(ops, plan):
             try:
                 nbytes += sum(copy.slot.nbytes for copy in copies)
                 if copies and self._pool is not None:  # one batched copy per request

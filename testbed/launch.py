@@ -129,13 +129,7 @@ class ServerProcess:
         """Stops the server (SIGTERM, then SIGKILL); returns its exit code."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s)
         return self.process.returncode
 
     def __enter__(self) -> ServerProcess:
@@ -143,3 +137,15 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL if ``process`` has not exited within ``timeout_s``."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 from connector.tracing import SPAN_DIR_ENV
 from testbed.engine.model_dir import TinyModel, write_model_dir
+from testbed.launch import stop_process
 
 _STARTUP_TIMEOUT_S = 600.0
 TINY_MODEL_NAME = "kvtb-tiny"
@@ -125,14 +125,8 @@ class VllmServerProcess:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stops the server; vLLM's graceful shutdown closes the connectors (their spans)."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, timeout_s)
 
     def __enter__(self) -> VllmServerProcess:
         return self.start()
