@@ -15,6 +15,7 @@ fast this machine happens to be.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -192,6 +193,7 @@ class ReplayEngine:
         ]
         self.aggregator = KVOutputAggregator(expected_finished_count=max(1, len(self.workers)))
         self._send_order: dict[str, int] = {}  # request id -> when a rank first reported it
+        self._send_sequence = itertools.count()
         self.clock = spec.time_model()
 
     def close(self) -> None:
@@ -347,7 +349,8 @@ class ReplayEngine:
             return output(None)
         for outcome in outcomes:  # rank order, each rank's in its finishing order
             for request_id in outcome.finished_sending:
-                self._send_order.setdefault(request_id, len(self._send_order))
+                if request_id not in self._send_order:
+                    self._send_order[request_id] = next(self._send_sequence)
         aggregated = self.aggregator.aggregate([output(outcome) for outcome in outcomes])
         assert aggregated is not None
         kv = aggregated.kv_connector_output
