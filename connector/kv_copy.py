@@ -11,9 +11,10 @@ take every chunk of a batch (``ChunkCopy(slot, block_ids, skip_blocks)``) and ma
 copy per chunk and buffer, not one per block and layer. CPU tensors are copied by
 ``testbed.block_copy`` through numpy views of their storage: single-threaded by default, the
 GIL released, and independent of ``torch.set_num_threads``, which is process-wide and also
-sizes vLLM's forward pass (see that module). CUDA tensors are gathered on the device and
-staged through host memory (one device-to-host copy per chunk, and back); the server-driven
-CUDA IPC path of DESIGN.md §2 is not implemented yet.
+sizes vLLM's forward pass (see that module). CUDA tensors are copied by
+``testbed.torch_block_copy`` (gathered on the device, one copy to or from the host pool per
+group of slots), synchronously: the pool holds the bytes when a call returns. Server-driven,
+CUDA KV is not copied here at all: the server maps it through CUDA IPC (``connector.cuda_ipc``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from testbed import protocol as p
 from testbed.block_copy import BlockCopier, ChunkCopy, SlotLike
 from testbed.kv_layout import PagedLayout
+from testbed.torch_block_copy import TorchBlockCopier
 
 PoolBuffer = np.ndarray | torch.Tensor
 """The pool as a flat uint8 numpy array or CPU tensor (``PoolMapping.array`` / ``.tensor``)."""
@@ -49,6 +51,9 @@ class PagedKV:
     num_copy_threads: int = 1
     """Threads of the CPU copy (this object's own pool; 1: the calling thread)."""
     _copier: list[tuple[int, BlockCopier]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    _device_copier: list[TorchBlockCopier] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
 
@@ -112,14 +117,14 @@ class PagedKV:
     def store_chunks(self, pool: PoolBuffer, copies: Sequence[ChunkCopy]) -> int:
         """Copies every chunk's blocks into its slot; returns the bytes written to the pool."""
         if self.layers[0].device.type != "cpu":
-            return self._store_staged(_pool_tensor(pool), copies)
+            return self._torch_copier().gather(_pool_tensor(pool), copies)
         return self._cpu_copier().gather(_pool_array(pool), copies)
 
     def load_chunks(self, pool: PoolBuffer, copies: Sequence[ChunkCopy]) -> int:
         """Copies every slot into its chunk's blocks, except each chunk's first
         ``skip_blocks`` (never written); returns the bytes written to the KV."""
         if self.layers[0].device.type != "cpu":
-            return self._load_staged(_pool_tensor(pool), copies)
+            return self._torch_copier().scatter(_pool_tensor(pool), copies)
         return self._cpu_copier().scatter(_pool_array(pool), copies)
 
     # --- one chunk (the worker client's calls) --------------------------------------------------
@@ -142,6 +147,20 @@ class PagedKV:
 
     # --- internal -------------------------------------------------------------------------------
 
+    def storage_views(self) -> tuple[list[int], list[torch.Tensor]]:
+        """Per layer, its byte offset in its storage and that storage as a flat uint8 tensor
+        on the layers' device (layers sharing a storage share one tensor)."""
+        views: dict[int, torch.Tensor] = {}
+        offsets, buffers = [], []
+        for layer in self.layers:
+            storage = layer.untyped_storage()
+            key = storage.data_ptr()
+            if key not in views:
+                views[key] = torch.empty(0, dtype=torch.uint8, device=layer.device).set_(storage)
+            buffers.append(views[key])
+            offsets.append(int(layer.storage_offset()) * layer.element_size())
+        return offsets, buffers
+
     def _cpu_copier(self) -> BlockCopier:
         """The numpy copier over the tensors' storages, rebuilt if a storage moved (e.g. into
         shared memory by ``connector.shared_kv``): numpy views hold raw addresses."""
@@ -149,80 +168,23 @@ class PagedKV:
         if self._copier and self._copier[0][0] == address:
             return self._copier[0][1]
         self.close()
-        buffers: dict[int, np.ndarray] = {}
-        layer_buffers = []
-        offsets = []
-        for layer in self.layers:
-            storage = layer.untyped_storage()
-            key = storage.data_ptr()
-            if key not in buffers:
-                buffers[key] = storage_array(storage)
-            layer_buffers.append(buffers[key])
-            offsets.append(int(layer.storage_offset()) * layer.element_size())
+        offsets, views = self.storage_views()
+        arrays = {id(view): view.numpy() for view in views}
         copier = BlockCopier(
-            self.paged_layout(offsets), layer_buffers, num_threads=self.num_copy_threads
+            self.paged_layout(offsets),
+            [arrays[id(view)] for view in views],
+            num_threads=self.num_copy_threads,
         )
         self._copier.append((address, copier))
         return copier
 
-    def _check_staged(self, pool: torch.Tensor, copies: Sequence[ChunkCopy], store: bool) -> None:
-        """The checks the numpy copier makes, before any byte moves (a bad index on a device
-        would be an asynchronous device-side assert, not an exception)."""
-        object_block_bytes = self.layer_block_bytes * len(self.layers)
-        for copy in copies:
-            n, slot = len(copy.block_ids), copy.slot
-            if not n or min(copy.block_ids) < 0 or max(copy.block_ids) >= self.num_blocks:
-                raise ValueError(f"block ids {copy.block_ids} outside 0..{self.num_blocks - 1}")
-            if slot.nbytes != n * object_block_bytes:
-                raise ValueError(
-                    f"slot of {slot.nbytes} bytes does not hold {n} blocks of "
-                    f"{len(self.layers)} layers ({n * object_block_bytes} bytes)"
-                )
-            if slot.offset < 0 or slot.offset + slot.nbytes > pool.numel():
-                raise ValueError(f"slot {slot.offset}+{slot.nbytes} outside the pool")
-            if store and copy.skip_blocks:
-                raise ValueError("a store copies whole chunks; skip_blocks must be 0")
-            if not 0 <= copy.skip_blocks <= n:
-                raise ValueError(f"skip_blocks {copy.skip_blocks} outside a chunk of {n} blocks")
-
-    def _store_staged(self, pool: torch.Tensor, copies: Sequence[ChunkCopy]) -> int:
-        self._check_staged(pool, copies, store=True)
-        device = self.layers[0].device
-        written = 0
-        for copy in copies:
-            index = torch.tensor(list(copy.block_ids), dtype=torch.long, device=device)
-            staged = torch.cat(
-                [
-                    torch.index_select(layer, self.block_dim, index).reshape(-1).view(torch.uint8)
-                    for layer in self.layers
-                ]
-            )
-            offset = copy.slot.offset
-            pool[offset : offset + copy.slot.nbytes].copy_(staged)
-            written += copy.slot.nbytes
-        return written
-
-    def _load_staged(self, pool: torch.Tensor, copies: Sequence[ChunkCopy]) -> int:
-        self._check_staged(pool, copies, store=False)
-        device = self.layers[0].device
-        first = self.layers[0]
-        written = 0
-        for copy in copies:
-            n, skip = len(copy.block_ids), copy.skip_blocks
-            if skip == n:
-                continue
-            offset = copy.slot.offset
-            staged = pool[offset : offset + copy.slot.nbytes].to(device)
-            shape = list(first.shape)
-            shape[self.block_dim] = n
-            index = torch.tensor(list(copy.block_ids[skip:]), dtype=torch.long, device=device)
-            per_layer = copy.slot.nbytes // len(self.layers)
-            for number, layer in enumerate(self.layers):
-                chunk = staged[number * per_layer : (number + 1) * per_layer]
-                source = chunk.view(first.dtype).view(shape).narrow(self.block_dim, skip, n - skip)
-                layer.index_copy_(self.block_dim, index, source)
-            written += (n - skip) * self.layer_block_bytes * len(self.layers)
-        return written
+    def _torch_copier(self) -> TorchBlockCopier:
+        """The torch copier over CUDA storages (which never move), made once."""
+        if not self._device_copier:
+            offsets, views = self.storage_views()
+            copier = TorchBlockCopier(self.paged_layout(offsets), views, non_blocking=False)
+            self._device_copier.append(copier)
+        return self._device_copier[0]
 
 
 def storage_array(storage: torch.UntypedStorage) -> np.ndarray:

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from connector.cuda_ipc import CudaExport, DoneEvent
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV, PoolMapping
 from connector.ops import RetrieveOp, StoreOp
@@ -60,8 +61,9 @@ class WorkerIdentity:
     writer: bool = True
     """Whether this rank stores (with MLA only the first rank writes)."""
     transfer_mode: str = "worker"
-    """worker (the worker copies between its KV and the pool) or server (the server does,
-    from the KV it maps)."""
+    """worker (the worker copies between its KV and the pool), server (the server does, from
+    the KV it maps: shared memory on CPU, CUDA IPC on GPU) or auto (server for CUDA KV,
+    worker for CPU KV)."""
 
     @classmethod
     def for_rank(
@@ -91,6 +93,14 @@ def readers_per_object(tp_size: int, mla: bool) -> int:
     return tp_size if mla else 1
 
 
+def resolve_transfer_mode(mode: str, device_type: str) -> str:
+    """``auto`` follows the device: the server copies CUDA KV (CUDA IPC), the worker copies
+    CPU KV; ``worker`` and ``server`` are kept."""
+    if mode != "auto":
+        return mode
+    return "server" if device_type == "cuda" else "worker"
+
+
 @dataclass
 class _Retrieve:
     ops: list[RetrieveOp]
@@ -99,6 +109,10 @@ class _Retrieve:
     future: Future[p.Reply] | None
     span: telemetry.Span
     started_at: float
+    ready_token: int | None = None
+    """CUDA IPC: the ready event lent to this retrieve (back to the ring when it ends)."""
+    device_done: DoneEvent | None = None
+    """CUDA IPC: the server's done event, once the plan named it."""
 
 
 @dataclass
@@ -116,6 +130,10 @@ class _Store:
     cancelled: bool = False
     retried: bool = False
     copy_ms: float = 0.0
+    ready_token: int | None = None
+    """CUDA IPC: the ready event lent to this store (back to the ring when it ends)."""
+    device_done: DoneEvent | None = None
+    """CUDA IPC: the server's done event; the store commits once it has completed."""
     server_s: float = 0.0
     """Seconds between sending a request and its reply arriving (both round trips)."""
     poll_wait_s: float = 0.0
@@ -148,8 +166,11 @@ class WorkerClient:
         self._stores: list[_Store] = []
         self.stores_failed = 0
         """Stores (batches) that did not commit, since the client started."""
-        self.shared: SharedKV | None = None
-        """Server-driven transfers: the KV tensors moved into a file the server maps."""
+        self.shared: SharedKV | CudaExport | None = None
+        """Server-driven transfers: the KV tensors moved into a file the server maps, or
+        exported through CUDA IPC."""
+        self.transfer_mode = identity.transfer_mode
+        """The mode in use: ``identity.transfer_mode`` with ``auto`` resolved at registration."""
 
     # -----------------------------------------------------------------------------------------
     # Registration
@@ -159,9 +180,14 @@ class WorkerClient:
         """Announces the layout and maps the server's pool (unmapping another instance's);
         raises if the server refuses or is down. Server-driven, the KV tensors first move
         (in place: vLLM keeps using them) into a shared file the server maps."""
-        if self.identity.transfer_mode == "server" and self.shared is None:
-            self.shared = SharedKV(kv.layers, kv.block_dim, kv.block_size)
-            kv = PagedKV(kv.layers, kv.block_dim, kv.block_size)
+        device_type = kv.layers[0].device.type
+        self.transfer_mode = resolve_transfer_mode(self.identity.transfer_mode, device_type)
+        if self.transfer_mode == "server" and self.shared is None:
+            if device_type == "cuda":
+                self.shared = CudaExport(kv)
+            else:
+                self.shared = SharedKV(kv.layers, kv.block_dim, kv.block_size)
+                kv = PagedKV(kv.layers, kv.block_dim, kv.block_size)
         self.kv = kv
         ident = self.identity
         with telemetry.traced(
@@ -178,7 +204,12 @@ class WorkerClient:
                     tp_size=ident.tp_size,
                     mla=ident.mla,
                     layout=kv.layout(),
-                    shared_kv=None if self.shared is None else self.shared.description,
+                    shared_kv=self.shared.description
+                    if isinstance(self.shared, SharedKV)
+                    else None,
+                    cuda_kv=self.shared.description
+                    if isinstance(self.shared, CudaExport)
+                    else None,
                     traceparent=traceparent,
                     tracestate=tracestate,
                 )
@@ -194,7 +225,7 @@ class WorkerClient:
                     a.BYTES_PER_TOKEN: kv.bytes_per_token,
                     a.WORLD_SIZE: ident.world_size,
                     a.OBJECT_BYTES: reply.object_bytes,
-                    a.TRANSFER_MODE: ident.transfer_mode,
+                    a.TRANSFER_MODE: self.transfer_mode,
                 }
             )
 
@@ -263,20 +294,33 @@ class WorkerClient:
         with contextlib.suppress(ServerUnavailable, RemoteError):
             self._ensure_current()
         store.epoch = self.epoch
+        store.ready_token, ready = self._record_ready()
         traceparent = telemetry.traceparent_of(span) or ops[0].traceparent
         begin = p.StoreBegin(
-            op_id=op_id, epoch=self.epoch, items=self._items(ops), traceparent=traceparent
+            op_id=op_id,
+            epoch=self.epoch,
+            items=self._items(ops),
+            traceparent=traceparent,
+            ready_event=ready,
         )
         store.future = self.rpc.submit(begin)
         self._stores.append(store)
 
     def progress_stores(self, wait_s: float = 0.0) -> None:
         """Moves every store on as far as its replies allow, waiting up to ``wait_s`` in all:
-        a plan arrived → copy (worker-driven) → commit; a commit arrived → done."""
+        a plan arrived → copy (worker-driven; CUDA IPC: the server's copies completed) →
+        commit; a commit arrived → done."""
         deadline = time.monotonic() + wait_s
         still: list[_Store] = []
         for store in self._stores:
-            while store.future is not None:
+            while store.future is not None or store.device_done is not None:
+                if store.device_done is not None:
+                    if not _device_done(store.device_done, deadline):
+                        break
+                    store.device_done = None
+                    self._submit_commit(store)
+                    continue
+                assert store.future is not None
                 remaining = deadline - time.monotonic()
                 if not store.future.done() and remaining > 0:
                     blocked_at = time.monotonic()
@@ -286,7 +330,7 @@ class WorkerClient:
                 if not store.future.done():
                     break
                 self._advance(store)
-            if store.future is not None:
+            if store.future is not None or store.device_done is not None:
                 still.append(store)
         self._stores = still
 
@@ -300,13 +344,14 @@ class WorkerClient:
         for store in self._stores:
             if store.stage == "begin" and any(op.request_id in cancelled for op in store.ops):
                 store.cancelled = True
-                if self.identity.transfer_mode == "server" and store.future is not None:
+                if self.shared is not None and store.future is not None:
                     # The server copies while it plans: its reply must be in before the next
                     # forward pass may write into the blocks (bounded by the RPC timeout).
                     blocked_at = time.monotonic()
                     with contextlib.suppress(Exception):
                         store.future.result(self.rpc.timeout_s)
                     store.step_wait_s += time.monotonic() - blocked_at
+                    self._order_after(store.future)
 
     @property
     def pending_store_requests(self) -> set[str]:
@@ -328,12 +373,15 @@ class WorkerClient:
                         store.retried = True
                         store.op_id = self.rpc.new_op_id()
                         store.epoch = self.epoch
+                        self._release_ready(store.ready_token)
+                        store.ready_token, ready = self._record_ready()
                         store.future = self.rpc.submit(
                             p.StoreBegin(
                                 op_id=store.op_id,
                                 epoch=self.epoch,
                                 items=self._items(store.ops),
                                 traceparent=telemetry.traceparent_of(store.span),
+                                ready_event=ready,
                             )
                         )
                         return
@@ -346,23 +394,51 @@ class WorkerClient:
                 store.failure = "the request was preempted before its blocks were copied"
             elif reply.epoch != store.epoch or self._stale():
                 store.failure = "the server restarted during the store"
+            elif reply.done_event is not None and isinstance(self.shared, CudaExport):
+                # CUDA IPC: commit once the server's copies have completed on its stream.
+                store.device_done = self.shared.events.opened(reply.done_event)
+                return
             elif not reply.copied:
                 started = time.perf_counter()
                 if not self._copy_in(store.ops, reply):
                     store.failure = "copying KV into the pool failed"
                 store.copy_ms = (time.perf_counter() - started) * 1e3
-            commit = p.StoreCommit(
-                op_id=store.op_id,
-                ok=store.failure is None,
-                traceparent=telemetry.traceparent_of(store.span),
-            )
-            store.stage = "commit"
-            store.future = self.rpc.submit(commit)
+            self._submit_commit(store)
             return
         assert isinstance(reply, p.StoreDone)
         self._end_store(store, store.failure, committed=reply.num_committed)
 
+    def _submit_commit(self, store: _Store) -> None:
+        commit = p.StoreCommit(
+            op_id=store.op_id,
+            ok=store.failure is None,
+            traceparent=telemetry.traceparent_of(store.span),
+        )
+        store.stage = "commit"
+        store.future = self.rpc.submit(commit)
+
+    def _record_ready(self) -> tuple[int | None, p.CudaEvent | None]:
+        """CUDA IPC: an event recorded now on the KV's stream, lent to one operation."""
+        if not isinstance(self.shared, CudaExport):
+            return None, None
+        return self.shared.events.record()
+
+    def _release_ready(self, token: int | None) -> None:
+        if isinstance(self.shared, CudaExport):
+            self.shared.events.release(token)
+
+    def _order_after(self, future: Future[p.Reply]) -> None:
+        """CUDA IPC: later work on the KV's stream waits for the copies of a plan that has
+        arrived (a preempted request's blocks are read before they are reused)."""
+        if not isinstance(self.shared, CudaExport) or not future.done():
+            return
+        with contextlib.suppress(Exception):
+            reply = future.result(0)
+            if isinstance(reply, p.StorePlan) and reply.done_event is not None:
+                self.shared.events.opened(reply.done_event).order_stream(self.shared.events.device)
+
     def _end_store(self, store: _Store, failure: str | None, committed: int = 0) -> None:
+        self._release_ready(store.ready_token)
         span = store.span
         ok = failure is None
         plan = store.plan
@@ -480,18 +556,23 @@ class WorkerClient:
         future = None
         if self.faults is not None:
             self.faults.before_retrieve(ops)
+        token = None
         if self.rpc.alive:
             with contextlib.suppress(ServerUnavailable, RemoteError):
                 self._ensure_current()
+            token, ready = self._record_ready()
             request = p.RetrieveBegin(
                 op_id=op_id,
                 epoch=self.epoch,
                 items=self._items(ops),
                 traceparent=telemetry.traceparent_of(span) or ops[0].traceparent,
+                ready_event=ready,
             )
             future = self.rpc.submit(request)
         span.set_attribute(a.OP_ID, op_id)
-        self._inflight.append(_Retrieve(ops, op_id, self.epoch, future, span, time.monotonic()))
+        self._inflight.append(
+            _Retrieve(ops, op_id, self.epoch, future, span, time.monotonic(), token)
+        )
 
     @property
     def num_inflight_retrieves(self) -> int:
@@ -500,7 +581,9 @@ class WorkerClient:
     def complete_retrieves(
         self, wait_s: float = 0.0, *, fail_outstanding: bool = False
     ) -> RetrieveOutcome:
-        """Finishes the retrieves whose plan has arrived (waiting up to ``wait_s`` for all).
+        """Finishes the retrieves whose plan has arrived (waiting up to ``wait_s`` for all);
+        with CUDA IPC, once the server's copies have completed too (polled, never waited for
+        unless ``fail_outstanding``).
 
         Every finished request is reported, including those whose load failed; the failed
         chunks' blocks (minus the skipped ones) are in ``failed_block_ids``. With
@@ -523,11 +606,29 @@ class WorkerClient:
                 self._abort([retrieve.op_id])
                 self._fail_all(retrieve, outcome, "no answer before the forward pass")
                 continue
+            if not self._copies_done(retrieve, deadline, fail_outstanding):
+                still.append(retrieve)
+                continue
             self._finish(retrieve, outcome)
         self._inflight = still
         return outcome
 
+    def _copies_done(self, retrieve: _Retrieve, deadline: float, wait: bool) -> bool:
+        """CUDA IPC: whether the server's copies of an answered retrieve have completed
+        (``wait``: blocks until they have); True for every other retrieve."""
+        if retrieve.device_done is None and isinstance(self.shared, CudaExport):
+            plan = _plan_or_error(retrieve.future)
+            if isinstance(plan, p.RetrievePlan) and plan.done_event is not None:
+                retrieve.device_done = self.shared.events.opened(plan.done_event)
+        if retrieve.device_done is None:
+            return True
+        if wait:
+            retrieve.device_done.wait()
+            return True
+        return _device_done(retrieve.device_done, deadline)
+
     def _fail_all(self, retrieve: _Retrieve, outcome: RetrieveOutcome, reason: str) -> None:
+        self._release_ready(retrieve.ready_token)
         assert self.kv is not None
         for op in retrieve.ops:
             blocks = self._loadable_blocks(op)
@@ -538,6 +639,8 @@ class WorkerClient:
         retrieve.span.end()
 
     def _finish(self, retrieve: _Retrieve, outcome: RetrieveOutcome) -> None:
+        self._release_ready(retrieve.ready_token)
+        retrieve.ready_token = None
         span = retrieve.span
         plan = _plan_or_error(retrieve.future)
         if isinstance(plan, str):
@@ -561,6 +664,9 @@ class WorkerClient:
             oks, failed, nbytes = self._missing(retrieve.ops, plan)
             released, confirmed = plan.num_locks_released, True
             copy_ms = 0.0
+            if plan.done_event is not None:  # CUDA IPC: the copies completed; now unpin
+                released, confirmed, end_s = self._end_retrieve(retrieve, oks)
+                timing = (timing[0] + end_s, timing[1])
         else:
             oks, failed, nbytes = self._copy_out(retrieve.ops, plan)
             copy_ms = (time.perf_counter() - started) * 1e3
@@ -716,6 +822,18 @@ class WorkerClient:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
+
+
+def _device_done(done: DoneEvent, deadline: float) -> bool:
+    """Whether the server's CUDA copies completed, polling until ``deadline`` at most."""
+    while not done.done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_DEVICE_POLL_S)
+    return True
+
+
+_DEVICE_POLL_S = 50e-6
 
 
 def _slot_bytes(items: list[p.ItemSlots]) -> int:

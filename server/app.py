@@ -3,7 +3,8 @@
 ``python -m server`` / ``kvtb server``. Binds loopback by default and prints one readiness
 line on stdout once it accepts requests (so launchers can start it with ``--port 0``)::
 
-    KVTB_SERVER_READY endpoint=tcp://HOST:PORT pid=PID epoch=N token_file=PATH prefault_ms=X
+    KVTB_SERVER_READY endpoint=tcp://HOST:PORT pid=PID epoch=N token_file=PATH prefault_ms=X \
+        pool=KIND
 
 Nothing a client sends can stop the loop: a frame that cannot be decoded (malformed,
 oversized, nested, an unknown op) gets an ``Error`` reply; frames larger than twice
@@ -35,6 +36,7 @@ import zmq
 from server.auth import Credentials, server_credentials, write_token_file
 from server.chunk_log import ChunkLog
 from server.config import ServerConfig
+from server.pools import POOL_KINDS
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed import protocol as p
@@ -105,6 +107,7 @@ def _serve_bound(
                 "epoch": str(service.epoch),
                 "token_file": str(token_path),
                 "prefault_ms": f"{float(prefault_s or 0.0) * 1e3:.1f}",
+                "pool": "none" if service.pool is None else service.pool.kind,
             }
         )
         _loop(socket, service, config, stop, parent_pid)
@@ -251,6 +254,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--metadata-only", action="store_true", help="account sizes only; no pool, no copies"
     )
     parser.add_argument(
+        "--pool",
+        choices=POOL_KINDS,
+        help="where the pool lives: cpu (shared memory), pinned-host (page-locked shared "
+        "memory: server-driven copies of CUDA KV), gpu (device memory; CUDA KV only); default: "
+        "pinned-host where a CUDA device is visible, else cpu",
+    )
+    parser.add_argument(
+        "--pool-device", type=int, default=d.pool_device, help="GPU of a gpu pool (default: 0)"
+    )
+    parser.add_argument(
         "--policy", default=d.policy, help="eviction policy: lru, fifo, lfu (default: %(default)s)"
     )
     ttls = parser.add_argument_group("deadlines (seconds)")
@@ -336,6 +349,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         chunk_size=args.chunk_size,
         capacity_bytes=_size("--capacity", args.capacity),
         metadata_only=args.metadata_only,
+        pool=args.pool,
+        pool_device=args.pool_device,
         policy=args.policy,
         read_lock_ttl_s=args.read_lock_ttl,
         session_ttl_s=args.session_ttl,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from server.auth import is_loopback
 from server.policies import POLICIES
+from server.pools import POOL_KINDS, PoolKind
 
 DEFAULT_PORT = 5555
 
@@ -33,6 +34,14 @@ class ServerConfig:
 
     metadata_only: bool = False
     """Account objects by size but allocate no pool and copy no bytes (capacity sweeps)."""
+
+    pool: PoolKind | None = None
+    """Where the pool lives (``server.pools``): ``cpu`` shared memory, ``pinned-host``
+    page-locked shared memory, or ``gpu`` memory; ``None``: ``pinned-host`` where a CUDA device
+    is visible, else ``cpu``."""
+
+    pool_device: int = 0
+    """The GPU (local index) of a ``gpu`` pool."""
 
     policy: str = "lru"
     """Eviction policy name (see ``server.policies.POLICIES``)."""
@@ -98,6 +107,12 @@ class ServerConfig:
             problems.append(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.capacity_bytes <= 0:
             problems.append(f"--capacity must be positive, got {self.capacity_bytes}")
+        if self.pool is not None and self.pool not in POOL_KINDS:
+            problems.append(
+                f"--pool {self.pool!r} is unknown; choose one of {', '.join(POOL_KINDS)}"
+            )
+        if self.pool_device < 0:
+            problems.append(f"--pool-device must not be negative, got {self.pool_device}")
         if self.policy not in POLICIES:
             problems.append(
                 f"--policy {self.policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}"

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from testbed import protocol as p
 from testbed.block_copy import BlockCopier, ChunkCopy
 from testbed.kv_layout import FILE_PREFIX, SharedKVFile
 
@@ -58,6 +59,16 @@ class EngineKV:
         self._copier = BlockCopier(
             layout, [self._array] * layout.num_layers, num_threads=num_threads
         )
+
+    def begin(self, ready: p.CudaEvent | None) -> None:
+        """CPU copies run inside the request's handler: there is nothing to order (the
+        interface of ``server.cuda_engine.CudaEngineKV``, whose copies are asynchronous)."""
+        if ready is not None:
+            raise ValueError("a ready event orders copies of CUDA KV; this KV is in shared memory")
+
+    def end(self) -> tuple[None, None]:
+        """The copies are done when they return: no done event."""
+        return None, None
 
     def store(self, pool: np.ndarray, copies: Sequence[ChunkCopy]) -> int:
         """Engine KV → pool: copies every chunk's blocks into its slot; returns bytes."""

@@ -40,7 +40,8 @@ from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.policies import make_policy
-from server.pool import ExtentAllocator, SharedMemoryPool
+from server.pool import ExtentAllocator
+from server.pools import make_pool
 from server.state import (
     CLIENT_INDEX_BYTES,
     SESSION_INDEX_BYTES,
@@ -120,7 +121,8 @@ _SPANS: dict[type, str | None] = {
 
 
 class CacheService:
-    """Context manager: owns the shared-memory pool and the chunk log (closed on exit)."""
+    """Context manager: owns the memory pool (``server.pools``) and the chunk log (closed on
+    exit)."""
 
     def __init__(
         self,
@@ -134,7 +136,11 @@ class CacheService:
         self.credentials = credentials
         self.clock = clock
         self.epoch = secrets.randbits(62) + 1
-        self.pool = None if config.metadata_only else SharedMemoryPool(config.capacity_bytes)
+        self.pool = (
+            None
+            if config.metadata_only
+            else make_pool(config.pool, config.capacity_bytes, config.pool_device)
+        )
         allocator = None if self.pool is None else ExtentAllocator(self.pool.size)
         self.cache = KVCache(
             config.capacity_bytes,

@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from server.cache import CacheObject, ObjectKey, Space
 from testbed import protocol as p
@@ -21,12 +21,21 @@ TRACKED_CHUNK_INDEX_BYTES = 60
 CLIENT_INDEX_BYTES = 1024
 
 
+class DeviceEvent(Protocol):
+    """Where asynchronous (CUDA) copies complete: ``synchronize`` returns once they have."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class Worker:
     request: p.RegisterWorker
     object_bytes: int
     engine: Any = None
-    """Server-driven transfers: the worker's KV mapped here (``server.kv_copier.EngineKV``)."""
+    """Server-driven transfers: the worker's KV mapped here (``server.kv_copier.EngineKV``, or
+    ``server.cuda_engine.CudaEngineKV`` for CUDA KV)."""
+    pool_buffer: Any = None
+    """The pool as that engine copies to and from it (a numpy array, or a torch tensor)."""
 
     def close(self) -> None:
         if self.engine is not None:
@@ -46,6 +55,8 @@ class InflightStore:
     """Per object: the session and chunk index it stores (for the chunk log)."""
     deadline: float
     span_id: str = ""
+    done: DeviceEvent | None = None
+    """CUDA copies into the slots: settled before a slot is committed or freed."""
 
 
 @dataclass
@@ -55,6 +66,8 @@ class InflightRetrieve:
     """Per item: session id, lock-group handle, the chunk keys, which were present (pinned)."""
     object_bytes: int
     deadline: float
+    done: DeviceEvent | None = None
+    """CUDA copies out of the pinned slots: settled before they are unpinned."""
 
 
 @dataclass

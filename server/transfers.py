@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
@@ -60,19 +60,10 @@ def register(s: CacheService, call: Call, req: p.Request) -> Generator[None, Non
                 f"model {req.model!r} world size {req.world_size} is already registered "
                 f"with {worker.object_bytes} bytes per chunk, not {object_bytes}",
             )
-    engine = None
-    if req.shared_kv is not None:
-        if s.pool is None:
-            raise _error("invalid", "server-driven transfers need a pool (not --metadata-only)")
-        from server.kv_copier import EngineKV
-
-        try:
-            engine = EngineKV(req.shared_kv)
-        except (OSError, ValueError) as exc:
-            raise _error("invalid", f"cannot map the worker's shared KV: {exc}") from None
+    engine, pool_buffer = _open_engine(s, req)
     if call.client.worker is not None:
         call.client.worker.close()
-    call.client.worker = Worker(req, object_bytes, engine)
+    call.client.worker = Worker(req, object_bytes, engine, pool_buffer)
     call.span.set_attributes(
         {
             a.MODEL: req.model,
@@ -84,10 +75,52 @@ def register(s: CacheService, call: Call, req: p.Request) -> Generator[None, Non
     return p.WorkerRegistered(
         chunk_size=chunk_size,
         object_bytes=object_bytes,
-        pool_path="" if s.pool is None else str(s.pool.path),
+        pool_path="" if s.pool is None or s.pool.path is None else str(s.pool.path),
         pool_bytes=0 if s.pool is None else s.pool.size,
     )
     yield
+
+
+def _open_engine(s: CacheService, req: p.RegisterWorker) -> tuple[Any, Any]:
+    """Server-driven: the worker's KV mapped here and the pool as its engine copies to and
+    from it; ``(None, None)`` when the worker copies itself. Refuses what this pool cannot
+    serve."""
+    pool = s.pool
+    if req.cuda_kv is None and req.shared_kv is None:
+        if pool is not None and pool.path is None:
+            raise _error(
+                "invalid",
+                f"this server's pool is {pool.kind} memory, which workers cannot map: register "
+                "CUDA KV for the server to copy (transfer_mode server), or use a server with "
+                "--pool cpu or pinned-host",
+            )
+        return None, None
+    if pool is None:
+        raise _error("invalid", "server-driven transfers need a pool (not --metadata-only)")
+    if req.cuda_kv is not None:
+        if pool.tensor is None:
+            raise _error(
+                "invalid",
+                "CUDA KV needs a pool the server's GPU copies reach: start the server with "
+                f"--pool pinned-host or --pool gpu (this one has --pool {pool.kind})",
+            )
+        from server.cuda_engine import CudaEngineKV
+
+        try:
+            return CudaEngineKV(req.cuda_kv), pool.tensor
+        except (RuntimeError, ValueError) as exc:
+            raise _error("invalid", f"cannot open the worker's CUDA KV: {exc}") from None
+    assert req.shared_kv is not None
+    if pool.array is None:
+        raise _error(
+            "invalid", f"a {pool.kind} pool is not host memory: shared-memory KV cannot use it"
+        )
+    from server.kv_copier import EngineKV
+
+    try:
+        return EngineKV(req.shared_kv), pool.array
+    except (OSError, ValueError) as exc:
+        raise _error("invalid", f"cannot map the worker's shared KV: {exc}") from None
 
 
 def unregister(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
@@ -187,12 +220,14 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
                 yield
         plans.append(plan)
     s.record_eviction(eviction, call.traceparent)
-    copied = False
+    copied, done_event, done = False, None, None
     if worker.engine is not None and objects:
-        copied = yield from _server_store_copy(s, call, worker, req, plans, objects)
+        copied, done_event, done = yield from _server_store_copy(
+            s, call, worker, req, plans, objects
+        )
     deadline = s.clock() + s.config.op_ttl_s
     call.client.stores[req.op_id] = InflightStore(
-        req.op_id, objects, positions, deadline, call.span_id
+        req.op_id, objects, positions, deadline, call.span_id, done
     )
     s.deadlines.add(deadline, "store", call.client.client_id, req.op_id)
     call.span.set_attributes(
@@ -212,7 +247,11 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
         }
     )
     return p.StorePlan(
-        op_id=req.op_id, items=plans, evicted_objects=len(eviction.objects), copied=copied
+        op_id=req.op_id,
+        items=plans,
+        evicted_objects=len(eviction.objects),
+        copied=copied,
+        done_event=done_event,
     )
 
 
@@ -223,15 +262,18 @@ def _server_store_copy(
     req: p.StoreBegin,
     plans: list[p.ItemSlots],
     objects: list[CacheObject],
-) -> Generator[None, None, bool]:
+) -> Generator[None, None, tuple[bool, p.CudaEvent | None, Any]]:
     """Server-driven: copies the engine's blocks into the reserved slots, an item at a time
-    (other clients are served in between). A failure drops the reservations."""
+    (other clients are served in between), after the engine's ready event (CUDA); returns
+    ``(True, done descriptor, done event)`` (both ``None`` for CPU copies, which are done). A
+    failure drops the reservations once no copy can still write into them."""
     from testbed.block_copy import item_copies
 
-    assert s.pool is not None
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
     started = time.perf_counter()
+    engine = worker.engine
     try:
+        engine.begin(req.ready_event)
         for item, plan in zip(req.items, plans, strict=True):
             if len(item.block_ids) < len(item.chunk_hashes) * per_chunk:
                 raise ValueError(
@@ -239,15 +281,28 @@ def _server_store_copy(
                 )
             copies, _ = item_copies(item.block_ids, plan.slots, per_chunk)
             if copies:
-                worker.engine.store(s.pool.array, copies)
+                engine.store(worker.pool_buffer, copies)
                 if call.spend(len(copies) * per_chunk):
                     yield
-    except (ValueError, IndexError, OSError) as exc:
+        done_event, done = engine.end()
+    except (ValueError, IndexError, OSError, RuntimeError) as exc:
+        _settle_after_failure(engine)
         for obj in objects:
             s.cache.remove(obj)
         raise _error("invalid", f"copying the engine's blocks failed: {exc}") from None
     call.span.set_attribute(a.COPY_MS, (time.perf_counter() - started) * 1e3)
-    return True
+    return True, done_event, done
+
+
+def _settle_after_failure(engine: Any) -> None:
+    """Waits for whatever copies an operation had issued before it failed (CUDA), so that
+    no slot it frees is still being written or read."""
+    try:
+        _, done = engine.end()
+    except (ValueError, RuntimeError):
+        return
+    if done is not None:
+        done.synchronize()
 
 
 def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
@@ -276,8 +331,11 @@ def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None,
 def finish_store(
     s: CacheService, client: ClientState, op_id: int, ok: bool, span_id: str = ""
 ) -> int:
-    """Commits (``ok``) or drops the reservations of a store; returns the objects committed."""
+    """Commits (``ok``) or drops the reservations of a store; returns the objects committed.
+    Asynchronous copies into its slots are settled first."""
     store = client.stores.pop(op_id)
+    if store.done is not None:
+        store.done.synchronize()
     log = s.chunk_log
     refresh: dict[tuple[str, Space, int], list[bytes]] = {}
     for obj, (session_id, position) in zip(store.objects, store.positions, strict=True):
@@ -361,30 +419,42 @@ def _server_retrieve_copy(
     s: CacheService, call: Call, worker: Worker, req: p.RetrieveBegin, plans: list[p.ItemSlots]
 ) -> Generator[None, None, p.Reply]:
     """Server-driven: copies the pinned objects into the engine's blocks (never the first
-    ``skip_blocks`` of an item), then ends the retrieve as ``RetrieveEnd`` would: unpins and
-    releases the items' lock units. A failed item's chunks count as missing."""
+    ``skip_blocks`` of an item), after the engine's ready event (CUDA). CPU copies are done
+    here, so the retrieve ends as ``RetrieveEnd`` would: unpinned, the items' lock units
+    released. CUDA copies complete with the plan's done event: the pins hold until the worker's
+    ``RetrieveEnd`` (or the deadline). A failed item's chunks count as missing."""
     from testbed.block_copy import item_copies
 
-    assert s.pool is not None
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
+    engine = worker.engine
+    try:
+        engine.begin(req.ready_event)
+    except (ValueError, RuntimeError) as exc:
+        finish_retrieve(s, call.client, req.op_id, [], call.span_id)
+        raise _error("invalid", f"cannot order the copies: {exc}") from None
     oks: list[bool] = []
     started = time.perf_counter()
     for item, plan in zip(req.items, plans, strict=True):
         copies, _ = item_copies(item.block_ids, plan.slots, per_chunk, item.skip_blocks)
         try:
             if copies:
-                worker.engine.retrieve(s.pool.array, copies)
+                engine.retrieve(worker.pool_buffer, copies)
             oks.append(True)
-        except (ValueError, IndexError, OSError):
+        except (ValueError, IndexError, OSError, RuntimeError):
             plan.slots = [None] * len(plan.slots)  # nothing of it was loaded
             plan.num_present = 0
             oks.append(False)
         if call.spend(max(1, len(copies)) * per_chunk):
             yield
+    done_event, done = engine.end()
+    call.span.set_attribute(a.COPY_MS, (time.perf_counter() - started) * 1e3)
+    if done is not None:
+        retrieve = call.client.retrieves[req.op_id]
+        retrieve.done = done
+        s.deadlines.add(retrieve.deadline, "retrieve", call.client.client_id, req.op_id)
+        return p.RetrievePlan(op_id=req.op_id, items=plans, copied=True, done_event=done_event)
     released = finish_retrieve(s, call.client, req.op_id, oks, call.span_id)
-    call.span.set_attributes(
-        {a.COPY_MS: (time.perf_counter() - started) * 1e3, a.LOCKS_RELEASED: released}
-    )
+    call.span.set_attribute(a.LOCKS_RELEASED, released)
     return p.RetrievePlan(op_id=req.op_id, items=plans, copied=True, num_locks_released=released)
 
 
@@ -414,8 +484,11 @@ def finish_retrieve(
     s: CacheService, client: ClientState, op_id: int, ok: list[bool], span_id: str = ""
 ) -> int:
     """Unpins a retrieve's objects and releases one lock unit per chunk of each item's lock
-    group (whatever ``ok`` says: per item, may be short); returns the units released."""
+    group (whatever ``ok`` says: per item, may be short); returns the units released.
+    Asynchronous copies out of its slots are settled before they are unpinned."""
     retrieve = client.retrieves.pop(op_id)
+    if retrieve.done is not None:
+        retrieve.done.synchronize()
     released = 0
     log = s.chunk_log
     for index, (session_id, handle, keys, present) in enumerate(retrieve.items):

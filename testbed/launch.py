@@ -46,7 +46,7 @@ class ServerProcess:
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
         self.ready: dict[str, str] = {}
-        """The readiness line's fields (endpoint, pid, epoch, token_file, prefault_ms)."""
+        """The readiness line's fields (endpoint, pid, epoch, token_file, prefault_ms, pool)."""
         self.token = ""
         self.admin_token = ""
         self._stderr_lines: list[str] = []

@@ -18,7 +18,9 @@ registers again and maps the new pool; worker operations name the epoch they wer
 for, and the server refuses operations of another epoch (``stale_epoch``).
 
 Bulk KV bytes never travel here: stores and retrieves exchange *slots* in the server's
-shared-memory pool (see ``server.pool``) and the worker copies the bytes itself.
+shared-memory pool (see ``server.pool``) and the worker copies the bytes itself, or the server
+copies them from the engine's KV that it maps (server-driven: a shared-memory file on CPU, CUDA
+IPC handles on GPU; the CUDA descriptors are their own section below).
 
 Ownership: the server identifies a client by its connection (ZeroMQ routing ids are chosen
 by the server and never reused). Sessions, lock groups, store reservations and retrieve pins
@@ -52,7 +54,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from testbed.kv_layout import SharedKVFile
+from testbed.kv_layout import PagedLayout, SharedKVFile
 
 PROTOCOL_VERSION = 2
 
@@ -91,6 +93,77 @@ class _Reply(_Message, kw_only=True):
 
 
 # ---------------------------------------------------------------------------------------------
+# CUDA IPC descriptors (server-driven transfers of CUDA KV)
+# ---------------------------------------------------------------------------------------------
+#
+# A worker whose KV lives in CUDA memory exports each storage once, at registration
+# (``connector.cuda_ipc``); the server opens them on the device with the same UUID
+# (``server.cuda_engine``) and closes them when the worker goes or registers again. Copies are
+# ordered by interprocess CUDA events: a store or retrieve carries the engine's *ready* event
+# (recorded after the forward pass that wrote, or last read, the blocks); the server's stream
+# waits on it, copies, and records a *done* event that the plan carries back. The worker's
+# operation completes when that event has (``StoreCommit`` / ``RetrieveEnd`` follow then).
+
+IpcHandle = Annotated[bytes, msgspec.Meta(min_length=64, max_length=64)]
+"""A ``cudaIpcMemHandle_t`` or ``cudaIpcEventHandle_t`` (64 bytes)."""
+DeviceUuid = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+"""The GPU's UUID as torch prints it: device indices differ between processes."""
+
+
+class CudaStorage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One CUDA storage of the engine's KV, as ``UntypedStorage._share_cuda_`` exports it."""
+
+    device_uuid: DeviceUuid
+    ipc_handle: IpcHandle
+    """The IPC handle of the ``cudaMalloc`` block the storage lies in."""
+    storage_bytes: Annotated[int, msgspec.Meta(ge=1)]
+    offset_bytes: Count
+    """Where the storage starts in that block."""
+    ref_counter_handle: Annotated[bytes, msgspec.Meta(max_length=256)] = b""
+    """torch's shared reference counter (a shared-memory name): the exporter keeps the block
+    while an importer holds it."""
+    ref_counter_offset: Count = 0
+    event_handle: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    """An event torch recorded at export; the importer waits on it before the first use."""
+    event_sync_required: bool = False
+
+
+class CudaKV(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A worker's paged KV in CUDA memory: its storages and where each layer lies in one.
+
+    ``layout.layer_offsets_bytes[l]`` counts from the start of storage ``layer_storages[l]``;
+    the strides describe the physical layout, so non-contiguous views export as they are."""
+
+    storages: Annotated[list[CudaStorage], msgspec.Meta(min_length=1, max_length=4096)]
+    layer_storages: Annotated[list[Count], msgspec.Meta(max_length=4096)]
+    layout: PagedLayout
+
+    def __post_init__(self) -> None:
+        if len(self.layer_storages) != self.layout.num_layers:
+            raise ValueError(
+                f"{len(self.layer_storages)} layer storages for {self.layout.num_layers} layers"
+            )
+        extent = self.layout.layer_extent_bytes()
+        for index, offset in zip(self.layer_storages, self.layout.layer_offsets_bytes, strict=True):
+            if index >= len(self.storages):
+                raise ValueError(f"layer storage {index} of {len(self.storages)}")
+            if offset + extent > self.storages[index].storage_bytes:
+                raise ValueError(
+                    f"a layer reaches byte {offset + extent} of a "
+                    f"{self.storages[index].storage_bytes}-byte storage"
+                )
+        if len({s.device_uuid for s in self.storages}) != 1:
+            raise ValueError("one worker's KV storages must all be on one device")
+
+
+class CudaEvent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An interprocess CUDA event (``torch.cuda.Event(interprocess=True).ipc_handle()``)."""
+
+    device_uuid: DeviceUuid
+    ipc_handle: IpcHandle
+
+
+# ---------------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------------
 
@@ -124,7 +197,8 @@ class RegisterWorker(_Request, tag="register_worker", kw_only=True):
     """A worker announces its KV layout and identity; the reply maps it to the pool.
 
     With ``shared_kv`` (server-driven transfers, LMCache's ``lmcache_driven``) the worker's
-    paged KV lives in that shared file, the server maps it and does every copy itself."""
+    paged KV lives in that shared file, the server maps it and does every copy itself; with
+    ``cuda_kv`` it lives in CUDA memory that the server opens through CUDA IPC."""
 
     model: Name
     world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
@@ -133,6 +207,7 @@ class RegisterWorker(_Request, tag="register_worker", kw_only=True):
     mla: bool = False
     layout: KVLayout
     shared_kv: SharedKVFile | None = None
+    cuda_kv: CudaKV | None = None
 
 
 class UnregisterWorker(_Request, tag="unregister_worker", kw_only=True):
@@ -198,6 +273,8 @@ class StoreBegin(_Request, tag="store_begin", kw_only=True):
     epoch: Count
     """The epoch the worker registered (and mapped the pool) with."""
     items: Annotated[list[OpItem], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
+    ready_event: CudaEvent | None = None
+    """CUDA IPC: the server copies only after this event (the forward pass wrote the blocks)."""
 
 
 class StoreCommit(_Request, tag="store_commit", kw_only=True):
@@ -213,6 +290,8 @@ class RetrieveBegin(_Request, tag="retrieve_begin", kw_only=True):
     op_id: OpId
     epoch: Count
     items: Annotated[list[OpItem], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
+    ready_event: CudaEvent | None = None
+    """CUDA IPC: the server writes the blocks only after this event (earlier reads are done)."""
 
 
 class RetrieveEnd(_Request, tag="retrieve_end", kw_only=True):
@@ -363,6 +442,9 @@ class StorePlan(_Reply, tag="store_plan", kw_only=True):
     items: list[ItemSlots]
     evicted_objects: int = 0
     copied: bool = False
+    done_event: CudaEvent | None = None
+    """CUDA IPC: the server's copies are ordered on its stream and complete with this event;
+    the worker commits only then."""
 
 
 class StoreDone(_Reply, tag="store_done", kw_only=True):
@@ -373,12 +455,15 @@ class StoreDone(_Reply, tag="store_done", kw_only=True):
 class RetrievePlan(_Reply, tag="retrieve_plan", kw_only=True):
     """The pinned slots; ``copied``: the server already copied them into the engine's blocks
     while they were pinned, unpinned them and released the items' lock units (server-driven:
-    no ``RetrieveEnd`` follows)."""
+    no ``RetrieveEnd`` follows). With ``done_event`` (CUDA IPC) the copies are ordered on the
+    server's stream instead: the pins hold until the worker, once the event completed, sends
+    ``RetrieveEnd`` (or the operation's deadline)."""
 
     op_id: int
     items: list[ItemSlots]
     copied: bool = False
     num_locks_released: int = 0
+    done_event: CudaEvent | None = None
 
 
 class RetrieveDone(_Reply, tag="retrieve_done", kw_only=True):

@@ -206,16 +206,10 @@ class FrameFuzzer:
             return {
                 "path": f"/dev/shm/kvtb-kv-fuzz-{rng.getrandbits(32):08x}",
                 "file_bytes": 2 * 4 * 16 * 128 * 2,
-                "layout": {
-                    "layer_offsets_bytes": [0, 4 * 16 * 128 * 2],
-                    "shape": [4, 16, 128],
-                    "strides_bytes": [16 * 128 * 2, 128 * 2, 2],
-                    "dtype": "float16",
-                    "itemsize": 2,
-                    "block_dim": 0,
-                    "block_size": 16,
-                },
+                "layout": _FUZZ_LAYOUT,
             }
+        if name == "cuda_kv":  # mostly absent; else storages of a GPU this server cannot see
+            return None if rng.random() < 0.8 else _cuda_kv(rng)
         if name == "cache_salt":
             return rng.choice(("", "", "salt"))
         if name in ("traceparent", "tracestate"):
@@ -414,3 +408,31 @@ def _type_of(op: str) -> mi.StructType:
         if info.tag == op:
             return info
     raise ValueError(f"unknown op {op!r}; ops: {', '.join(REQUEST_OPS)}")
+
+
+_FUZZ_LAYOUT = {
+    "layer_offsets_bytes": [0, 4 * 16 * 128 * 2],
+    "shape": [4, 16, 128],
+    "strides_bytes": [16 * 128 * 2, 128 * 2, 2],
+    "dtype": "float16",
+    "itemsize": 2,
+    "block_dim": 0,
+    "block_size": 16,
+}
+"""Two float16 layers of 4 blocks of 16 tokens (a registration's paged KV layout)."""
+
+
+def _cuda_kv(rng: random.Random) -> dict[str, Any]:
+    """A well-formed CUDA KV registration (two layers in one storage) of a made-up GPU."""
+    return {
+        "storages": [
+            {
+                "device_uuid": f"GPU-fuzz-{rng.getrandbits(32):08x}",
+                "ipc_handle": rng.randbytes(64),
+                "storage_bytes": 2 * 4 * 16 * 128 * 2,
+                "offset_bytes": 0,
+            }
+        ],
+        "layer_storages": [0, 0],
+        "layout": _FUZZ_LAYOUT,
+    }

@@ -18,7 +18,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from testbed import block_copy
+from connector.kv_copy import PagedKV
+from testbed import block_runs
+from testbed.kv_layout import PagedLayout
 
 Layers = tuple[torch.Tensor, ...]
 
@@ -108,6 +110,16 @@ def blocks_of(layers: Layers, block_dim: int, block_ids: list[int]) -> list[byte
     ]
 
 
+def kv_buffers(
+    layers: Layers, block_dim: int, block_size: int
+) -> tuple[PagedLayout, list[torch.Tensor]]:
+    """The layers' geometry and, per layer, its storage as a flat uint8 tensor (what a copy
+    engine is built over)."""
+    kv = PagedKV(layers, block_dim, block_size)
+    offsets, buffers = kv.storage_views()
+    return kv.paged_layout(offsets), buffers
+
+
 def snapshot(layers: Layers) -> list[torch.Tensor]:
     return [layer.clone() for layer in layers]
 
@@ -116,5 +128,6 @@ def snapshot(layers: Layers) -> list[torch.Tensor]:
 def index_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Runs a test with the run indices computed in plain Python (small operations) and with
     numpy (large ones), whatever the operation's size: both must give the same bytes."""
-    monkeypatch.setattr(block_copy, "_SMALL", 1 << 30 if request.param == "python" else 0)
+    small = 1 << 30 if request.param == "python" else 0
+    monkeypatch.setattr(block_runs, "SMALL_OPERATION_RUNS", small)
     yield request.param
