@@ -59,10 +59,12 @@ class ConnectorConfig:
     predecessor's store still in flight). Replays set it so that every step's stores commit
     within the step and results do not depend on timing."""
 
-    transfer_mode: str = "worker"
+    transfer_mode: str = "auto"
     """Who copies KV between vLLM's blocks and the cache server's pool: ``worker`` (this
-    connector, in vLLM's worker) or ``server`` (the cache server, from the KV tensors the
-    worker moves into shared memory at registration: LMCache's lmcache_driven)."""
+    connector, in vLLM's worker), ``server`` (the cache server, from the KV tensors the
+    worker moves into shared memory at registration, or maps through CUDA IPC on a GPU:
+    LMCache's lmcache_driven / server-driven modes), or ``auto``: ``server`` for CUDA KV,
+    ``worker`` for CPU KV."""
 
     store_decode_tokens: bool = False
     """Also store complete chunks of generated tokens (default: prompt chunks only)."""
@@ -115,9 +117,9 @@ class ConnectorConfig:
         for name in ("mq_timeout_s", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        if self.transfer_mode not in ("worker", "server"):
+        if self.transfer_mode not in ("auto", "worker", "server"):
             problems.append(
-                f"transfer_mode must be 'worker' or 'server', got {self.transfer_mode!r}"
+                f"transfer_mode must be 'auto', 'worker' or 'server', got {self.transfer_mode!r}"
             )
         for name in ("lookup_wait_s", "load_wait_s", "store_wait_s"):
             if getattr(self, name) < 0:

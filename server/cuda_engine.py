@@ -129,6 +129,11 @@ class CudaEngineKV:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The stream the copies run on (benchmarks time them there)."""
+        return self._live_stream()
+
     def _live_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             raise ValueError("the worker's CUDA KV is closed")

@@ -85,13 +85,20 @@ def _cpu(size: int, device: int) -> MemoryPool:
     return CpuPool(size)
 
 
+def _need_torch(kind: str) -> None:
+    if importlib.util.find_spec("torch") is None:
+        raise ValueError(f"--pool {kind} needs torch with CUDA, which is not installed here")
+
+
 def _pinned_host(size: int, device: int) -> MemoryPool:
+    _need_torch("pinned-host")
     from server.cuda_pools import PinnedHostPool
 
     return PinnedHostPool(size)
 
 
 def _gpu(size: int, device: int) -> MemoryPool:
+    _need_torch("gpu")
     from server.cuda_pools import GpuPool
 
     return GpuPool(size, device)

@@ -12,7 +12,7 @@ two processes at all (some sandboxes refuse it).
 Scenarios: ``roundtrip`` (store, retrieve into other blocks with ``skip_first_n_tokens``, compare
 bit for bit), ``ordering`` (the server's copies wait for the engine's events), ``mla`` (one
 writer, another rank reads the same objects), ``hold`` (register, then wait to be killed),
-``probe``.
+``export`` (print the KV's CUDA IPC description, for the benchmark), ``probe``.
 """
 
 from __future__ import annotations
@@ -227,6 +227,20 @@ def mla(args: argparse.Namespace) -> dict[str, Any]:
     return {"stored": stored, "failed_blocks": len(failed), "bit_exact": bool(same)}
 
 
+def export(args: argparse.Namespace) -> dict[str, Any]:
+    """Exports Llama-shaped KV (no server) and prints its description; keeps the KV alive
+    until stdin closes (the GPU benchmark opens it as the server's engine does)."""
+    from connector.cuda_ipc import CudaExport
+
+    shape = Shape(num_layers=args.num_layers, num_blocks=args.num_blocks)
+    kv = paged_kv(shape, torch.device("cuda", args.device))
+    exported = CudaExport(kv)
+    torch.cuda.synchronize()
+    print(msgspec.json.encode(exported.description).decode(), flush=True)
+    sys.stdin.read()
+    return {"exported_bytes": shape.num_layers * shape.num_blocks * shape.page_bytes}
+
+
 def hold(args: argparse.Namespace) -> dict[str, Any]:
     """Registers, says so, and waits to be killed (the server must drop the dead worker)."""
     worker = Worker(args)
@@ -281,6 +295,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "mla": mla,
     "probe": probe,
     "hold": hold,
+    "export": export,
 }
 
 

@@ -21,8 +21,12 @@ seconds. Two kinds, behind one method (:meth:`TimeModel.step_s`):
 
 Figures are from the vendors' datasheets (dense bf16 tensor FLOP/s, i.e. half the "with
 sparsity" number; HBM bandwidth; host link per direction, half the bidirectional PCIe figure).
-The efficiency factors and fixed costs are assumptions until a GPU run calibrates them; add or
-override profiles in a TOML file (:func:`load_hardware`). METRICS.md ("Time what-if") states
+The efficiency factors and fixed costs are assumptions until a GPU run calibrates them: a
+profile's ``measured_*`` figures (fitted by :mod:`testbed.engine.calibration` from prefill and
+KV-load times measured on the device, ``scripts/gpu_check.sh``) replace the compute
+efficiency, the load rate and the load latency when present, and every projection, break-even
+lengths included, follows them (:meth:`Hardware.datasheet` gives the profile without them). Add
+or override profiles in a TOML file (:func:`load_hardware`). METRICS.md ("Time what-if") states
 the formulas and their limits.
 
 The replay engine calls :meth:`TimeModel.step_s` once per scheduler step with the scheduled
@@ -34,7 +38,7 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,6 +72,20 @@ class Hardware:
     """Whether loads overlap the forward pass (layer-wise pipelining) instead of preceding it."""
     source: str = ""
     """Where the figures come from."""
+    measured_compute_efficiency: float | None = None
+    """Share of ``peak_flops`` a prefill reached on this hardware, fitted to measured prefill
+    times (``testbed.engine.calibration``); replaces ``compute_efficiency`` when given."""
+    measured_load_bytes_per_s: float | None = None
+    """KV load rate measured from the cache server's default pool (pinned host memory) into
+    the GPU; replaces ``link_bytes_per_s × link_efficiency`` when given."""
+    measured_load_latency_s: float | None = None
+    """Fixed cost of one load, fitted with the rate; replaces ``load_latency_s`` when given."""
+    measured_prefill_ms: tuple[tuple[int, float], ...] | None = None
+    """The measured points ``(prompt tokens, prefill ms)`` the fit came from (the record)."""
+    measured_load_ms: tuple[tuple[int, float], ...] | None = None
+    """The measured points ``(tokens, load ms)`` the load fit came from."""
+    measured_source: str = ""
+    """Where, when and with what command the measured figures were taken."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -85,8 +103,45 @@ class Hardware:
             for f in ("step_overhead_s", "load_latency_s", "chunk_overhead_s")
             if not getattr(self, f) >= 0
         ]
+        if self.measured_compute_efficiency is not None and not (
+            0 < self.measured_compute_efficiency <= 1
+        ):
+            problems.append("measured_compute_efficiency must be in (0, 1]")
+        if self.measured_load_bytes_per_s is not None and not self.measured_load_bytes_per_s > 0:
+            problems.append("measured_load_bytes_per_s must be positive")
         if problems:
             raise ValueError(f"hardware profile {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def measured(self) -> bool:
+        """Whether measured figures replace the datasheet's assumptions."""
+        return self.measured_compute_efficiency is not None or (
+            self.measured_load_bytes_per_s is not None
+        )
+
+    @property
+    def effective_compute_efficiency(self) -> float:
+        return self.measured_compute_efficiency or self.compute_efficiency
+
+    @property
+    def effective_load_bytes_per_s(self) -> float:
+        """KV load rate: measured, else the datasheet link at ``link_efficiency``."""
+        return self.measured_load_bytes_per_s or self.link_bytes_per_s * self.link_efficiency
+
+    @property
+    def effective_load_latency_s(self) -> float:
+        if self.measured_load_latency_s is None:
+            return self.load_latency_s
+        return self.measured_load_latency_s
+
+    def datasheet(self) -> Hardware:
+        """This profile without its measured figures (to compare both bases)."""
+        return replace(
+            self,
+            measured_compute_efficiency=None,
+            measured_load_bytes_per_s=None,
+            measured_load_latency_s=None,
+        )
 
 
 _GB = 1e9
@@ -108,6 +163,13 @@ HARDWARE: dict[str, Hardware] = {
             link_bytes_per_s=64 * _GB,
             source="NVIDIA H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity, HBM3e 4.8 TB/s, "
             "PCIe Gen5 128 GB/s (bidirectional)",
+            # Measured figures: None until a device run fills them (docs/gpu.md: `bash
+            # scripts/gpu_check.sh` writes h200_calibration.toml; copy its values here).
+            measured_compute_efficiency=None,
+            measured_load_bytes_per_s=None,
+            measured_load_latency_s=None,
+            measured_prefill_ms=None,
+            measured_load_ms=None,
         ),
         Hardware(
             "a100",
@@ -285,7 +347,7 @@ class RooflineTimeModel:
     @property
     def _flops_rate(self) -> float:
         """Achieved FLOP/s of the ``tp`` GPUs together."""
-        return self.hardware.peak_flops * self.hardware.compute_efficiency * self.tp
+        return self.hardware.peak_flops * self.hardware.effective_compute_efficiency * self.tp
 
     @property
     def _memory_rate(self) -> float:
@@ -299,8 +361,10 @@ class RooflineTimeModel:
     def _load_s(self, loaded: np.ndarray) -> np.ndarray:
         """Per request: its load's transfer time and fixed costs (0 without a load)."""
         h = self.hardware
-        transfer_s = loaded * self.kv_bytes_per_token / (h.link_bytes_per_s * h.link_efficiency)
-        fixed_s = h.load_latency_s + h.chunk_overhead_s * np.ceil(loaded / self.chunk_size)
+        transfer_s = loaded * self.kv_bytes_per_token / h.effective_load_bytes_per_s
+        fixed_s = h.effective_load_latency_s + h.chunk_overhead_s * np.ceil(
+            loaded / self.chunk_size
+        )
         return np.where(loaded > 0, transfer_s + fixed_s, 0.0)
 
     def _combine(self, gpu_s: Any, load_s: Any) -> Any:
@@ -353,6 +417,9 @@ def load_hardware(path: Path | str) -> dict[str, Hardware]:
         base = table.get(name)
         merged = {**({f.name: getattr(base, f.name) for f in fields(Hardware)} if base else {})}
         merged.update(values, name=name)
+        for key in ("measured_prefill_ms", "measured_load_ms"):
+            if merged.get(key) is not None:
+                merged[key] = tuple(tuple(point) for point in merged[key])
         try:
             table[name] = Hardware(**merged)
         except TypeError as exc:
@@ -420,6 +487,7 @@ def break_even_table(
             tokens = break_even_prompt_tokens(model, chunk_size)
             row: dict[str, object] = {
                 "hardware": name,
+                "basis": _basis((HARDWARE if hardware is None else hardware).get(name)),
                 "profile": profile.name,
                 "tp": tp,
                 "chunk_size": chunk_size,
@@ -431,6 +499,11 @@ def break_even_table(
                 row["ttft_ms_with_cache"] = float(request_ttft_s(model, [tokens], [hit])[0]) * 1e3
             rows.append(row)
     return rows
+
+
+def _basis(hardware: Hardware | None) -> str:
+    """Whether a profile's projections rest on measured figures or on the datasheet alone."""
+    return "measured" if hardware is not None and hardware.measured else "datasheet"
 
 
 def compute_saved_fraction(

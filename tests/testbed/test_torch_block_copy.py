@@ -107,3 +107,30 @@ def test_bad_ids_slots_and_skips_are_refused_before_any_byte_moves():
     with pytest.raises(ValueError, match="whole chunks"):
         copier.gather(pool, [ChunkCopy(p.Slot(0, one), [1], skip_blocks=1)])
     assert all(torch.equal(a, b) for a, b in zip(layers, before, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)"
+)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("pool_device", ["pinned-host", "cuda"])
+def test_cuda_kv_round_trips_through_host_and_device_pools(layout, pool_device):
+    host, block_dim = LAYOUTS[layout](num_layers=3, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    layers = tuple(layer.cuda() for layer in host)
+    paged, buffers = kv_buffers(layers, block_dim, BLOCK_SIZE)
+    copier = TorchBlockCopier(paged, buffers)
+    if pool_device == "cuda":
+        pool = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    else:
+        pool = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    slots = _slots(copier.geometry.object_block_bytes, [[4, 0, 9, 2], [7, 8, 1, 3]], gap=0)
+    copier.gather(pool, [ChunkCopy(slots[0], [4, 0, 9, 2]), ChunkCopy(slots[1], [7, 8, 1, 3])])
+    torch.cuda.synchronize()
+    stored = pool[slots[0].offset : slots[0].offset + slots[0].nbytes].cpu().numpy().tobytes()
+    assert stored == reference_object(host, block_dim, [4, 0, 9, 2])
+    copier.scatter(pool, [ChunkCopy(slots[1], [20, 21, 22, 23], skip_blocks=1)])
+    torch.cuda.synchronize()
+    back = tuple(layer.cpu() for layer in layers)
+    assert blocks_of(back, block_dim, [21, 22, 23]) == blocks_of(host, block_dim, [8, 1, 3])
+    assert blocks_of(back, block_dim, [20]) == blocks_of(host, block_dim, [20])
