@@ -76,7 +76,7 @@ with ServerProcess(['--capacity', '64MiB']).start() as server:
     print('server ready:', server.ready)
 " || finish 1
 step environment 60 bash -c "nvidia-smi -L; df -h /dev/shm; '$PY' -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available())'"
-step ipc-probe 180 bash -c "'$PY' -m testbed.engine.cuda_worker probe | tee '$OUT_DIR/ipc_probe.json'"
+step ipc-probe 180 bash -o pipefail -c "'$PY' -m testbed.engine.cuda_worker probe | tee '$OUT_DIR/ipc_probe.json'"
 if ! grep -q '"ipc_works": true' "$OUT_DIR/ipc_probe.json" 2>/dev/null; then
   echo "CUDA IPC between two processes does not work here (see ipc_probe.json):"
   echo "running the in-process GPU checks only"
