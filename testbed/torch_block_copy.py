@@ -154,9 +154,13 @@ class TorchBlockCopier:
         return np.concatenate([indices[segment].reshape(-1) for indices in per_copy])
 
     def _index(self, indices: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(
-            self.device, non_blocking=True
-        )
+        """The indices on the KV's device. On a GPU they go through page-locked memory: a
+        copy from pageable memory may wait for the stream, i.e. for the engine's event, and
+        hold the server's one thread that long."""
+        host = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _runs_of(self, segment: int, width: int) -> torch.Tensor:
         runs = self._runs[segment]
