@@ -212,9 +212,9 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
     requests: list[WorkloadRequest] = []
     blocks = None  # the oracle keys a block-hash trace from its ids: no token synthesised
     if spec.engine == "oracle" and isinstance(workload, BlockTraceWorkload):
-        blocks, rejected = _servable(spec, _loaded(spec, workload.block_requests()))
+        blocks, rejected = _servable(spec, workload.block_requests())
     else:
-        requests, rejected = _servable(spec, _loaded(spec, workload))
+        requests, rejected = _servable(spec, workload)
     bytes_per_token = _bytes_per_token(spec)
     server_info = None
     if options.server is not None and spec.engine != "oracle":
@@ -239,26 +239,23 @@ def _make_workload(spec: RunSpec) -> Workload:
         raise ValueError(f"workload {spec.workload!r}: {exc}") from None
 
 
-def _loaded(spec: RunSpec, requests: Iterable[R]) -> list[R]:
+def _servable(spec: RunSpec, requests: Iterable[R]) -> tuple[list[R], list[str]]:
+    """The workload's requests an engine can serve (:func:`split_servable`), and the rest's ids."""
     try:
         loaded = list(requests)
     except FileNotFoundError as exc:
         raise ValueError(f"workload {spec.workload!r}: {exc}") from None
     if not loaded:
         raise ValueError(f"workload {spec.workload!r} has no requests (is the trace empty?)")
-    return loaded
-
-
-def _servable(spec: RunSpec, loaded: list[R]) -> tuple[list[R], list[str]]:
-    requests, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
-    if not requests:
+    servable, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
+    if not servable:
         shortest = min(r.num_prompt_tokens + r.max_output_tokens for r in loaded)
         needed = -(-shortest // spec.block_size) + 1
         raise ValueError(
             f"no request of {spec.workload!r} fits vLLM's KV pool of {spec.engine_blocks} blocks "
             f"of {spec.block_size} tokens (the shortest needs {needed}); raise engine_blocks"
         )
-    return requests, rejected
+    return servable, rejected
 
 
 def _check_serve(options: RunOptions) -> None:
