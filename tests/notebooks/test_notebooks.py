@@ -28,6 +28,7 @@ FIGURES = {
     "03_capacity_whatif.ipynb": 3,
     "04_latency.ipynb": 4,
     "05_sweep_compare.ipynb": 2,
+    "06_sessions.ipynb": 3,
 }
 """The figures each notebook draws, on a run and on a sweep alike."""
 SWEEP = """
