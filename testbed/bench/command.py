@@ -124,11 +124,11 @@ def run_bench(args: argparse.Namespace) -> int:
     names = [
         n for n, s in SECTIONS.items() if s.wanted(config) and (not args.only or n in args.only)
     ]
-    if {"replay", "others"} & set(names):
-        find_trace(config)  # FileNotFoundError: bad input, before anything runs
     from testbed.extras import require_engines
 
-    require_engines(["replay", "vllm"])
+    require_engines(["replay", "vllm"])  # MissingExtra, and then bad input: before anything runs
+    if {"replay", "others"} & set(names):
+        find_trace(config)
     started = time.perf_counter()
     run: dict[str, Any] = {
         "command": "kvtb bench " + shlex.join(sys.argv[2:])
@@ -139,7 +139,13 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     with LoadWatch() as whole:
         if config.peer:
-            run["peer_env_s"] = _peer_env(config)
+            from testbed.bench.peer.env import PeerEnvError
+
+            try:
+                run["peer_env_s"] = _peer_env(config)
+            except PeerEnvError as exc:
+                print(f"kvtb bench --peer: {exc}", file=sys.stderr)
+                return 1
         results, sections = run_sections(config, names)
     run["wall_s"] = round(time.perf_counter() - started, 1)
     run["finished"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -68,7 +68,7 @@ def find_trace(config: BenchConfig) -> Path:
     )
     for path in candidates:
         if path.is_file():
-            return path.resolve()
+            return path  # as given (relative paths stay relative in the report)
     raise FileNotFoundError(
         "the Mooncake conversation trace (conversation_trace.jsonl) is not at "
         + " nor ".join(str(p) for p in candidates)

