@@ -18,7 +18,6 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,8 +35,11 @@ class Section:
     when it runs: torch and vLLM load late)."""
     keys: tuple[str, ...]
     """The figures it reports (emptied, with the reason, when it fails)."""
-    wanted: Callable[[BenchConfig], bool]
-    """Whether this run includes it."""
+    peer_only: bool = False
+    """Runs only with ``--peer``."""
+
+    def wanted(self, config: BenchConfig) -> bool:
+        return config.peer or not self.peer_only
 
     def run(self, config: BenchConfig) -> SectionResult:
         module = importlib.import_module(f"testbed.bench.{self.module}")
@@ -45,22 +47,13 @@ class Section:
         return result
 
 
-def _always(config: BenchConfig) -> bool:
-    return True
-
-
-def _with_peer(config: BenchConfig) -> bool:
-    return config.peer
-
-
 SECTIONS: dict[str, Section] = {
     "replay": Section(
         "replay",
         ("replay_vs_bare_scheduler", "replay_metadata_only_vs_bare_scheduler", "tracing_overhead"),
-        _always,
     ),
-    "loader": Section("loader", ("loader_spans_per_s",), _always),
-    "ops": Section("ops", ("store_vs_memcpy", "retrieve_vs_memcpy"), _always),
+    "loader": Section("loader", ("loader_spans_per_s",)),
+    "ops": Section("ops", ("store_vs_memcpy", "retrieve_vs_memcpy")),
     "vllm": Section(
         "e2e",
         (
@@ -70,16 +63,15 @@ SECTIONS: dict[str, Section] = {
             "hit_4k_vs_recompute",
             "hit_16k_vs_recompute",
         ),
-        _always,
     ),
     "peer_servers": Section(
         "peer.alone",
         ("lookup_vs_lmcache", "store_vs_lmcache", "retrieve_vs_lmcache"),
-        _with_peer,
+        peer_only=True,
     ),
-    "others": Section("others", (), _always),
+    "others": Section("others", ()),
     # A GPU section goes here (store/retrieve bandwidth on the device against its own
-    # copies), wanted when torch.cuda.is_available().
+    # copies): a module with section(config), run when torch.cuda.is_available().
 }
 """The sections in the order they run (``replay`` first: ``loader`` also loads its spans)."""
 
@@ -95,13 +87,23 @@ def add_bench_parser(commands: Any) -> None:
         action="store_true",
         help="also run the real LMCache side by side (creates its own environment on first use)",
     )
-    bench.add_argument("--trace", type=Path, help="the Mooncake conversation trace to replay")
+    bench.add_argument(
+        "--trace",
+        type=Path,
+        help="the Mooncake conversation trace (default: ../shared/data/mooncake/"
+        "conversation_trace.jsonl from the current directory or the checkout)",
+    )
     bench.add_argument(
         "--replay-requests",
         type=int,
         help="requests of the trace the replay runs (default 2000, --quick 24; 0: all)",
     )
-    bench.add_argument("--peer-env", type=Path, help="the peer's virtual environment")
+    bench.add_argument(
+        "--peer-env",
+        type=Path,
+        help="the peer's virtual environment, created there if missing (default: "
+        "KVTB_PEER_ENV, else ~/.cache/kvtestbed/peer-env)",
+    )
     bench.add_argument(
         "--only",
         action="append",
@@ -151,12 +153,17 @@ def run_bench(args: argparse.Namespace) -> int:
     run["finished"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     from testbed.bench import report
 
+    found = versions()
+    if config.peer:
+        from testbed.bench.peer.env import PeerEnv, default_root, peer_versions
+
+        found["peer environment"] = peer_versions(PeerEnv(config.peer_env or default_root()))
     doc = report.document(
         [f for r in results for f in r.figures],
         [t for r in results for t in r.tables],
         run=run,
         machine=machine(),
-        versions=versions(),
+        versions=found,
         load=whole.record,
         sections=sections,
     )

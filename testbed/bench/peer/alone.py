@@ -71,7 +71,7 @@ def section(config: BenchConfig) -> SectionResult:
             "LMCache alone", processes.start(command, log_path, lmcache.ENV, **pipes), log_path
         )
         child.ready()
-        args = ["--chunk-size", "256", "--capacity", str(capacity), "--prefault", "0"]
+        args = ["--chunk-size", "256", "--capacity", str(capacity)]
         with (
             ServerProcess(args, env={"OTEL_SDK_DISABLED": "true"}) as server,
             CacheDriver(server.url, server.token, profile, chunk_size=256, num_chunks=CHUNKS) as d,

