@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from testbed.bench.config import BenchConfig, SectionResult, Table, find_trace
 from testbed.bench.figures import Figure
-from testbed.bench.stats import Ratio, interleave
+from testbed.bench.stats import Ratio, Spread, interleave
 
 if TYPE_CHECKING:
     from testbed.engine.replay import ReplaySpec
@@ -78,50 +78,47 @@ def section(config: BenchConfig) -> SectionResult:
     _scheduler_alone(spec, warm)
     _replay(spec, warm, work / "warm-up", traced=True, metadata_only=False)
     samples = interleave(cells, rounds, on_round=lambda i: _progress(i + 1, rounds))
-    bare, on, off, meta = (samples[name] for name in CELLS)
     tokens = sum(len(r.prompt_token_ids) for r in requests)
     size = f"{len(requests):,} requests of the Mooncake conversation trace ({tokens / 1e6:.1f}M "
     size += f"prompt tokens, chunk {CHUNK_SIZE}, interleaved rounds: {rounds})"
-    integrity_note = {"integrity_errors": integrity}
+    return _report(samples, integrity, len(requests), size)
+
+
+def _report(
+    samples: dict[str, list[float]], integrity: dict[str, int], num_requests: int, size: str
+) -> SectionResult:
+    bare, on, off, meta = (samples[name] for name in CELLS)
+    what = "wall time of {}, " + size
     figures = [
         Figure(
             "replay_vs_bare_scheduler",
             Ratio.of(on, bare).value,
-            f"wall time of the replay with tracing on over vLLM's scheduler alone, {size}",
+            what.format("the replay with tracing on over vLLM's scheduler alone"),
             ratio=Ratio.of(on, bare),
-            details=integrity_note,
+            details={"integrity_errors": integrity},
         ),
         Figure(
             "replay_metadata_only_vs_bare_scheduler",
             Ratio.of(meta, bare).value,
-            f"wall time of the metadata-only replay (tracing on) over the scheduler alone, {size}",
+            what.format("the metadata-only replay (tracing on) over the scheduler alone"),
             ratio=Ratio.of(meta, bare),
         ),
         Figure(
             "tracing_overhead",
             Ratio.of(on, off).value,
-            f"wall time of the replay with tracing on over the same with tracing off, {size}",
+            what.format("the replay with tracing on over the same with tracing off"),
             ratio=Ratio.of(on, off),
         ),
     ]
-    rows = [
-        (
-            name,
-            f"{min(s):.2f}",
-            f"{sorted(s)[len(s) // 2]:.2f}",
-            f"{max(s):.2f}",
-            f"{len(requests) / sorted(s)[len(s) // 2]:,.0f}",
-            integrity.get(name, "–"),
-        )
-        for name, s in samples.items()
-    ]
-    table = Table(
-        "Replay cells",
-        ("cell", "min s", "median s", "max s", "requests/s", "integrity errors"),
-        rows,
-        size,
-    )
-    return SectionResult(figures, [table])
+    rows = []
+    for name, values in samples.items():
+        spread = Spread.of(values)
+        rows.append(
+            (name, f"{spread.min:.2f}", f"{spread.median:.2f}", f"{spread.max:.2f}",
+             f"{num_requests / spread.median:,.0f}", integrity.get(name, "–"))
+        )  # fmt: skip
+    header = ("cell", "min s", "median s", "max s", "requests/s", "integrity errors")
+    return SectionResult(figures, [Table("Replay cells", header, rows, size)])
 
 
 def _scheduler_alone(spec: ReplaySpec, requests: list[WorkloadRequest]) -> float:

@@ -34,6 +34,41 @@ def _compat() -> Any:
     return module
 
 
+def _engine(args: argparse.Namespace, block: int) -> Any:
+    """``vllm.LLM`` with LMCache's connector, sized and seeded as our engines are."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="LMCacheMPConnector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "lmcache.mp.host": "tcp://127.0.0.1",
+            "lmcache.mp.port": args.port,
+            "lmcache.mp.mp_transfer_mode": args.mode,
+            "lmcache.mp.mq_timeout": 30.0,
+        },
+    )
+    engine_blocks = args.max_len // block + 16
+    with _compat().kernel_scan_safe():
+        return LLM(
+            model=args.model,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            block_size=block,
+            max_model_len=args.max_len + block,
+            max_num_seqs=4,
+            max_num_batched_tokens=args.max_len,
+            enable_chunked_prefill=True,
+            enable_prefix_caching=False,
+            enforce_eager=True,
+            seed=0,
+            kv_cache_memory_bytes=engine_blocks * block * args.kv_bytes_per_token,
+            kv_transfer_config=transfer,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="kvtb bench: vLLM with LMCache (internal)")
     parser.add_argument("--model", required=True)
@@ -50,42 +85,14 @@ def main() -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     sys.path.insert(0, str(HERE))
     from engine_protocol import BLOCK, CHUNK, OUTPUT_TOKENS, LookupTimer, answer, prompt
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1 import lmcache_mp_connector
 
     timer = LookupTimer()
     timer.install(lmcache_mp_connector.LMCacheMPConnector)
-    transfer = KVTransferConfig(
-        kv_connector="LMCacheMPConnector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "lmcache.mp.host": "tcp://127.0.0.1",
-            "lmcache.mp.port": args.port,
-            "lmcache.mp.mp_transfer_mode": args.mode,
-            "lmcache.mp.mq_timeout": 30.0,
-        },
-    )
-    engine_blocks = args.max_len // BLOCK + 16
-    with _compat().kernel_scan_safe():
-        llm = LLM(
-            model=args.model,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            block_size=BLOCK,
-            max_model_len=args.max_len + BLOCK,
-            max_num_seqs=4,
-            max_num_batched_tokens=args.max_len,
-            enable_chunked_prefill=True,
-            enable_prefix_caching=False,
-            enforce_eager=True,
-            seed=0,
-            kv_cache_memory_bytes=engine_blocks * BLOCK * args.kv_bytes_per_token,
-            kv_transfer_config=transfer,
-        )
+    llm = _engine(args, BLOCK)
     engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]  # in-process
+    scheduler = engine.engine_core.engine_core.scheduler  # the in-process core
 
     def one(request_id: str, tokens: list[int]) -> dict[str, Any]:
         params = SamplingParams(
