@@ -5,6 +5,7 @@
 # own files (pyproject.toml). EXTRAS picks the optional dependency sets (lab: engines, sweeps,
 # analysis; the base install is only the connector and the server); on a GPU machine use
 # EXTRAS=lab,dev,notebooks,ray and install vLLM for CUDA yourself.
+# make bench runs every benchmark (kvtb bench); BENCH_FLAGS=--peer adds the real LMCache.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,13 +35,13 @@ test: setup
 	$(BIN)/python -m pytest
 
 lint: setup
-	$(BIN)/ruff check testbed connector server tests benchmarks
+	$(BIN)/ruff check testbed connector server tests
 
 typecheck: setup
 	$(BIN)/mypy
 
 bench: setup
-	$(BIN)/python -m benchmarks
+	$(BIN)/kvtb bench --out runs/bench $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

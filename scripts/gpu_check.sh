@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh --dry-run --python python3.12   (here: no GPU needed)
 #
 # Results: OUT/gpu_check.json (each step's status), OUT/gpu_tests.xml (JUnit), OUT/gpu_bench.json
-# and OUT/h200_calibration.toml (benchmarks.gpu_data_path), OUT/gpu_check.log (everything).
+# and OUT/h200_calibration.toml (testbed.bench.gpu_data_path), OUT/gpu_check.log (everything).
 # --dry-run installs the wheelhouse into a fresh virtual environment of PY with --no-index
 # (after the few image packages it stands in for, from the registry) and runs the steps that
 # need no GPU: the install check, a server start, and the IPC probe's "no CUDA" answer.
@@ -91,6 +91,6 @@ step gpu-tests 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
   --junitxml="$OUT_DIR/gpu_tests.xml"
 tests_rc=$?
 if [ "$BENCH" = 1 ]; then
-  step gpu-bench 300 "$PY" -m benchmarks.gpu_data_path --out "$OUT_DIR"
+  step gpu-bench 300 "$PY" -m testbed.bench.gpu_data_path --out "$OUT_DIR"
 fi
 finish $tests_rc

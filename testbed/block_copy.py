@@ -21,7 +21,7 @@ the GIL released. The run indices of a whole operation are computed in a few num
 Threads. numpy runs each call on the calling thread, whatever ``torch.set_num_threads`` says:
 the copies never change, nor depend on, the process-wide intra-op pool that vLLM's forward pass
 uses. One thread is the default (on a 2-core machine a second one gains nothing and a busy
-neighbour makes it straggle, see ``benchmarks.data_path``); ``num_threads > 1`` splits each
+neighbour makes it straggle, see ``testbed.bench.copies``); ``num_threads > 1`` splits each
 call by layers over a small pool of this copier's own.
 
 Contract: ``gather`` writes every byte of each object from the blocks named; ``scatter``

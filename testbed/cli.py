@@ -8,6 +8,7 @@ kvtb export jaeger DIR... -o F  Jaeger-UI JSON of runs' (or sweeps') spans
 kvtb explain RUN REQUEST_ID     why one request of a run hit or missed
 kvtb whatif SOURCE --out DIR    hit rate at every capacity, chunk size and policy, one pass
 kvtb chaos [--quick] --out DIR  reliability scenarios (kills, restarts, fuzzing) → a report
+kvtb bench [--quick] [--peer] --out DIR  every benchmark (and the real LMCache) → a report
 kvtb demo                       the main job: a small sweep and its report
 kvtb clean                      remove files left by cache servers that were killed
 
@@ -97,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_chaos_parser(commands)
 
+    from testbed.bench.command import add_bench_parser
+
+    add_bench_parser(commands)
+
     commands.add_parser(
         "clean", help="remove pool and token files of cache servers that no longer run"
     )
@@ -160,6 +165,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from testbed.chaos.command import run_chaos
 
         return run_chaos(args)
+    if args.command == "bench":
+        from testbed.bench.command import run_bench
+
+        return run_bench(args)
     if args.command == "demo":
         from testbed.sweep.cli import demo
 

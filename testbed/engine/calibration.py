@@ -1,7 +1,7 @@
 """Measured figures for a hardware profile: fits of prefill and KV-load times taken on a GPU.
 
 Pure arithmetic (numpy), run wherever the measurements are read. The device run
-(``benchmarks.gpu_data_path``, from ``scripts/gpu_check.sh``) times the prefill of a model with
+(``testbed.bench.gpu_data_path``, from ``scripts/gpu_check.sh``) times the prefill of a model with
 a profile's compute shape at a few prompt lengths, and the load of the same tokens' KV from
 the cache server's pools; :func:`calibrate` turns those points into the ``measured_*`` fields
 of :class:`testbed.engine.time_model.Hardware`:

@@ -6,7 +6,7 @@ on a GPU (one allocation, viewed per layer as ``(num_blocks, kv_heads, block_siz
 2·head_dim)``), fills it with seeded random bytes, registers it with a real cache server through
 :class:`connector.worker_client.WorkerClient` (CUDA IPC: the server maps the KV and copies) and
 runs one scenario, printing one JSON line of results. The GPU tests (``tests/gpu``) and the GPU
-benchmark (``benchmarks.gpu_data_path``) drive it; ``probe`` checks that CUDA IPC works between
+benchmark (``testbed.bench.gpu_data_path``) drive it; ``probe`` checks that CUDA IPC works between
 two processes at all (some sandboxes refuse it).
 
 Scenarios: ``roundtrip`` (store, retrieve into other blocks with ``skip_first_n_tokens``, compare

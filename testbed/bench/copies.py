@@ -18,7 +18,7 @@ The pool is a pre-faulted ``SharedMemoryPool``. ``× memcpy`` is the memcpy medi
 direction over the case's median (1.0: as fast as memcpy). With ``--busy`` a busy loop runs
 on the other core (this process and the loop are pinned apart).
 
-    python -m benchmarks.data_path [--rounds 200] [--busy] [--copy-threads 1]
+    python -m testbed.bench.copies [--rounds 200] [--busy] [--copy-threads 1]
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from benchmarks.common import table
 from connector.kv_copy import PagedKV
 from connector.shared_kv import SharedKV
 from server.kv_copier import EngineKV
 from server.pool import SharedMemoryPool
 from testbed import protocol as p
+from testbed.bench.tables import table
 from testbed.block_copy import ChunkCopy
 from testbed.engine.profiles import KVProfile, get_profile
 
@@ -244,11 +244,16 @@ def main() -> None:
         help="rounds that also time the torch/layer rows (slow with many threads); 0: none",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-llama", action="store_true", help="only the tiny profile's chunks (quick runs)"
+    )
     args = parser.parse_args()
-    cases = [
-        make_case(get_profile("llama3-8b"), 1, args.block_size, args.copy_threads),
-        make_case(get_profile("tiny"), 1, args.block_size, args.copy_threads),
-    ]
+    cases = (
+        []
+        if args.no_llama
+        else [make_case(get_profile("llama3-8b"), 1, args.block_size, args.copy_threads)]
+    )
+    cases.append(make_case(get_profile("tiny"), 1, args.block_size, args.copy_threads))
     if args.tiny_batch > 1:
         cases.append(
             make_case(get_profile("tiny"), args.tiny_batch, args.block_size, args.copy_threads)

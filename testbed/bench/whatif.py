@@ -11,7 +11,7 @@ its own; its time is the median of ``--rounds`` (the numba kernel compiled befor
 oracle point is checked against the curve. ``--sample-rate`` adds a SHARDS row: its time and
 its largest difference from the exact curve over a 48-point capacity grid.
 
-    python -m benchmarks.whatif [--requests N] [--chunk-sizes 64,128,256,512] [--rounds 3]
+    python -m testbed.bench.whatif [--requests N] [--chunk-sizes 64,128,256,512] [--rounds 3]
 
 The full trace (12,031 requests, 145M prompt tokens) takes several minutes, nearly all of it
 in the oracle runs.
@@ -28,15 +28,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import table
+from testbed.bench.config import TRACE_IN_CHECKOUT
+from testbed.bench.tables import table
 
-TRACE = (
-    Path(__file__).resolve().parents[2]
-    / "shared"
-    / "data"
-    / "mooncake"
-    / "conversation_trace.jsonl"
-)
 CAPACITIES = tuple(1 << k for k in range(18, 26))  # 256Ki .. 32Mi tokens
 
 
@@ -85,7 +79,9 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", default="64,128,256,512")
     parser.add_argument("--rounds", type=int, default=3, help="what-if rounds (median)")
     parser.add_argument("--sample-rate", type=float, default=0.01)
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--trace", type=Path, default=TRACE_IN_CHECKOUT, help="the Mooncake conversation trace"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.chunk_sizes.split(",")]
     spec_values = {"workload": f"mooncake:{args.trace}", "requests": args.requests}

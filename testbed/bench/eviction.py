@@ -8,7 +8,7 @@ eviction is the batch time over the evictions it caused. Time that stays flat fr
 10^6 objects, and LFU and FIFO close to LRU, is the ``O(log n)`` of the lazy heap (the
 previous LFU sorted every entry per victim: 3.5 ms per eviction at 20,000 objects).
 
-    python -m benchmarks.eviction [--objects 100000 1000000] [--batches 10] [--batch 2000]
+    python -m testbed.bench.eviction [--objects 100000 1000000] [--batches 10] [--batch 2000]
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import random
 import statistics
 import time
 
-from benchmarks.common import table
 from server.cache import Eviction, KVCache, ObjectKey, Space
 from server.policies import POLICIES, make_policy
+from testbed.bench.tables import table
 
 OBJECT_BYTES = 4096
 

@@ -7,7 +7,7 @@ that stays flat as ``N`` grows a hundredfold is the ``O(log n)`` the allocator p
 previous allocator sorted the free lengths on every allocation: 92 µs at 1,000 free extents,
 740 µs at 10,000 on the 2-core development machine).
 
-    python -m benchmarks.pool_allocator [--extents 1000 10000 100000]
+    python -m testbed.bench.pool_allocator [--extents 1000 10000 100000]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import table
 from server.pool import ALIGNMENT, ExtentAllocator
+from testbed.bench.tables import table
 
 
 def fragmented(num_free: int) -> tuple[ExtentAllocator, int]:

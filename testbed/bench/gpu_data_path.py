@@ -13,12 +13,12 @@ same bytes between one contiguous device tensor and the same pool region (D2H an
 pinned host, D2D for GPU memory). All on the engine's stream, timed with CUDA events; medians.
 ``ratio`` = the device copy's time over the operation's (1.0: as fast as a plain copy).
 
-Calibration: prefill times of a random-weight Llama-3-8B (``benchmarks.gpu_prefill``) at a few
+Calibration: prefill times of a random-weight Llama-3-8B (``testbed.bench.gpu_prefill``) at a few
 prompt lengths, the load time of the same tokens' KV from each pool (the server's copy into
 the engine's blocks), and the H200 profile's measured figures fitted to them
 (``testbed.engine.calibration``), written as ``h200_calibration.toml``.
 
-    python -m benchmarks.gpu_data_path --out DIR [--chunks 8] [--rounds 20]
+    python -m testbed.bench.gpu_data_path --out DIR [--chunks 8] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 import msgspec
 import torch
 
-from benchmarks.common import table
-from benchmarks.gpu_prefill import RandomLlama, prefill_ms
+from testbed.bench.tables import table
+from testbed.bench.gpu_prefill import RandomLlama, prefill_ms
 from server.cuda_engine import CudaEngineKV
 from server.pools import make_pool
 from testbed import protocol as p
@@ -134,7 +134,7 @@ def load_ms(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_data_path")
+    parser = argparse.ArgumentParser(prog="python -m testbed.bench.gpu_data_path")
     parser.add_argument("--out", type=Path, required=True, help="directory for the results")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per operation")
     parser.add_argument("--rounds", type=int, default=20)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     del model
     source = (
         f"{results['device']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
-        "python -m benchmarks.gpu_data_path"
+        "python -m testbed.bench.gpu_data_path"
     )
     measured = calibrate(
         HARDWARE["h200"],

@@ -1,6 +1,6 @@
 """Prefill time of a Llama-3-8B-shaped model with random weights (no download), on a GPU.
 
-The calibration half of ``benchmarks.gpu_data_path``: the model is the ``llama3-8b`` profile's
+The calibration half of ``testbed.bench.gpu_data_path``: the model is the ``llama3-8b`` profile's
 compute shape (32 layers, hidden 4096, 32 query and 8 KV heads of 128, MLP 14336, vocabulary
 128256), bf16 weights drawn at random on the device, run as one prefill of the whole prompt:
 RMSNorm, QKV, causal grouped-query attention (``scaled_dot_product_attention``: FlashAttention

