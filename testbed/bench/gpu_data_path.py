@@ -37,11 +37,11 @@ from typing import Any
 import msgspec
 import torch
 
-from testbed.bench.tables import table
-from testbed.bench.gpu_prefill import RandomLlama, prefill_ms
 from server.cuda_engine import CudaEngineKV
 from server.pools import make_pool
 from testbed import protocol as p
+from testbed.bench.gpu_prefill import RandomLlama, prefill_ms
+from testbed.bench.tables import table
 from testbed.block_runs import ChunkCopy
 from testbed.engine.calibration import calibrate, calibration_toml
 from testbed.engine.profiles import get_profile
