@@ -327,8 +327,13 @@ class KVTBConnector(KVConnectorBase_V1):
         reports = self.worker.take_chunk_reports()
         return vllm_telemetry.KVTBWorkerMetadata(reports) if reports else None
 
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVTBConnectorMetadata)
+        return metadata.plan
+
     # -----------------------------------------------------------------------------------------
-    # Both roles: vLLM's connector stats and Prometheus metrics
+    # Both roles: vLLM's connector stats and Prometheus metrics; shutdown
     # -----------------------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -367,11 +372,6 @@ class KVTBConnector(KVConnectorBase_V1):
         if self._traces:
             self._traces = False
             tracing.release()
-
-    def _plan(self) -> StepPlan:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, KVTBConnectorMetadata)
-        return metadata.plan
 
     # -----------------------------------------------------------------------------------------
     # Scheduler side
