@@ -102,7 +102,9 @@ def plan_store(
     limit = min(num_computed_tokens, len(tracker.block_ids) * geometry.block_size)
     if store_decode_tokens:
         limit = min(limit, len(tracker.token_ids))
-        extend_chunk_hashes(tracker.chunk_hashes, tracker.token_ids, chunk, limit // chunk)
+        extend_chunk_hashes(
+            tracker.chunk_hashes, tracker.token_ids, chunk, limit // chunk, tracker.key_extras
+        )
     else:
         limit = min(limit, tracker.num_prompt_tokens)
     target = min(limit // chunk, len(tracker.chunk_hashes))

@@ -15,7 +15,11 @@ hook contracts follow ``KVConnectorBase_V1``:
 - :meth:`SchedulerSide.build_plan` emits the step's retrieves and the stores of newly
   completed chunks;
 - :meth:`SchedulerSide.request_finished` ends the session and says whether vLLM must keep the
-  request's blocks until its (asynchronous) stores are done.
+  request's blocks until its (asynchronous) stores are done;
+- :meth:`SchedulerSide.load_failed` takes the blocks vLLM reports as failed to load (it
+  recomputes them): their chunks count as not stored, so the request stores them again once
+  recomputed. Chunks computed in the step of a synchronous load are stored only after that
+  step reported its loads, so KV computed over blocks that never arrived is never stored.
 
 Telemetry is the record: each request gets one ``kvcache.connector.request`` span (a child of
 the request's own trace context when vLLM passes one, else the root of the request's trace),
@@ -27,7 +31,7 @@ the lookup's status and the preemptions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from connector.ops import StepPlan
@@ -38,13 +42,11 @@ from connector.planner import (
     plan_store,
     tokens_to_load,
 )
-from connector.scheduler_client import SchedulerClient
+from connector.scheduler_client import ALL_TOKENS, SchedulerClient
 from connector.tracker import Admission, Phase, RequestTracker
 from testbed import telemetry
-from testbed.keys import chunk_hashes
+from testbed.keys import KeyExtras, chunk_hashes
 from testbed.telemetry import attributes as a
-
-_ALL_TOKENS = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class RequestView:
     num_tokens: int
     cache_salt: str = ""
     traceparent: str = ""
+    key_extras: KeyExtras | None = None
+    """LoRA adapter and multimodal inputs: part of every chunk key (``testbed.keys``)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class SchedulerSide:
         self.trackers: dict[str, RequestTracker] = {}
         self._spans: dict[str, telemetry.Span] = {}
         self._delayed: list[str] = []
+        self._finishing: list[RequestTracker] = []
+        """Finished requests whose deferred stores go into the next plan."""
 
     def session_id(self, request_id: str) -> str:
         return f"{self.engine_id}:{request_id}"
@@ -164,10 +170,13 @@ class SchedulerSide:
             if tracker is not None:
                 self._reset(tracker)
                 plan.cancelled_request_ids.append(request_id)
+        loading = set()
         for tracker in self.trackers.values():
             op = plan_retrieve(tracker, self.geometry)
             if op is not None:
                 plan.retrieves.append(op)
+                loading.add(tracker.request_id)
+        carried = [t for t in self.trackers.values() if t.deferred_tokens is not None]
         for step in scheduled:
             tracker = self.trackers.get(step.request_id)
             if tracker is None:
@@ -176,16 +185,41 @@ class SchedulerSide:
                 tracker.block_ids = list(step.block_ids)
             else:
                 tracker.block_ids.extend(step.block_ids)
-            store = plan_store(
-                tracker,
-                self.geometry,
-                step.num_computed_tokens + step.num_scheduled_tokens,
-                store_decode_tokens=self.store_decode_tokens,
-            )
-            if store is not None:
-                plan.stores.append(store)
-                tracker.stores_planned = True
+            computed = step.num_computed_tokens + step.num_scheduled_tokens
+            if not self.load_async and step.request_id in loading:
+                tracker.deferred_tokens = computed  # stored once the load is known good
+                continue
+            tracker.deferred_tokens = None
+            self._plan_store(plan, tracker, computed)
+        for tracker in [*carried, *self._finishing]:  # last step's loads were good
+            if tracker.deferred_tokens is not None and tracker.request_id not in loading:
+                computed, tracker.deferred_tokens = tracker.deferred_tokens, None
+                self._plan_store(plan, tracker, computed)
+        self._finishing = []
         return plan
+
+    def _plan_store(self, plan: StepPlan, tracker: RequestTracker, computed: int) -> None:
+        store = plan_store(
+            tracker, self.geometry, computed, store_decode_tokens=self.store_decode_tokens
+        )
+        if store is not None:
+            plan.stores.append(store)
+            tracker.stores_planned = True
+
+    def load_failed(self, block_ids: Collection[int]) -> None:
+        """vLLM reports blocks whose load failed and recomputes them: each request's chunks
+        from the first one holding such a block count as not stored (its next stores write
+        them again), and its deferred stores, computed over them, are dropped."""
+        failed = set(block_ids)
+        if not failed:
+            return
+        for tracker in self.trackers.values():
+            first = next((i for i, b in enumerate(tracker.block_ids) if b in failed), None)
+            if first is None:
+                continue
+            chunk = first // self.geometry.blocks_per_chunk
+            tracker.num_stored_chunks = min(tracker.num_stored_chunks, chunk)
+            tracker.deferred_tokens = None
 
     def request_finished(self, request_id: str) -> bool:
         """Ends the session and the request's span and forgets the request. True when stores
@@ -196,11 +230,14 @@ class SchedulerSide:
             return False
         # Finished (aborted) before allocation: its lookup's locks would otherwise wait for the
         # TTL. The server handles the free after the lookup, in order.
-        unallocated = tracker.phase is Phase.LOOKUP and tracker.lookup_submitted
-        if unallocated and (tracker.locks_held or tracker.hit_tokens is None):
-            self.client.free_locks(tracker.session_id, 0, _ALL_TOKENS, parent=tracker.traceparent)
+        # (One still unanswered is released as abandoned when the session ends.)
+        if tracker.phase is Phase.LOOKUP and tracker.locks_held:
+            self.client.free_locks(tracker.session_id, 0, ALL_TOKENS, parent=tracker.traceparent)
         self.client.end_session(tracker.session_id, parent=tracker.traceparent)
         self._end_span(tracker)
+        if tracker.deferred_tokens is not None:
+            self._finishing.append(tracker)  # its load was good: vLLM finished it
+            tracker.stores_planned = True
         if tracker.stores_planned:
             self._delayed.append(request_id)
         return tracker.stores_planned
@@ -237,7 +274,12 @@ class SchedulerSide:
                 num_prompt_tokens=num_prompt,
                 cache_salt=request.cache_salt or self.default_cache_salt,
                 traceparent=telemetry.traceparent_of(span) or request.traceparent,
-                chunk_hashes=chunk_hashes(request.token_ids[:num_prompt], self.geometry.chunk_size),
+                chunk_hashes=chunk_hashes(
+                    request.token_ids[:num_prompt],
+                    self.geometry.chunk_size,
+                    extras=request.key_extras,
+                ),
+                key_extras=request.key_extras,
             )
             self.trackers[request.request_id] = tracker
         return tracker

@@ -4,8 +4,16 @@ Runs in vLLM's scheduler process. :meth:`SchedulerClient.submit_lookup` returns 
 :meth:`SchedulerClient.lookup_result` is polled (``None`` while the answer is outstanding).
 Each operation leaves a CLIENT span whose context travels in the request, so the server's
 span is its child. A dead or missing server never blocks the caller: once the RPC client has
-marked the server down, lookups answer 0 at once and frees are dropped (the server's lock TTL
-covers them).
+marked the server down, lookups answer 0 at once (and are not sent).
+
+Nothing abandoned stays held: a lookup that was sent and never answered in time (the server
+was frozen, busy, or the request moved on) counts as a miss, and at once a release of all its
+locks follows it on the same connection (a ``kvcache.connector.lock_release`` span with
+``kvcache.abandoned``). Releases and ends of sessions are sent even while the server looks
+down: a server that was only frozen or slow reads them when it resumes, right after the
+lookups they concern (one connection keeps their order), so the locks and session a late
+lookup created go within moments of its answer instead of at their TTLs; a server that is gone
+lost them anyway.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from connector.stats import StatsRecorder
 from testbed import protocol as p
 from testbed import telemetry
 from testbed.rpc import RpcClient, reply_timing
@@ -22,6 +31,9 @@ from testbed.telemetry import SpanKind
 from testbed.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
+
+ALL_TOKENS = 1 << 62
+"""A token range end beyond any request: a release of every lock of the session."""
 
 
 @dataclass(frozen=True)
@@ -37,9 +49,13 @@ class LookupAnswer:
 @dataclass
 class _Lookup:
     future: Future[p.Reply] | None
+    """``None`` when the lookup was never sent (the server looked down)."""
     span: telemetry.Span
     started_at: float
+    started_ns: int
+    """The span's start (wall clock, ns): its duration is exactly what the stats record."""
     num_chunks: int
+    parent: str
     polls: int = 0
     answer: LookupAnswer | None = None
     server_s: float = 0.0
@@ -63,6 +79,8 @@ class SchedulerClient:
         num_readers: int,
         chunk_size: int,
         poll_interval_s: float = 0.001,
+        track_evictions: bool = False,
+        eviction_seq: int = 0,
     ) -> None:
         self.rpc = rpc
         self.model = model
@@ -70,7 +88,17 @@ class SchedulerClient:
         self.num_readers = num_readers
         self.chunk_size = chunk_size
         self.poll_interval_s = poll_interval_s
+        self.stats = StatsRecorder()
+        """Lookups and abandoned releases for vLLM's connector stats."""
         self._lookups: dict[str, _Lookup] = {}
+        self.track_evictions = track_evictions
+        """Lookups ask the server which chunks it removed since the last answer (for vLLM's KV
+        events; :meth:`take_evictions`)."""
+        self._eviction_seq = eviction_seq
+        """The server's latest removal number this client knows (``GetConfig`` at start)."""
+        self._eviction_epoch = 0
+        self._evicted: list[tuple[str, bytes, int]] = []
+        self._evictions_lost = False
 
     def submit_lookup(
         self,
@@ -81,10 +109,12 @@ class SchedulerClient:
         parent: str = "",
     ) -> None:
         """Starts a lookup for the session (replacing any earlier one)."""
+        started_ns = time.time_ns()
         span = telemetry.start_span(
             a.CONNECTOR_LOOKUP,
             kind=SpanKind.CLIENT,
             parent=parent,
+            start_time_ns=started_ns,
             attributes={
                 a.SESSION_ID: session_id,
                 a.CHUNKS_REQUESTED: len(chunk_hashes),
@@ -103,9 +133,12 @@ class SchedulerClient:
                     chunk_hashes=chunk_hashes,
                     num_readers=self.num_readers,
                     traceparent=telemetry.traceparent_of(span),
+                    evictions_after=self._eviction_seq if self.track_evictions else None,
                 )
             )
-        self._lookups[session_id] = _Lookup(future, span, time.monotonic(), len(chunk_hashes))
+        self._lookups[session_id] = _Lookup(
+            future, span, time.monotonic(), started_ns, len(chunk_hashes), parent
+        )
 
     def lookup_result(
         self, session_id: str, wait_s: float = 0.0, *, wait_pending: bool = True
@@ -132,6 +165,7 @@ class SchedulerClient:
                 return None
             except Exception as exc:  # ServerUnavailable or the client closing
                 self._settle(lookup, None, str(exc))
+                self._release_abandoned(session_id, lookup)
                 break
             lookup.took(lookup.future)
             if isinstance(reply, p.Error):
@@ -168,33 +202,77 @@ class SchedulerClient:
                 a.OK: error is None,
             }
         )
-        if reply is not None and reply.miss_status:
-            lookup.span.set_attribute(a.MISS_STATUS, reply.miss_status)
+        if reply is not None:
+            if reply.miss_status:
+                lookup.span.set_attribute(a.MISS_STATUS, reply.miss_status)
+            self._note_evictions(reply)
         if error is not None:
             log.warning("lookup failed, treating as a miss: %s", error)
             lookup.span.set_attribute(a.ERROR, error)
             telemetry.fail(lookup.span, error)
-        lookup.span.end()
+        ended_ns = time.time_ns()
+        lookup.span.end(end_time=ended_ns)
+        self.stats.lookup(
+            requested_tokens=lookup.num_chunks * self.chunk_size,
+            hit_tokens=hit_chunks * self.chunk_size,
+            ok=error is None,
+            seconds=(ended_ns - lookup.started_ns) / 1e9,
+        )
+
+    def _release_abandoned(self, session_id: str, lookup: _Lookup) -> None:
+        """The lookup was sent but its answer will not be used: whatever locks it takes when
+        the server gets to it are released right after (the next request on the connection)."""
+        if lookup.future is not None:
+            self.free_locks(session_id, 0, ALL_TOKENS, parent=lookup.parent, abandoned=True)
+
+    def _note_evictions(self, reply: p.LookupResult) -> None:
+        if not self.track_evictions:
+            return
+        restarted = self._eviction_epoch not in (0, reply.epoch)
+        self._eviction_epoch = reply.epoch
+        if reply.evictions_lost or restarted:
+            self._evictions_lost = True
+            self._evicted = []
+        self._evicted += [(c.cache_salt, c.chunk_hash, c.seq) for c in reply.evicted]
+        if reply.evictions_lost or restarted or reply.eviction_seq > self._eviction_seq:
+            self._eviction_seq = reply.eviction_seq
+
+    def take_evictions(self) -> tuple[list[tuple[str, bytes, int]], bool]:
+        """Chunks ``(cache salt, chunk hash, removal number)`` the server removed, as the lookups
+        answered since the last call learned; and whether removals were lost (the server forgot
+        them or restarted: any chunk may be gone)."""
+        evicted, lost = self._evicted, self._evictions_lost
+        self._evicted, self._evictions_lost = [], False
+        return evicted, lost
 
     def forget_lookup(self, session_id: str) -> None:
         lookup = self._lookups.pop(session_id, None)
         if lookup is not None and lookup.answer is None:
             self._settle(lookup, None, "abandoned before the answer arrived")
+            self._release_abandoned(session_id, lookup)
 
     def free_locks(
-        self, session_id: str, start_token: int, end_token: int, parent: str = ""
+        self,
+        session_id: str,
+        start_token: int,
+        end_token: int,
+        parent: str = "",
+        *,
+        abandoned: bool = False,
     ) -> None:
-        """Releases the session's locks on complete chunks in ``[start, end)``; fire and forget."""
+        """Releases the session's locks on complete chunks in ``[start, end)``; fire and forget.
+        ``abandoned``: the release of a lookup whose answer was not waited for."""
+        attributes: dict[str, str | int | bool] = {
+            a.SESSION_ID: session_id,
+            a.RANGE_START: start_token,
+            a.RANGE_END: end_token,
+            a.CHUNKS: max(0, end_token // self.chunk_size - -(-start_token // self.chunk_size)),
+        }
+        if abandoned:
+            attributes[a.ABANDONED] = True
+            self.stats.abandoned_release()
         with telemetry.traced(
-            a.CONNECTOR_LOCK_RELEASE,
-            kind=SpanKind.CLIENT,
-            parent=parent,
-            attributes={
-                a.SESSION_ID: session_id,
-                a.RANGE_START: start_token,
-                a.RANGE_END: end_token,
-                a.CHUNKS: max(0, end_token // self.chunk_size - -(-start_token // self.chunk_size)),
-            },
+            a.CONNECTOR_LOCK_RELEASE, kind=SpanKind.CLIENT, parent=parent, attributes=attributes
         ) as span:
             self._fire(
                 p.FreeLocks(session_id=session_id, start_token=start_token, end_token=end_token),
@@ -213,10 +291,11 @@ class SchedulerClient:
             self._fire(p.EndSession(session_id=session_id), span)
 
     def _fire(self, request: p.FreeLocks | p.EndSession, span: telemetry.Span) -> None:
-        if not self.rpc.alive:
-            telemetry.fail(span, "cache server unavailable; the server's TTLs will clean up")
-            span.set_attribute(a.OK, False)
-            return
+        """Sends without waiting, also while the server looks down (see the module docstring).
+        ``kvcache.ok``: the server was answering when it was sent."""
         request.traceparent, request.tracestate = telemetry.inject()
+        answering = self.rpc.alive
         self.rpc.submit(request)
-        span.set_attribute(a.OK, True)
+        span.set_attribute(a.OK, answering)
+        if not answering:
+            telemetry.fail(span, "sent while the cache server was not answering")

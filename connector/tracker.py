@@ -17,6 +17,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from testbed.keys import KeyExtras
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -50,6 +52,8 @@ class RequestTracker:
     """The request's own trace context; connector spans and worker ops hang under it."""
     chunk_hashes: list[bytes]
     """Hashes of the complete chunks hashed so far (the prompt's, at creation)."""
+    key_extras: KeyExtras | None = None
+    """What besides the tokens keys the request's chunks (LoRA adapter, multimodal inputs)."""
 
     phase: Phase = Phase.LOOKUP
     lookup_submitted: bool = False
@@ -70,6 +74,10 @@ class RequestTracker:
     """Times the engine started the request over: the current admission's ``attempt``."""
     stores_planned: bool = False
     """Whether any store was planned (its blocks must outlive the request until stored)."""
+    deferred_tokens: int | None = None
+    """Tokens computed in a step that also loaded the request synchronously: their chunks are
+    stored only once the step reported the load good (a failed load makes vLLM recompute
+    them, and KV computed over blocks that never arrived must not reach the cache)."""
     first_admission: Admission | None = None
     """What the request got at its first admission (the accounting counts that one)."""
 
@@ -84,4 +92,5 @@ class RequestTracker:
         self.locks_held = False
         self.block_ids = []
         self.num_stored_chunks = 0
+        self.deferred_tokens = None
         self.preemptions += 1

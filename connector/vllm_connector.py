@@ -27,6 +27,15 @@ Installing kvtestbed registers it with vLLM by name (:mod:`connector.plugin`)::
 
 The cache is best effort (``requires_kv_delivery`` is False): a dead server means misses and
 recomputation, never a hang (every wait is bounded by ``kvtb.mq_timeout_s``).
+
+vLLM sees the connector (:mod:`connector.vllm_telemetry`): its hits count under the ``host``
+hit source; ``get_kv_connector_stats`` (both roles) and the classmethods
+``build_kv_connector_stats`` / ``build_prom_metrics`` put lookups, bytes, latencies and
+failures on ``/metrics``; with ``--kv-events-config`` the workers report each stored chunk
+(``build_connector_worker_meta``), ``update_connector_output`` takes the reports and the
+failed loads (whose chunks are then stored again), and ``take_events`` hands vLLM's KV event
+publisher the chunks stored in and removed from the cache server. Pipeline parallelism is
+refused at start: the cache keys do not tell PP ranks' layers apart.
 """
 
 from __future__ import annotations
@@ -43,15 +52,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector import tracing
+from connector import tracing, vllm_telemetry
 from connector.config import ConnectorConfig
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
+from connector.kv_events import ChunkAnnouncer
 from connector.ops import FinishingOrder, StepPlan
 from connector.planner import Geometry
-from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
+from connector.scheduler import SchedulerSide
 from connector.scheduler_client import SchedulerClient
+from connector.vllm_views import block_dim_of, request_view, scheduled_requests, single_group
 from connector.worker_client import (
     WorkerClient,
     WorkerIdentity,
@@ -65,10 +77,16 @@ from testbed.telemetry import attributes as a
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -83,6 +101,9 @@ class KVTBConnectorMetadata(KVConnectorMetadata):
 
 
 class KVTBConnector(KVConnectorBase_V1):
+    # The cache server's pool is host memory: vLLM counts these hits under "host".
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -92,84 +113,111 @@ class KVTBConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
-        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.config = config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
-        tp_size = parallel.tensor_parallel_size
-        tp_rank = parallel.rank % tp_size
-        mla = self.config.mla if self.config.mla is not None else vllm_config.model_config.use_mla
-        model = self.config.model_name or vllm_config.model_config.model
-        side = "scheduler" if role == KVConnectorRole.SCHEDULER else f"worker{tp_rank}"
-        config = self.config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"KVTBConnector does not support pipeline parallelism (pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size}): each pipeline stage holds other layers' "
+                "KV under the same cache keys. Start vLLM with --pipeline-parallel-size 1 "
+                "(tensor parallelism, --tensor-parallel-size, is supported)."
+            )
+        events = vllm_config.kv_events_config
+        self._kv_events = events is not None and events.enable_kv_cache_events
+        hash_block = kv_cache_config.hash_block_size if kv_cache_config is not None else None
+        self._hash_block_size = hash_block or self.block_size
+        self.tp_size = parallel.tensor_parallel_size
+        self.tp_rank = parallel.rank % self.tp_size
+        self.mla = bool(config.mla if config.mla is not None else vllm_config.model_config.use_mla)
+        self.model = config.model_name or vllm_config.model_config.model
+        scheduler = role == KVConnectorRole.SCHEDULER
         self._traces = tracing.acquire(
             config.span_dir,
             run_id=config.run_id,
             service_name="kvtb-connector",
-            rank=None if role == KVConnectorRole.SCHEDULER else tp_rank,
-            resource={
-                a.TP_SIZE: tp_size,
-                a.MLA: bool(mla),
-                a.MODEL: str(model),
-            },
+            rank=None if scheduler else self.tp_rank,
+            resource={a.TP_SIZE: self.tp_size, a.MLA: self.mla, a.MODEL: str(self.model)},
         )
-        curve = None
+        self._curve = None
         if config.curve_secret_key:
-            curve = CurveKeys(Path(config.curve_secret_key), Path(config.curve_server_key))
+            self._curve = CurveKeys(Path(config.curve_secret_key), Path(config.curve_server_key))
         self.rpc = RpcClient(
             config.server_url,
-            role=side,
+            role="scheduler" if scheduler else f"worker{self.tp_rank}",
             token=client_token(config.token, config.token_file or None),
             timeout_s=config.mq_timeout_s,
             heartbeat_interval_s=config.heartbeat_interval_s,
-            curve=curve,
+            curve=self._curve,
         )
-        chunk_size = self._server_chunk_size()
+        server = self._server_config()
+        chunk_size = server.chunk_size if server is not None else config.chunk_size
         self.scheduler_side: SchedulerSide | None = None
         self.worker: WorkerClient | None = None
         self._load_errors: set[int] = set()
-        if role == KVConnectorRole.SCHEDULER:
-            client = SchedulerClient(
-                self.rpc,
-                model=model,
-                world_size=kv_world_size(tp_size, mla),
-                num_readers=readers_per_object(tp_size, mla),
-                chunk_size=chunk_size,
-            )
-            self.scheduler_side = SchedulerSide(
-                client,
-                Geometry(chunk_size, self.block_size),
-                engine_id=self.config.engine_id or transfer.engine_id or "engine",
-                default_cache_salt=self.config.cache_salt,
-                load_async=self.config.load_async,
-                lookup_wait_s=self.config.lookup_wait_s,
-                # Stores on their own timing: a pending answer may wait on this engine's own
-                # worker, which runs after the scheduler; vLLM asks again next step.
-                wait_pending=self.config.store_wait_s > 0,
-                store_decode_tokens=self.config.store_decode_tokens,
-                tp_size=tp_size,
-            )
+        self.announcer: ChunkAnnouncer[KVCacheEvent] | None = None
+        self._requests: dict[str, Request] = {}
+        """Requests whose stores may still be planned (KV events are built from them)."""
+        # Finished requests whose blocks vLLM keeps for our stores, in finishing order: vLLM
+        # frees them in the order it reads finished_sending, and that order decides which
+        # blocks its own prefix cache evicts first (runs must not depend on set order).
+        self._delayed: dict[str, None] = {}
+        if scheduler:
+            engine_id = config.engine_id or transfer.engine_id or "engine"
+            eviction_seq = server.eviction_seq if server is not None else 0
+            self.scheduler_side = self._scheduler_side(chunk_size, engine_id, eviction_seq)
         else:
             Geometry(chunk_size, self.block_size)  # validates the block size early
-            faults = None
-            if config.fault_drop_fraction:
-                admin = RpcClient(
-                    config.server_url,
-                    role=f"faults{tp_rank}",
-                    token=config.admin_token,
-                    timeout_s=config.mq_timeout_s,
-                    curve=curve,
-                )
-                faults = FaultInjector(admin, config.fault_drop_fraction, config.fault_seed)
-            identity = WorkerIdentity.for_rank(
-                model, tp_size, tp_rank, mla, transfer_mode=config.transfer_mode
-            )
-            self.worker = WorkerClient(self.rpc, identity, faults)
-            # Finished requests whose blocks vLLM keeps for our stores, in finishing order: vLLM
-            # frees them in the order it reads finished_sending, and that order decides which
-            # blocks its own prefix cache evicts first (runs must not depend on set order).
-            self._delayed: dict[str, None] = {}
+            self.worker = self._worker_client()
 
-    def _server_chunk_size(self) -> int:
+    def _scheduler_side(self, chunk_size: int, engine_id: str, eviction_seq: int) -> SchedulerSide:
+        config = self.config
+        world_size = kv_world_size(self.tp_size, self.mla)
+        client = SchedulerClient(
+            self.rpc,
+            model=self.model,
+            world_size=world_size,
+            num_readers=readers_per_object(self.tp_size, self.mla),
+            chunk_size=chunk_size,
+            track_evictions=self._kv_events,
+            eviction_seq=eviction_seq,
+        )
+        if self._kv_events:
+            self.announcer = ChunkAnnouncer(num_writers=world_size)
+        return SchedulerSide(
+            client,
+            Geometry(chunk_size, self.block_size),
+            engine_id=engine_id,
+            default_cache_salt=config.cache_salt,
+            load_async=config.load_async,
+            lookup_wait_s=config.lookup_wait_s,
+            # Stores on their own timing: a pending answer may wait on this engine's own
+            # worker, which runs after the scheduler; vLLM asks again next step.
+            wait_pending=config.store_wait_s > 0,
+            store_decode_tokens=config.store_decode_tokens,
+            tp_size=self.tp_size,
+        )
+
+    def _worker_client(self) -> WorkerClient:
+        config = self.config
+        faults = None
+        if config.fault_drop_fraction:
+            admin = RpcClient(
+                config.server_url,
+                role=f"faults{self.tp_rank}",
+                token=config.admin_token,
+                timeout_s=config.mq_timeout_s,
+                curve=self._curve,
+            )
+            faults = FaultInjector(admin, config.fault_drop_fraction, config.fault_seed)
+        identity = WorkerIdentity.for_rank(
+            self.model, self.tp_size, self.tp_rank, self.mla, transfer_mode=config.transfer_mode
+        )
+        worker = WorkerClient(self.rpc, identity, faults)
+        worker.report_chunks = self._kv_events
+        return worker
+
+    def _server_config(self) -> p.ServerConfigInfo | None:
         try:
             info = self.rpc.call(p.GetConfig())
         except (ServerUnavailable, RemoteError) as exc:
@@ -179,9 +227,9 @@ class KVTBConnector(KVConnectorBase_V1):
                 exc,
                 self.config.chunk_size,
             )
-            return self.config.chunk_size
+            return None
         assert isinstance(info, p.ServerConfigInfo)
-        return info.chunk_size
+        return info
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -272,6 +320,49 @@ class KVTBConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_worker_meta(self) -> vllm_telemetry.KVTBWorkerMetadata | None:
+        """The step's per-chunk store reports (with KV events on), for the scheduler side."""
+        if self.worker is None or not self.worker.report_chunks:
+            return None
+        reports = self.worker.take_chunk_reports()
+        return vllm_telemetry.KVTBWorkerMetadata(reports) if reports else None
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVTBConnectorMetadata)
+        return metadata.plan
+
+    # -----------------------------------------------------------------------------------------
+    # Both roles: vLLM's connector stats and Prometheus metrics; shutdown
+    # -----------------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This process's operations since the last call: the worker's stores and retrieves,
+        or the scheduler's lookups (vLLM sums them over TP workers and the scheduler)."""
+        if self.worker is not None:
+            return vllm_telemetry.connector_stats(self.worker.stats.take())
+        if self.scheduler_side is not None:
+            return vllm_telemetry.connector_stats(self.scheduler_side.client.stats.take())
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return vllm_telemetry.KVTBConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return vllm_telemetry.KVTBPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
@@ -282,11 +373,6 @@ class KVTBConnector(KVConnectorBase_V1):
             self._traces = False
             tracing.release()
 
-    def _plan(self) -> StepPlan:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, KVTBConnectorMetadata)
-        return metadata.plan
-
     # -----------------------------------------------------------------------------------------
     # Scheduler side
     # -----------------------------------------------------------------------------------------
@@ -295,6 +381,8 @@ class KVTBConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
+        if self.announcer is not None:
+            self._requests[request.request_id] = request
         return self.scheduler_side.get_num_new_matched_tokens(
             request_view(request), num_computed_tokens
         )
@@ -309,81 +397,48 @@ class KVTBConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
-        plan = self.scheduler_side.build_plan(
+        side = self.scheduler_side
+        plan = side.build_plan(
             scheduled_requests(scheduler_output), scheduler_output.preempted_req_ids or ()
         )
+        if self.announcer is not None:
+            for op in plan.stores:
+                request = self._requests.get(op.request_id)
+                if request is not None:
+                    for key, stored, removed in vllm_telemetry.chunk_events(
+                        request, op, side.geometry.chunk_size, self._hash_block_size
+                    ):
+                        self.announcer.planned(key, stored, removed)
+            for request_id in plan.delayed_request_ids:  # finished: no store planned after
+                self._requests.pop(request_id, None)
         return KVTBConnectorMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Failed loads (their chunks are stored again once recomputed) and, with KV events,
+        the workers' store reports."""
+        assert self.scheduler_side is not None
+        self.scheduler_side.load_failed(connector_output.invalid_block_ids)
+        meta = connector_output.kv_connector_worker_meta
+        if self.announcer is not None and isinstance(meta, vllm_telemetry.KVTBWorkerMetadata):
+            self.announcer.reported(meta.reports)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Chunks stored in and removed from the cache server since the last call, as vLLM KV
+        events (medium ``kvtb``) for vLLM's publisher."""
+        if self.announcer is None:
+            return []
+        assert self.scheduler_side is not None
+        evicted, lost = self.scheduler_side.client.take_evictions()
+        if lost:
+            self.announcer.forget_all()
+        self.announcer.evicted(evicted)
+        return [event.payload for event in self.announcer.take()]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
-        return self.scheduler_side.request_finished(request.request_id), None
-
-
-# ---------------------------------------------------------------------------------------------
-# Conversions from vLLM's objects
-# ---------------------------------------------------------------------------------------------
-
-
-def request_view(request: Request) -> RequestView:
-    headers = request.trace_headers or {}
-    return RequestView(
-        request_id=request.request_id,
-        token_ids=request.all_token_ids,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_tokens=request.num_tokens,
-        cache_salt=request.cache_salt or "",
-        traceparent=headers.get("traceparent", ""),
-    )
-
-
-def scheduled_requests(output: SchedulerOutput) -> list[ScheduledRequest]:
-    steps = [
-        ScheduledRequest(
-            request_id=new.req_id,
-            num_computed_tokens=new.num_computed_tokens,
-            num_scheduled_tokens=output.num_scheduled_tokens[new.req_id],
-            block_ids=single_group(new.block_ids),
-            all_blocks=True,
-        )
-        for new in output.scheduled_new_reqs
-    ]
-    cached = output.scheduled_cached_reqs
-    for index, request_id in enumerate(cached.req_ids):
-        new_blocks = cached.new_block_ids[index]
-        steps.append(
-            ScheduledRequest(
-                request_id=request_id,
-                num_computed_tokens=cached.num_computed_tokens[index],
-                num_scheduled_tokens=output.num_scheduled_tokens[request_id],
-                block_ids=single_group(new_blocks) if new_blocks is not None else [],
-                all_blocks=request_id in cached.resumed_req_ids,
-            )
-        )
-    return steps
-
-
-def single_group(block_ids: tuple[list[int], ...] | list[list[int]]) -> list[int]:
-    if len(block_ids) != 1:
-        raise RuntimeError(
-            "KVTBConnector supports one KV cache group; start vLLM with "
-            "--disable-hybrid-kv-cache-manager"
-        )
-    return list(block_ids[0])
-
-
-def block_dim_of(layer: torch.Tensor, num_blocks: int | None) -> int:
-    """The dimension of a paged KV tensor that indexes blocks."""
-    if num_blocks is not None:
-        matches = [dim for dim, size in enumerate(layer.shape) if size == num_blocks]
-        if len(matches) == 1:
-            return matches[0]
-        if matches:
-            # (num_blocks, 2, ...) or (2, num_blocks, ...): vLLM puts blocks in front of or
-            # right after the K/V split.
-            return matches[0] if layer.shape[0] != 2 else 1
-    raise ValueError(
-        f"cannot tell which dimension of the KV cache of shape {tuple(layer.shape)} holds the "
-        f"{num_blocks} blocks"
-    )
+        delayed = self.scheduler_side.request_finished(request.request_id)
+        if not delayed:
+            self._requests.pop(request.request_id, None)
+        return delayed, None

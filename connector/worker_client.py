@@ -15,7 +15,8 @@ Trust rules:
 - a load counts only when the server confirmed its release (``RetrieveDone``): that proves the
   pins held during the copy; otherwise its blocks are reported failed;
 - an operation the worker gave up on (timeout, copy error) is aborted on the server by its
-  ``op_id``, so no reservation or pin outlives the worker's interest.
+  ``op_id`` (a ``kvcache.connector.abort`` span), so no reservation or pin outlives the
+  worker's interest.
 
 Every batch leaves one CLIENT span parented on its first request's context, linked to all of
 them, with one ``kvcache.item`` event per request (range, attempt, and for a failed load the
@@ -35,8 +36,10 @@ from typing import Any
 from connector.cuda_ipc import CudaExport, DoneEvent
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV, PoolMapping
+from connector.kv_events import ChunkReport, store_reports
 from connector.ops import RetrieveOp, StoreOp
 from connector.shared_kv import SharedKV
+from connector.stats import StatsRecorder
 from testbed import protocol as p
 from testbed import telemetry
 from testbed.block_copy import ChunkCopy, item_copies
@@ -109,6 +112,8 @@ class _Retrieve:
     future: Future[p.Reply] | None
     span: telemetry.Span
     started_at: float
+    started_ns: int
+    """The span's start (wall clock, ns): its duration is exactly what the stats record."""
     ready_token: int | None = None
     """CUDA IPC: the ready event lent to this retrieve (back to the ring when it ends)."""
     device_done: DoneEvent | None = None
@@ -121,7 +126,7 @@ class _Store:
     op_id: int
     epoch: int
     span: telemetry.Span
-    submitted_at: float
+    started_ns: int
     future: Future[p.Reply] | None = None
     stage: str = "begin"
     """begin (waiting for the plan), then commit (waiting for the commit's answer)."""
@@ -171,6 +176,12 @@ class WorkerClient:
         exported through CUDA IPC."""
         self.transfer_mode = identity.transfer_mode
         """The mode in use: ``identity.transfer_mode`` with ``auto`` resolved at registration."""
+        self.stats = StatsRecorder()
+        """Stores and retrieves for vLLM's connector stats."""
+        self.report_chunks = False
+        """Collect a :class:`ChunkReport` per chunk of every finished store (vLLM's KV events:
+        the scheduler announces the chunks every writing rank stored)."""
+        self._chunk_reports: list[ChunkReport] = []
 
     # -----------------------------------------------------------------------------------------
     # Registration
@@ -278,15 +289,17 @@ class WorkerClient:
         if not ops or not self.identity.writer:
             return
         assert self.kv is not None, "register() first"
+        started_ns = time.time_ns()
         span = telemetry.start_span(
             a.CONNECTOR_STORE,
             kind=SpanKind.CLIENT,
             parent=ops[0].traceparent,
             links=[op.traceparent for op in ops],
             attributes=self._batch_attributes(ops),
+            start_time_ns=started_ns,
         )
         op_id = self.rpc.new_op_id()
-        store = _Store(ops, op_id, self.epoch, span, time.monotonic())
+        store = _Store(ops, op_id, self.epoch, span, started_ns)
         span.set_attribute(a.OP_ID, op_id)
         if not self.rpc.alive:
             self._end_store(store, "cache server unavailable; not storing")
@@ -362,10 +375,11 @@ class WorkerClient:
         """One reply of ``store`` arrived: take the next step."""
         assert store.future is not None
         reply = _reply_or_error(store.future, store)
+        answered = store.future.exception(0) is None
         store.future = None
         if isinstance(reply, str):
-            if store.stage == "begin":
-                self._abort([store.op_id])
+            if store.stage == "begin" and not answered:
+                self._abort(store.op_id, store.span, reply)
                 if ("not_registered" in reply or "stale_epoch" in reply) and not store.retried:
                     with contextlib.suppress(ServerUnavailable, RemoteError):
                         assert self.kv is not None
@@ -406,7 +420,7 @@ class WorkerClient:
             self._submit_commit(store)
             return
         assert isinstance(reply, p.StoreDone)
-        self._end_store(store, store.failure, committed=reply.num_committed)
+        self._end_store(store, store.failure, reply.num_committed, reply.eviction_seq)
 
     def _submit_commit(self, store: _Store) -> None:
         commit = p.StoreCommit(
@@ -437,17 +451,20 @@ class WorkerClient:
             if isinstance(reply, p.StorePlan) and reply.done_event is not None:
                 self.shared.events.opened(reply.done_event).order_stream(self.shared.events.device)
 
-    def _end_store(self, store: _Store, failure: str | None, committed: int = 0) -> None:
+    def _end_store(
+        self, store: _Store, failure: str | None, committed: int = 0, eviction_seq: int = 0
+    ) -> None:
         self._release_ready(store.ready_token)
         span = store.span
         ok = failure is None
         plan = store.plan
+        nbytes = _slot_bytes(plan.items) if ok and plan is not None else 0
         self._store_items(span, store.ops, plan, committed=ok)
         span.set_attributes(
             {
                 a.OK: ok,
                 a.CHUNKS_WRITTEN: committed,
-                a.BYTES: _slot_bytes(plan.items) if ok and plan is not None else 0,
+                a.BYTES: nbytes,
                 a.COPY_MS: store.copy_ms,
                 a.SERVER_MS: store.server_s * 1e3,
                 a.POLL_WAIT_MS: store.poll_wait_s * 1e3,
@@ -465,7 +482,18 @@ class WorkerClient:
         if not ok:
             self.stores_failed += 1
             _give_up(span, failure or "store failed")
-        span.end()
+        if self.report_chunks:
+            slots = None if not ok or plan is None else [item.slots for item in plan.items]
+            reports = store_reports(self.identity.kv_rank, store.ops, slots, eviction_seq)
+            self._chunk_reports += reports
+        ended_ns = time.time_ns()
+        span.end(end_time=ended_ns)
+        self.stats.store(nbytes=nbytes, ok=ok, seconds=(ended_ns - store.started_ns) / 1e9)
+
+    def take_chunk_reports(self) -> list[ChunkReport]:
+        """The chunks of the stores finished since the last call (see :attr:`report_chunks`)."""
+        reports, self._chunk_reports = self._chunk_reports, []
+        return reports
 
     def _store_items(
         self,
@@ -526,16 +554,26 @@ class WorkerClient:
             for op in ops
         ]
 
-    def _abort(self, op_ids: list[int]) -> None:
-        """Tells the server to drop operations this worker gave up on (fire and forget).
+    def _abort(self, op_id: int, op_span: telemetry.Span, reason: str) -> None:
+        """Tells the server to drop an operation this worker gave up on (fire and forget),
+        leaving a ``kvcache.connector.abort`` span under the operation's.
 
         Sent even when the server looks down: one that was only frozen or slow reads it when
         it resumes, after the request it aborts (one connection keeps their order), so its
         pins or reservation go at once; for one that is gone, its operation deadline cleans up.
         """
-        if op_ids:
+        self.stats.abandoned_release()
+        with telemetry.traced(
+            a.CONNECTOR_ABORT,
+            kind=SpanKind.CLIENT,
+            parent=telemetry.traceparent_of(op_span),
+            attributes={a.OP_ID: op_id, a.ABANDONED: True, a.REASON: reason[:500]},
+        ):
+            traceparent, tracestate = telemetry.inject()
             with contextlib.suppress(ServerUnavailable):
-                self.rpc.fire(p.Abort(op_ids=op_ids))
+                self.rpc.fire(
+                    p.Abort(op_ids=[op_id], traceparent=traceparent, tracestate=tracestate)
+                )
 
     # -----------------------------------------------------------------------------------------
     # Retrieve
@@ -545,12 +583,14 @@ class WorkerClient:
         """Starts retrieving ``ops``; :meth:`complete_retrieves` finishes them."""
         if not ops:
             return
+        started_ns = time.time_ns()
         span = telemetry.start_span(
             a.CONNECTOR_RETRIEVE,
             kind=SpanKind.CLIENT,
             parent=ops[0].traceparent,
             links=[op.traceparent for op in ops],
             attributes=self._batch_attributes(ops),
+            start_time_ns=started_ns,
         )
         op_id = self.rpc.new_op_id()
         future = None
@@ -571,7 +611,7 @@ class WorkerClient:
             future = self.rpc.submit(request)
         span.set_attribute(a.OP_ID, op_id)
         self._inflight.append(
-            _Retrieve(ops, op_id, self.epoch, future, span, time.monotonic(), token)
+            _Retrieve(ops, op_id, self.epoch, future, span, time.monotonic(), started_ns, token)
         )
 
     @property
@@ -603,8 +643,9 @@ class WorkerClient:
                     still.append(retrieve)
                     continue
                 retrieve.future.cancel()
-                self._abort([retrieve.op_id])
-                self._fail_all(retrieve, outcome, "no answer before the forward pass")
+                reason = "no answer before the forward pass"
+                self._abort(retrieve.op_id, retrieve.span, reason)
+                self._fail_all(retrieve, outcome, reason)
                 continue
             if not self._copies_done(retrieve, deadline, fail_outstanding):
                 still.append(retrieve)
@@ -636,7 +677,13 @@ class WorkerClient:
             outcome.finished.add(op.request_id)
             retrieve.span.add_event(a.ITEM_EVENT, _failed_item(op, blocks, self.kv.block_size))
         _give_up(retrieve.span, reason)
-        retrieve.span.end()
+        self._end_retrieve_span(retrieve, ok=False, nbytes=0)
+
+    def _end_retrieve_span(self, retrieve: _Retrieve, *, ok: bool, nbytes: int) -> None:
+        ended_ns = time.time_ns()
+        retrieve.span.end(end_time=ended_ns)
+        seconds = (ended_ns - retrieve.started_ns) / 1e9
+        self.stats.retrieve(nbytes=nbytes, ok=ok, seconds=seconds)
 
     def _finish(self, retrieve: _Retrieve, outcome: RetrieveOutcome) -> None:
         self._release_ready(retrieve.ready_token)
@@ -644,10 +691,10 @@ class WorkerClient:
         span = retrieve.span
         plan = _plan_or_error(retrieve.future)
         if isinstance(plan, str):
-            if retrieve.future is not None:
-                # No plan (a timeout, an error): whatever the server pinned for it is unowned
-                # by anyone waiting; release it now rather than at its operation deadline.
-                self._abort([retrieve.op_id])
+            if retrieve.future is not None and retrieve.future.exception(0) is not None:
+                # No answer (a timeout): whatever the server pins for it when it gets to it is
+                # unowned by anyone waiting; release it then rather than at its deadline.
+                self._abort(retrieve.op_id, span, plan)
             if "not_registered" in plan or "stale_epoch" in plan:
                 with contextlib.suppress(ServerUnavailable, RemoteError):
                     assert self.kv is not None
@@ -655,8 +702,9 @@ class WorkerClient:
             self._fail_all(retrieve, outcome, plan)
             return
         if plan.epoch != self.epoch or self._stale():
-            self._abort([retrieve.op_id])
-            self._fail_all(retrieve, outcome, "the server restarted during the retrieve")
+            reason = "the server restarted during the retrieve"
+            self._abort(retrieve.op_id, span, reason)
+            self._fail_all(retrieve, outcome, reason)
             return
         timing = reply_timing(retrieve.future)
         started = time.perf_counter()
@@ -689,11 +737,12 @@ class WorkerClient:
                 }
             )
             span.add_event(a.ITEM_EVENT, event)
+        retrieved = nbytes if confirmed else 0
         span.set_attributes(
             {
                 a.OK: confirmed and all(oks),
                 a.CHUNKS_MISSING: sum(not ok for ok in oks),
-                a.BYTES: nbytes if confirmed else 0,
+                a.BYTES: retrieved,
                 a.LOCKS_RELEASED: released,
                 a.COPY_MS: copy_ms,
                 a.SERVER_MS: timing[0] * 1e3,
@@ -709,7 +758,7 @@ class WorkerClient:
                 if confirmed
                 else "the server did not confirm the release; every load is recomputed",
             )
-        span.end()
+        self._end_retrieve_span(retrieve, ok=confirmed and all(oks), nbytes=retrieved)
 
     def _end_retrieve(self, retrieve: _Retrieve, oks: list[bool]) -> tuple[int, bool, float]:
         """Releases the pins; (lock units released, whether the server confirmed, seconds)."""
@@ -803,13 +852,14 @@ class WorkerClient:
         if self._stores and self.rpc.alive:
             self.progress_stores(self.rpc.timeout_s)
         for store in self._stores:
-            self._abort([store.op_id])
-            self._end_store(store, "worker closed before the store finished")
+            reason = "worker closed before the store finished"
+            self._abort(store.op_id, store.span, reason)
+            self._end_store(store, reason)
         self._stores = []
-        self._abort([retrieve.op_id for retrieve in self._inflight])
         for retrieve in self._inflight:
+            self._abort(retrieve.op_id, retrieve.span, "worker closed")
             _give_up(retrieve.span, "worker closed")
-            retrieve.span.end()
+            self._end_retrieve_span(retrieve, ok=False, nbytes=0)
         self._inflight = []
         if self.kv is not None and self.rpc.alive:
             with contextlib.suppress(ServerUnavailable, RemoteError):

@@ -116,9 +116,17 @@ def _settle(
             a.MISS_STATUS: miss_status,
         }
     )
-    return p.LookupResult(
+    reply = p.LookupResult(
         hit_chunks=hit, num_locks=num_locks, handle=handle, miss_status=miss_status
     )
+    if req.evictions_after is not None:
+        removed = s.evictions.since(
+            req.evictions_after, req.model, req.world_size, p.MAX_EVICTIONS_PER_REPLY
+        )
+        reply.evicted = [p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.chunks]
+        reply.eviction_seq = removed.seq
+        reply.evictions_lost = removed.lost
+    return reply
 
 
 def _statuses(

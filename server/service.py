@@ -39,6 +39,7 @@ from server.auth import Credentials
 from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
+from server.eviction_feed import EvictionFeed
 from server.policies import make_policy
 from server.pool import ExtentAllocator
 from server.pools import make_pool
@@ -150,6 +151,8 @@ class CacheService:
             config.read_lock_ttl_s,
         )
         self.chunk_log = chunk_log or NullChunkLog()
+        self.evictions = EvictionFeed()
+        """Removals of committed objects, for lookups that ask (vLLM's KV events)."""
         self.counters = Counters()
         self.clients: dict[bytes, ClientState] = {}
         self.sessions: dict[str, Session] = {}
@@ -382,6 +385,7 @@ class CacheService:
         """The evict span (linked to the stores that wrote the objects) and its chunk log."""
         if not eviction.objects:
             return
+        self.evictions.record(eviction.keys)
         if eviction.reason == "capacity":
             self.counters.evicted_objects += len(eviction.objects)
             self.counters.evicted_bytes += eviction.nbytes
@@ -599,6 +603,7 @@ def _get_config(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
         op_ttl_s=c.op_ttl_s,
         max_chunks_per_request=c.max_chunks_per_request,
         min_object_bytes=c.min_object_bytes,
+        eviction_seq=s.evictions.seq,
     )
     yield
 

@@ -324,7 +324,11 @@ def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None,
             a.USED_BYTES: s.cache.used_bytes,
         }
     )
-    return p.StoreDone(num_committed=committed, num_aborted=len(store.objects) - committed)
+    return p.StoreDone(
+        num_committed=committed,
+        num_aborted=len(store.objects) - committed,
+        eviction_seq=s.evictions.seq,
+    )
     yield
 
 

@@ -1,19 +1,31 @@
-"""Chunk keys: a rolling prefix hash over complete chunks of token ids.
+"""Chunk keys: a rolling prefix hash over complete chunks of token ids and what else decides
+their KV.
 
-``h_i = blake3(h_{i-1} || tokens[i*C:(i+1)*C] as little-endian uint32)``, truncated to 16 bytes,
-with ``h_{-1}`` a fixed seed. A chunk's hash therefore names the chunk *together with
-everything before it*: two prompts share chunk ``i``'s key exactly when their first
-``(i+1)*C`` tokens are equal. A trailing partial chunk has no hash and is never stored.
+``h_i = blake3(h_{i-1} || tokens[i*C:(i+1)*C] as little-endian uint32 [|| 0xff || extras_i])``,
+truncated to 16 bytes, with ``h_{-1}`` a fixed seed. A chunk's hash therefore names the chunk
+*together with everything before it*: two prompts share chunk ``i``'s key exactly when their
+first ``(i+1)*C`` tokens are equal and so are the extras of every chunk up to ``i``.
+
+The extras are what vLLM's own block hashes add to the tokens (its ``extra_keys`` per block),
+so that a key means what vLLM's mean: two requests with the same tokens under different LoRA
+adapters, or with different images behind the same placeholder tokens, never share a key.
+``extras_i`` is the canonical MessagePack encoding of the chunk's extra keys, in vLLM's
+order: ``("lora", name, path)`` for a request with a LoRA adapter (every chunk), then
+``("mm", identifier, offset - chunk start)`` for every multimodal input whose placeholder
+tokens overlap the chunk. A chunk without extras hashes exactly as a plain token chunk.
 
 The cache salt, model, world size and KV rank are not hashed in; they are separate fields of
-the server's object key, so a salt or model change can never alias another's objects.
+the server's object key, so a salt or model change can never alias another's objects. A
+trailing partial chunk has no hash and is never stored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import blake3
+import msgspec
 import numpy as np
 
 # A 16-byte rolling prefix hash (the wire protocol checks the length).
@@ -21,6 +33,54 @@ ChunkHash = bytes
 
 HASH_BYTES = 16
 _SEED = blake3.blake3(b"kvtestbed.keys.v1").digest(HASH_BYTES)
+_EXTRAS_MARK = b"\xff"
+_encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True)
+class MultiModalInput:
+    """One multimodal item of a prompt (vLLM's ``MultiModalFeatureSpec``): the hash of its
+    content and the placeholder tokens ``[offset, offset + length)`` it fills."""
+
+    identifier: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.identifier or self.offset < 0 or self.length <= 0:
+            raise ValueError(
+                f"a multimodal input needs an identifier, an offset >= 0 and a length > 0, "
+                f"got {self}"
+            )
+
+
+@dataclass(frozen=True)
+class KeyExtras:
+    """What besides its tokens decides a request's KV (vLLM's block-hash extra keys)."""
+
+    lora: tuple[str, str] | None = None
+    """The LoRA adapter's ``(name, path)``; vLLM keys both, so that re-pointing a name at
+    another adapter does not reuse KV computed with the previous one."""
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    """The prompt's multimodal inputs, in placeholder order."""
+
+    def __post_init__(self) -> None:
+        offsets = [item.offset for item in self.mm_inputs]
+        if offsets != sorted(offsets):
+            raise ValueError("multimodal inputs must be given in placeholder order")
+
+    def __bool__(self) -> bool:
+        return self.lora is not None or bool(self.mm_inputs)
+
+    def chunk_keys(self, start: int, end: int) -> list[tuple[str | int, ...]]:
+        """The extra keys of the tokens ``[start, end)`` (empty when none apply)."""
+        keys: list[tuple[str | int, ...]] = []
+        if self.lora is not None:
+            keys.append(("lora", *self.lora))
+        for item in self.mm_inputs:
+            if item.offset < end and start < item.offset + item.length:
+                keys.append(("mm", item.identifier, item.offset - start))
+        return keys
 
 
 def chunk_hashes(
@@ -28,6 +88,7 @@ def chunk_hashes(
     chunk_size: int,
     *,
     num_chunks: int | None = None,
+    extras: KeyExtras | None = None,
 ) -> list[ChunkHash]:
     """Hashes of the complete chunks of ``token_ids`` (at most ``num_chunks`` of them)."""
     if chunk_size <= 0:
@@ -35,7 +96,7 @@ def chunk_hashes(
     limit = len(token_ids) // chunk_size
     if num_chunks is not None:
         limit = min(limit, num_chunks)
-    return extend_chunk_hashes([], token_ids, chunk_size, limit)
+    return extend_chunk_hashes([], token_ids, chunk_size, limit, extras)
 
 
 def extend_chunk_hashes(
@@ -43,10 +104,12 @@ def extend_chunk_hashes(
     token_ids: Sequence[int] | np.ndarray,
     chunk_size: int,
     num_chunks: int,
+    extras: KeyExtras | None = None,
 ) -> list[ChunkHash]:
     """Extends ``hashes`` in place to cover ``num_chunks`` chunks of ``token_ids``; returns it.
 
-    Lets a tracker hash a growing sequence incrementally (each chunk is hashed once).
+    Lets a tracker hash a growing sequence incrementally (each chunk is hashed once); the
+    ``extras`` must be the same on every call for one sequence.
     """
     if num_chunks * chunk_size > len(token_ids):
         raise ValueError(
@@ -61,7 +124,13 @@ def extend_chunk_hashes(
     step = chunk_size * 4
     prev = hashes[-1] if hashes else _SEED
     for i in range(num_chunks - start):
-        prev = blake3.blake3(prev + data[i * step : (i + 1) * step]).digest(HASH_BYTES)
+        block = prev + data[i * step : (i + 1) * step]
+        if extras:
+            first = (start + i) * chunk_size
+            keys = extras.chunk_keys(first, first + chunk_size)
+            if keys:
+                block += _EXTRAS_MARK + _encode(keys)
+        prev = blake3.blake3(block).digest(HASH_BYTES)
         hashes.append(prev)
     return hashes
 

@@ -34,7 +34,9 @@ Lifecycle of the cache operations (DESIGN.md §2):
   ``num_readers`` read locks per object, as one *lock group* named by the reply's random
   ``handle`` (the capability that lets the engine's workers release them). May answer
   ``pending`` while a store of the next chunk is in flight; the caller then sends
-  ``LookupPoll``.
+  ``LookupPoll``. A lookup may also ask which chunks were removed from the cache since the
+  last removal it saw (``evictions_after``): a scheduler that announces what the cache holds
+  (vLLM's KV events) learns of evictions from the replies it reads anyway.
 - ``FreeLocks`` (scheduler): releases the session's locks on complete chunks inside a
   token range (chunks vLLM's own prefix cache already holds).
 - ``StoreBegin`` → worker copies into the returned slots → ``StoreCommit`` (worker).
@@ -223,6 +225,10 @@ class Lookup(_Request, tag="lookup", kw_only=True):
     cache_salt: Name = ""
     chunk_hashes: ChunkHashes
     num_readers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    evictions_after: Count | None = None
+    """Asks for the chunks of this model and world size removed from the cache (evicted or
+    dropped) after removal number ``evictions_after`` (a client starts at
+    ``ServerConfigInfo.eviction_seq``); ``None``: not asked. See :class:`LookupResult`."""
 
 
 class LookupPoll(_Request, tag="lookup_poll", kw_only=True):
@@ -364,6 +370,8 @@ class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     op_ttl_s: float = 0.0
     max_chunks_per_request: int = 0
     min_object_bytes: int = 0
+    eviction_seq: Count = 0
+    """The number of the latest removal from the cache (``Lookup.evictions_after``)."""
 
 
 class ServerStats(_Reply, tag="stats", kw_only=True):
@@ -404,6 +412,23 @@ class WorkerRegistered(_Reply, tag="registered", kw_only=True):
     pool_bytes: int
 
 
+# --- removals from the cache, for clients that announce what it holds (vLLM's KV events) ---
+
+MAX_EVICTIONS_PER_REPLY = 4096
+
+
+class EvictedChunk(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A chunk no longer complete in the cache: an object of it was evicted or dropped, as the
+    server's removal number ``seq`` (compare ``StoreDone.eviction_seq``)."""
+
+    cache_salt: str
+    chunk_hash: bytes
+    seq: Count
+
+
+# ---------------------------------------------------------------------------------------------
+
+
 class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     """``pending`` means: poll again; otherwise ``hit_chunks`` complete chunks are locked as
     the lock group ``handle``. ``miss_status`` says why the chunk after the hit is not one:
@@ -414,6 +439,14 @@ class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     num_locks: Count = 0
     handle: bytes = b""
     miss_status: str = ""
+    evicted: list[EvictedChunk] = []
+    """When the lookup asked (``evictions_after``): chunks removed since, oldest first, at most
+    :data:`MAX_EVICTIONS_PER_REPLY` (ask again from ``eviction_seq`` for the rest)."""
+    eviction_seq: Count = 0
+    """The number of the last removal ``evicted`` covers."""
+    evictions_lost: bool = False
+    """Removals after ``evictions_after`` are no longer known (the server forgot the oldest,
+    or restarted): whatever the client believed stored may be gone."""
 
 
 class LocksFreed(_Reply, tag="locks_freed", kw_only=True):
@@ -450,6 +483,9 @@ class StorePlan(_Reply, tag="store_plan", kw_only=True):
 class StoreDone(_Reply, tag="store_done", kw_only=True):
     num_committed: int
     num_aborted: int
+    eviction_seq: Count = 0
+    """The server's latest removal number when the objects were committed: a removal of one of
+    them numbered above it came later (see ``LookupResult.evicted``)."""
 
 
 class RetrievePlan(_Reply, tag="retrieve_plan", kw_only=True):

@@ -257,6 +257,39 @@ def run_transfer_failures(
     return int((pd.to_numeric(column(items, a.OK, True)) == 0).sum())
 
 
+def run_abandoned_releases(spans: pd.DataFrame, run_id: str | None = None) -> int:
+    """Releases this run's connector sent for operations it gave up on: lock releases of
+    lookups answered too late (``kvcache.abandoned``) and aborts of stores and retrieves."""
+    releases = _connector(spans, a.CONNECTOR_LOCK_RELEASE, run_id)
+    abandoned = column(releases, a.ABANDONED, False).astype(bool).sum()
+    return int(abandoned) + len(_connector(spans, a.CONNECTOR_ABORT, run_id))
+
+
+def connector_operation_totals(spans: pd.DataFrame, run_id: str | None = None) -> dict[str, float]:
+    """What the connector's metrics on vLLM's ``/metrics`` (``vllm:kvtb_*``) must add up to,
+    from the run's own spans (METRICS.md, "vLLM's /metrics"): per operation the spans, those
+    not ``kvcache.ok``, their seconds; tokens asked and hit; bytes; abandoned releases."""
+    lookups = _connector(spans, a.CONNECTOR_LOOKUP, run_id)
+    totals: dict[str, float] = {
+        "lookup_requested_tokens": float(pd.to_numeric(column(lookups, a.TOKENS_REQUESTED)).sum()),
+        "lookup_hit_tokens": float(pd.to_numeric(column(lookups, a.TOKENS_HIT)).sum()),
+        "stored_bytes": float(
+            pd.to_numeric(column(_connector(spans, a.CONNECTOR_STORE, run_id), a.BYTES)).sum()
+        ),
+        "retrieved_bytes": float(run_retrieved_bytes(spans, run_id)),
+        "abandoned_releases": float(run_abandoned_releases(spans, run_id)),
+    }
+    for operation in ("lookup", "store", "retrieve"):
+        selected = _connector(spans, OPERATIONS[operation], run_id)
+        ok = column(selected, a.OK, True).astype(bool)
+        totals[f"{operation}s"] = float(len(selected))
+        totals[f"{operation}_failures"] = float((~ok).sum())
+        totals[f"{operation}_seconds"] = (
+            float(selected["duration_ms"].sum() / 1e3) if len(selected) else 0.0
+        )
+    return totals
+
+
 def run_totals(
     spans: pd.DataFrame, events: pd.DataFrame, run_id: str | None = None
 ) -> dict[str, int | None]:
@@ -271,6 +304,7 @@ def run_totals(
         "error_replies": run_error_replies(spans, run_id),
         "store_failures": run_transfer_failures(spans, events, a.CONNECTOR_STORE, run_id),
         "retrieve_failures": run_transfer_failures(spans, events, a.CONNECTOR_RETRIEVE, run_id),
+        "abandoned_releases": run_abandoned_releases(spans, run_id),
     }
 
 

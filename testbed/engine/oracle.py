@@ -3,7 +3,7 @@
 Mirrors what the cache server does with one request, minus locks, bytes and time:
 
 1. its keys are ``chunk_hashes(prompt, chunk_size)`` (complete chunks only; the partial tail
-   is never stored and never hits);
+   is never stored and never hits; with the request's LoRA adapter and multimodal inputs);
 2. its hit is the longest prefix of those keys that is cached;
 3. then its keys are walked in order, as the server's store does: a cached key is touched
    (recency refresh), a missing one is inserted, evicting as the policy says while the cache
@@ -86,7 +86,7 @@ class KeyTrace:
         keys: list[list[int]] = []
         prompt_tokens: list[int] = []
         for request in requests:
-            hashes = chunk_hashes(request.prompt_token_ids, chunk_size)
+            hashes = chunk_hashes(request.prompt_token_ids, chunk_size, extras=request.key_extras)
             keys.append([ids.setdefault(h, len(ids)) for h in hashes])
             prompt_tokens.append(len(request.prompt_token_ids))
         return cls(chunk_size, keys, prompt_tokens)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from connector.config import ConnectorConfig
@@ -62,6 +64,11 @@ class ReplaySpec:
     max_model_len: int = 8192
     load_async: bool = True
     prefix_caching: bool = True
+    log_stats: bool = False
+    """vLLM's scheduler makes its per-step stats (prefix cache, connector stats), as in a
+    server; the scheduler's outputs carry them (``execute``)."""
+    kv_events: bool = False
+    """vLLM's KV events, the connector's included (``SchedulerSpec.kv_events``)."""
     transfer_mode: str = "worker"
     store_wait: bool = True
     """Each step's stores commit before the step reports (``kvtb.store_wait_s``)."""
@@ -175,10 +182,13 @@ class ReplayEngine:
                 connector_config=connector.to_extra_config() if server else None,
                 tp_size=spec.tp,
                 prefix_caching=spec.prefix_caching,
+                kv_events=spec.kv_events,
             )
         )
         kv_cache_config = build_kv_cache_config(self.vllm_config, spec.engine_blocks)
-        self.scheduler = build_scheduler(self.vllm_config, kv_cache_config)
+        self.scheduler = build_scheduler(
+            self.vllm_config, kv_cache_config, log_stats=spec.log_stats
+        )
         self.requests = RequestFactory(self.vllm_config, kv_cache_config)
         self.workers = [
             WorkerHarness(
@@ -244,11 +254,8 @@ class ReplayEngine:
                 continue
             step_started = time.perf_counter()
             so = self.scheduler.schedule()
-            outcomes = [worker.execute(so) for worker in self.workers]
+            engine_outputs, outcomes = self.execute(so)
             result.integrity_errors += sum(o.integrity_errors for o in outcomes)
-            engine_outputs = self.scheduler.update_from_output(
-                so, self._runner_output(so, outcomes)
-            )
             result.max_step_s = max(result.max_step_s, time.perf_counter() - step_started)
             clock += self._step_s(so)
             result.steps += 1
@@ -260,9 +267,6 @@ class ReplayEngine:
                 )
             for output in engine_outputs[0].outputs if engine_outputs else []:
                 record = records[output.request_id]
-                for token in output.new_token_ids:
-                    for worker in self.workers:
-                        worker.append_output(output.request_id, token)
                 if output.new_token_ids and record.first_token_s is None:
                     record.first_token_s = clock
                 record.output_tokens += len(output.new_token_ids)
@@ -296,17 +300,36 @@ class ReplayEngine:
         record, span = open_request(request, clock if spec.arrival == "all" else request.arrival_s)
         records[request.request_id] = record
         spans[request.request_id] = span
+        self.submit(request, traceparent=telemetry.traceparent_of(span))
+        return True
+
+    def submit(self, request: WorkloadRequest, traceparent: str = "") -> None:
+        """Adds ``request`` to vLLM's scheduler and to every rank, as its arrival does."""
         for worker in self.workers:
-            worker.add_request(request.request_id, prompt)
+            worker.add_request(request.request_id, request.prompt_token_ids)
         self.scheduler.add_request(
             self.requests.make(
                 request.request_id,
-                prompt.tolist(),
+                request.prompt_token_ids.tolist(),
                 request.max_output_tokens,
-                traceparent=telemetry.traceparent_of(span),
+                traceparent=traceparent,
+                extras=request.key_extras,
             )
         )
-        return True
+
+    def execute(
+        self, so: SchedulerOutput
+    ) -> tuple[dict[int, EngineCoreOutputs], list[StepOutcome]]:
+        """Runs one scheduled step on every rank, hands vLLM's scheduler what the model runner
+        would and the ranks the sampled tokens; returns the scheduler's outputs (per client)
+        and each rank's outcome."""
+        outcomes = [worker.execute(so) for worker in self.workers]
+        engine_outputs = self.scheduler.update_from_output(so, self._runner_output(so, outcomes))
+        for output in engine_outputs[0].outputs if engine_outputs else []:
+            for token in output.new_token_ids:
+                for worker in self.workers:
+                    worker.append_output(output.request_id, token)
+        return engine_outputs, outcomes
 
     def _step_s(self, so) -> float:
         """The step's projected time: per scheduled request its new and context tokens, per
@@ -349,6 +372,8 @@ class ReplayEngine:
                     finished_sending=outcome.finished_sending or None,
                     finished_recving=outcome.finished_recving or None,
                     invalid_block_ids=outcome.invalid_block_ids,
+                    kv_connector_stats=outcome.connector_stats,
+                    kv_connector_worker_meta=outcome.worker_meta,
                 )
             return ModelRunnerOutput(
                 req_ids=request_ids,

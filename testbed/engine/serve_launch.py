@@ -44,6 +44,8 @@ class LaunchSpec:
     seed: int
     connector: dict[str, Any]
     """``kv_connector_extra_config``."""
+    extra_args: tuple[str, ...] = ()
+    """More arguments for vLLM's server (e.g. ``--kv-events-config``)."""
 
 
 class VllmServerProcess:
@@ -89,6 +91,7 @@ class VllmServerProcess:
         ]  # fmt: skip
         if spec.model is None:
             command += ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager"]
+        command += spec.extra_args
         env = {
             **os.environ,
             SPAN_DIR_ENV: str(self.run_dir),

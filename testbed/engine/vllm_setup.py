@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 
 from vllm.config import (  # noqa: E402
     CacheConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -29,8 +30,11 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager  # noqa: E402
 from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     get_request_block_hasher,
     init_none_hash,
@@ -40,6 +44,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from testbed.keys import KeyExtras  # noqa: E402
 
 # Standalone, vLLM's warnings would go to logging's last-resort handler as bare lines.
 logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -60,6 +66,10 @@ class SchedulerSpec:
     """``kv_connector_extra_config``; ``None`` runs without a connector."""
     tp_size: int = 1
     prefix_caching: bool = True
+    kv_events: bool = False
+    """vLLM's KV events (its own blocks' and the connector's): the scheduler collects them
+    each step and hands them to its publisher (vLLM's null publisher here: replace
+    ``scheduler.kv_event_publisher`` to receive them)."""
 
 
 def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
@@ -93,6 +103,9 @@ def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
         cache_config=cache,
         scheduler_config=scheduler,
         kv_transfer_config=transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if spec.kv_events
+        else None,
     )
     config.parallel_config.tensor_parallel_size = spec.tp_size
     config.cache_config.num_gpu_blocks = spec.num_blocks
@@ -121,17 +134,29 @@ def build_kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:
     return kv_cache_config
 
 
-def build_scheduler(config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
-    """vLLM's v1 scheduler; it creates the SCHEDULER-role connector itself."""
+def build_scheduler(
+    config: VllmConfig, kv_cache_config: KVCacheConfig, *, log_stats: bool = False
+) -> Scheduler:
+    """vLLM's v1 scheduler; it creates the SCHEDULER-role connector itself.
+
+    The tiny model is text-only, so vLLM would give the scheduler no encoder budget and it
+    could never schedule past a multimodal placeholder; without an encoder to run, the replay
+    gives it one as large as a step (requests with multimodal inputs then schedule as they
+    would with a multimodal model whose encoder is free)."""
     assert kv_cache_config.cache_hit_alignment_tokens is not None
-    return Scheduler(
+    scheduler = Scheduler(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
         block_size=kv_cache_config.cache_hit_alignment_tokens,
         hash_block_size=kv_cache_config.hash_block_size,
-        log_stats=False,
+        log_stats=log_stats,
     )
+    if not scheduler.max_num_encoder_input_tokens:
+        budget = config.scheduler_config.max_num_batched_tokens
+        scheduler.max_num_encoder_input_tokens = budget
+        scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=budget)
+    return scheduler
 
 
 def build_worker_connector(
@@ -152,6 +177,7 @@ class RequestFactory:
         init_none_hash(hash_fn)
         assert kv_cache_config.hash_block_size is not None
         self._hasher = get_request_block_hasher(kv_cache_config.hash_block_size, hash_fn)
+        self._lora_ids: dict[tuple[str, str], int] = {}
 
     def make(
         self,
@@ -161,9 +187,27 @@ class RequestFactory:
         *,
         traceparent: str = "",
         cache_salt: str | None = None,
+        extras: KeyExtras | None = None,
     ) -> Request:
+        """``extras``: the request's LoRA adapter and multimodal inputs, as vLLM's own request
+        fields (a ``LoRARequest``, ``MultiModalFeatureSpec`` without data: no encoder runs)."""
         # Hand-made sampling params have no EOS token: exactly ``max_tokens`` outputs.
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        lora = None
+        if extras is not None and extras.lora is not None:
+            name, path = extras.lora
+            lora_id = self._lora_ids.setdefault(extras.lora, len(self._lora_ids) + 1)
+            lora = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+        features = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=item.identifier,
+                mm_position=PlaceholderRange(offset=item.offset, length=item.length),
+                mm_hash=item.identifier,
+            )
+            for item in (extras.mm_inputs if extras is not None else ())
+        ]
         return Request(
             request_id,
             token_ids,
@@ -172,4 +216,6 @@ class RequestFactory:
             block_hasher=self._hasher,
             cache_salt=cache_salt,
             trace_headers={"traceparent": traceparent} if traceparent else None,
+            lora_request=lora,
+            mm_features=features or None,
         )

@@ -6,7 +6,8 @@ model runner does for every step (``gpu_model_runner`` + ``kv_connector_model_ru
 
     handle_preemptions → zero new blocks → bind metadata → [start_load_kv if sync loads]
     → "forward": write deterministic KV for the scheduled tokens → [start_load_kv otherwise]
-    → wait_for_save → get_transfer_results → get_block_ids_with_load_errors → clear metadata
+    → wait_for_save → get_transfer_results → get_block_ids_with_load_errors
+    → get_kv_connector_stats → build_connector_worker_meta → clear metadata
 
 Instead of attention it writes :mod:`testbed.engine.kv_content` values, and whenever a request
 starts with tokens it did not compute (engine prefix-cache hit or external load) it checks
@@ -16,6 +17,7 @@ those tokens' KV bit for bit; every mismatching block is an integrity error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +35,10 @@ class StepOutcome:
     finished_sending: set[str] = field(default_factory=FinishingOrder)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    connector_stats: Any = None
+    """The connector's ``KVConnectorStats`` of the step (``None``: nothing happened)."""
+    worker_meta: Any = None
+    """The connector's ``KVConnectorWorkerMetadata`` of the step (store reports)."""
     integrity_errors: int = 0
 
 
@@ -117,6 +123,8 @@ class WorkerHarness:
             finished_sending=FinishingOrder(results.finished_sending or ()),
             finished_recving=set(results.finished_recving or ()),
             invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
+            connector_stats=connector.get_kv_connector_stats(),
+            worker_meta=connector.build_connector_worker_meta(),
         )
         connector.clear_connector_metadata()
         if self.write_kv:

@@ -16,6 +16,7 @@ CONNECTOR_END_SESSION = "kvcache.connector.end_session"
 CONNECTOR_REQUEST = "kvcache.connector.request"
 CONNECTOR_REGISTER = "kvcache.connector.register"
 CONNECTOR_OUTAGE = "kvcache.connector.outage"
+CONNECTOR_ABORT = "kvcache.connector.abort"
 SERVER_LOOKUP = "kvcache.server.lookup"
 SERVER_STORE = "kvcache.server.store"
 SERVER_RETRIEVE = "kvcache.server.retrieve"
@@ -86,6 +87,7 @@ MISS_STATUS = "kvcache.lookup.miss_status"  # absent | in_flight: why the chunk 
 INDEX_BYTES = "kvcache.index_bytes"  # estimated index memory outside the pool
 REASON = "kvcache.reason"
 OPS = "kvcache.ops"
+ABANDONED = "kvcache.abandoned"  # a release or abort of an operation the client gave up on
 
 # --- request (engine) -------------------------------------------------------------------------
 PROMPT_TOKENS = "kvcache.request.prompt_tokens"

@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from testbed.keys import KeyExtras, MultiModalInput
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class WorkloadRequest:
@@ -40,6 +42,13 @@ class WorkloadRequest:
     group: str = ""
     """Conversation or document the request belongs to, for analysis (``""`` when none)."""
 
+    lora_adapter: str | None = None
+    """The LoRA adapter the request runs under (``None``: the base model); it keys the KV."""
+
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+    """Multimodal items behind placeholder tokens of the prompt (content hash and position);
+    they key the KV of the chunks they overlap."""
+
     def __post_init__(self) -> None:
         tokens = self.prompt_token_ids
         if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype != np.int32:
@@ -57,9 +66,27 @@ class WorkloadRequest:
                 f"{self.request_id}: arrival_s must be finite and >= 0, got {self.arrival_s}"
             )
 
+        if any(item.offset + item.length > tokens.size for item in self.mm_inputs):
+            raise ValueError(f"{self.request_id}: a multimodal input ends past the prompt")
+        KeyExtras(mm_inputs=self.mm_inputs)  # validates their order
+
     @property
     def num_prompt_tokens(self) -> int:
         return int(self.prompt_token_ids.size)
+
+    @property
+    def key_extras(self) -> KeyExtras | None:
+        """What besides the prompt's tokens keys its chunks (``testbed.keys``)."""
+        if self.lora_adapter is None and not self.mm_inputs:
+            return None
+        lora = None if self.lora_adapter is None else lora_identity(self.lora_adapter)
+        return KeyExtras(lora=lora, mm_inputs=self.mm_inputs)
+
+
+def lora_identity(name: str) -> tuple[str, str]:
+    """The ``(name, path)`` a workload's LoRA adapter is known by: vLLM keys KV by both, and a
+    replay loads no weights, so the path is a stable stand-in derived from the name."""
+    return name, f"replay://lora/{name}"
 
 
 class RequestShape(Protocol):

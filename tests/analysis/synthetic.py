@@ -507,6 +507,19 @@ class SyntheticRun:
             kind=SpanKind.CLIENT, attributes={a.OK: False, a.ERROR: message}, error=message,
         )  # fmt: skip
 
+    def abandoned(self, request_id: str) -> None:
+        """What the connector sends for operations it gave up on: the release of a lookup
+        answered too late, and the abort of a store that got no answer."""
+        parent = self.admissions[request_id].span
+        self._span(
+            self.engine, a.CONNECTOR_LOCK_RELEASE, parent=parent, kind=SpanKind.CLIENT,
+            attributes={a.OK: False, a.ABANDONED: True},
+        )  # fmt: skip
+        self._span(
+            self.engine, a.CONNECTOR_ABORT, parent=parent, kind=SpanKind.CLIENT,
+            attributes={a.OP_ID: 9, a.ABANDONED: True},
+        )  # fmt: skip
+
 
 def _span_id(span: Any) -> str:
     if span is None:

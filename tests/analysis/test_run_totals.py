@@ -25,6 +25,7 @@ def test_two_runs_sharing_a_server_each_report_their_own_figures(tmp_path):
     first.error_reply("a1")
     second.error_reply("b1")
     second.connector_failure("b2")  # a timeout, not an error reply
+    second.abandoned("b2")  # a late lookup's locks released, a store aborted
     second.close()
     first.close()
     spans = pd.concat([load_spans(tmp_path / "A"), load_spans(tmp_path / "B")], ignore_index=True)
@@ -41,6 +42,7 @@ def test_two_runs_sharing_a_server_each_report_their_own_figures(tmp_path):
         "error_replies": 1,
         "store_failures": 2,  # a2's item on each TP rank
         "retrieve_failures": 0,
+        "abandoned_releases": 0,
     }
     assert totals["B"] == {
         "stored_bytes": (2 + 1) * 2 * OBJECT_BYTES,  # b2's two chunks, b3's chunk 2
@@ -51,10 +53,17 @@ def test_two_runs_sharing_a_server_each_report_their_own_figures(tmp_path):
         "error_replies": 1,
         "store_failures": 0,
         "retrieve_failures": 1,
+        "abandoned_releases": 2,
     }
     # The server-wide figures are the sums of both runs'.
     everything = metrics.run_totals(spans, events)
-    for key in ("stored_bytes", "evicted_bytes", "server_errors", "error_replies"):
+    for key in (
+        "stored_bytes",
+        "evicted_bytes",
+        "server_errors",
+        "error_replies",
+        "abandoned_releases",
+    ):
         assert everything[key] == totals["A"][key] + totals["B"][key], key
     evicted = spans[spans["name"] == a.SERVER_EVICT]
     assert int(evicted[a.EVICTED_BYTES].sum()) == 2 * OBJECT_BYTES

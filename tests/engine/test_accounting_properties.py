@@ -81,7 +81,7 @@ CASES = {
     "chat-capacity-faults-sync": dict(
         workload="chat",
         engine_blocks=80,
-        capacity_tokens=6000,
+        capacity_tokens=3000,
         fault_drop_fraction=0.3,
         load_async=False,
     ),

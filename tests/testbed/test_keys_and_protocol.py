@@ -8,7 +8,7 @@ import pytest
 
 from connector.config import ConnectorConfig
 from testbed import protocol as p
-from testbed.keys import chunk_hashes, extend_chunk_hashes
+from testbed.keys import KeyExtras, MultiModalInput, chunk_hashes, extend_chunk_hashes
 from testbed.sizes import parse_bytes
 
 
@@ -32,6 +32,38 @@ def test_incremental_hashing_equals_hashing_at_once():
     assert grown == chunk_hashes(tokens, 256)
     with pytest.raises(ValueError, match="need"):
         extend_chunk_hashes([], tokens[:100], 64, 2)
+
+
+def test_a_lora_adapter_keys_every_chunk_and_its_path_counts_too():
+    tokens = list(range(1000))
+    plain = chunk_hashes(tokens, 256)
+    assert chunk_hashes(tokens, 256, extras=KeyExtras()) == plain  # no extras: plain keys
+    sql = chunk_hashes(tokens, 256, extras=KeyExtras(lora=("sql", "/adapters/sql")))
+    moved = chunk_hashes(tokens, 256, extras=KeyExtras(lora=("sql", "/adapters/sql-v2")))
+    for keys in (sql, moved):
+        assert len(keys) == 3 and not set(keys) & set(plain)
+    assert not set(sql) & set(moved)
+
+
+def test_a_multimodal_input_keys_the_chunks_it_overlaps_and_those_after():
+    tokens = [7] * 1000  # the same placeholder tokens behind every image
+    image = MultiModalInput("image-x", offset=300, length=100)  # inside chunk 1
+    plain = chunk_hashes(tokens, 256)
+    x = chunk_hashes(tokens, 256, extras=KeyExtras(mm_inputs=(image,)))
+    y = chunk_hashes(
+        tokens, 256, extras=KeyExtras(mm_inputs=(MultiModalInput("image-y", 300, 100),))
+    )
+    shifted = chunk_hashes(
+        tokens, 256, extras=KeyExtras(mm_inputs=(MultiModalInput("image-x", 320, 100),))
+    )
+    assert x[0] == y[0] == shifted[0] == plain[0]  # chunk 0 holds no image
+    for other in (y, shifted, plain):  # another image, or the same one elsewhere
+        assert x[1] != other[1] and x[2] != other[2]
+    grown: list[bytes] = []
+    extend_chunk_hashes(grown, tokens, 256, 2, KeyExtras(mm_inputs=(image,)))
+    assert extend_chunk_hashes(grown, tokens, 256, 3, KeyExtras(mm_inputs=(image,))) == x
+    with pytest.raises(ValueError, match="placeholder order"):
+        KeyExtras(mm_inputs=(MultiModalInput("b", 500, 10), MultiModalInput("a", 100, 10)))
 
 
 def test_every_request_round_trips_and_unknown_ops_are_rejected():

@@ -1,0 +1,171 @@
+"""What the engine announces the cache server holds: vLLM KV events for stored and evicted chunks.
+
+Pure logic, no vLLM (the shim, :mod:`connector.vllm_telemetry`, turns payloads into vLLM's
+``BlockStored`` / ``BlockRemoved`` and hands them to vLLM's KV event publisher through
+``take_events``). A KV-aware router (llm-d's precise prefix-cache scorer, Dynamo's KV router)
+matches the block hashes of these events against a request's own vLLM block hashes, so a
+chunk is announced under vLLM's block hashes of its blocks, never under our chunk hash.
+
+The flow, with every process doing what it can see:
+
+- the scheduler side, planning a store, gives the announcer each chunk's payloads (the
+  stored event and the removed event, built from the request) under the chunk's key
+  ``(cache salt, chunk hash)`` (:meth:`ChunkAnnouncer.planned`);
+- each worker reports, per chunk of each finished store, whether its store wrote and
+  committed it, with the server's removal number at the commit (:func:`store_reports`); the
+  reports reach the scheduler side with vLLM's worker metadata, and a chunk is announced
+  stored once every writing KV rank wrote it (:meth:`ChunkAnnouncer.reported`): chunks
+  another engine stored, or that found no room, are not announced by this one;
+- the server's removals (evictions for room, drops), numbered, reach the scheduler side in
+  the lookup replies it reads anyway (``server.eviction_feed``): an announced chunk removed
+  after its commit is announced removed (:meth:`ChunkAnnouncer.evicted`); all of them when
+  the server lost track (restart) (:meth:`ChunkAnnouncer.forget_all`).
+
+Removal numbers order the two streams, whichever reaches the scheduler first: a removal
+numbered at or below a commit's number concerns an earlier copy of the chunk and is ignored;
+one above it means the copy is gone (for a rank still to report, the chunk is not announced).
+Memory is bounded: at most ``max_chunks`` chunks pending, announced and recently removed;
+past that the oldest announced chunk is announced removed (a router then under-estimates what
+the cache holds, never over-).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
+
+from connector.ops import StoreOp
+
+Payload = TypeVar("Payload")
+ChunkKey = tuple[str, bytes]
+"""``(cache salt, chunk hash)``: what names a chunk within one model and world size."""
+
+DEFAULT_MAX_CHUNKS = 1 << 16
+
+
+class ChunkReport(NamedTuple):
+    """One writing rank's outcome for one chunk of a finished store."""
+
+    kv_rank: int
+    cache_salt: str
+    chunk_hash: bytes
+    written: bool
+    """The store wrote the chunk and committed it (not: already there, no room, failed)."""
+    seq: int
+    """The server's removal number at the commit."""
+
+
+def store_reports(
+    kv_rank: int,
+    ops: Sequence[StoreOp],
+    slots: Sequence[Sequence[object | None]] | None,
+    seq: int,
+) -> list[ChunkReport]:
+    """A finished store's reports: per op, per chunk, written iff the server gave the chunk a
+    slot and the store committed (``slots``: the plan's slots per op; ``None`` when the store
+    failed)."""
+    reports = []
+    for index, op in enumerate(ops):
+        item = slots[index] if slots is not None else [None] * len(op.chunk_hashes)
+        for chunk_hash, slot in zip(op.chunk_hashes, item, strict=True):
+            reports.append(ChunkReport(kv_rank, op.cache_salt, chunk_hash, slot is not None, seq))
+    return reports
+
+
+@dataclass(frozen=True)
+class ChunkEvent(Generic[Payload]):
+    stored: bool
+    """True: the chunk is now in the cache; False: it no longer is."""
+    payload: Payload
+
+
+@dataclass
+class _Pending(Generic[Payload]):
+    stored: Payload
+    removed: Payload
+    seqs: dict[int, int] = field(default_factory=dict)
+    """Per KV rank that wrote the chunk: the removal number at its commit."""
+
+
+class ChunkAnnouncer(Generic[Payload]):
+    """Chunks planned, announced and removed; events in the order they happened."""
+
+    def __init__(self, num_writers: int, max_chunks: int = DEFAULT_MAX_CHUNKS) -> None:
+        if num_writers < 1 or max_chunks < 1:
+            raise ValueError("num_writers and max_chunks must be positive")
+        self.num_writers = num_writers
+        """KV ranks that write each chunk (every TP rank; one with MLA)."""
+        self.max_chunks = max_chunks
+        self._pending: OrderedDict[ChunkKey, _Pending[Payload]] = OrderedDict()
+        self._announced: OrderedDict[ChunkKey, tuple[Payload, int]] = OrderedDict()
+        self._removed_at: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._events: list[ChunkEvent[Payload]] = []
+
+    def __len__(self) -> int:
+        """Chunks announced as stored and not removed since."""
+        return len(self._announced)
+
+    def planned(self, key: ChunkKey, stored: Payload, removed: Payload) -> None:
+        """A store of the chunk was planned; ``stored`` / ``removed`` are its events' payloads."""
+        if key in self._announced or key in self._pending:
+            return
+        self._pending[key] = _Pending(stored, removed)
+        _bound(self._pending, self.max_chunks)
+
+    def reported(self, reports: Iterable[ChunkReport]) -> None:
+        """Workers' outcomes: a chunk every writing rank wrote is announced stored; one a rank
+        did not write, or whose copy was removed since, is not announced (by this engine)."""
+        for report in reports:
+            key = (report.cache_salt, report.chunk_hash)
+            pending = self._pending.get(key)
+            if pending is None:
+                continue
+            if not report.written or self._removed_at.get(key, 0) > report.seq:
+                del self._pending[key]
+                continue
+            pending.seqs[report.kv_rank] = report.seq
+            if len(pending.seqs) >= self.num_writers:
+                del self._pending[key]
+                self._announce(key, pending)
+
+    def evicted(self, removals: Iterable[tuple[str, bytes, int]]) -> None:
+        """The server removed these chunks ``(cache salt, chunk hash, removal number)``."""
+        for salt, chunk_hash, seq in removals:
+            key = (salt, chunk_hash)
+            self._removed_at[key] = max(seq, self._removed_at.pop(key, 0))
+            _bound(self._removed_at, self.max_chunks)
+            announced = self._announced.get(key)
+            if announced is not None and seq > announced[1]:
+                del self._announced[key]
+                self._events.append(ChunkEvent(False, announced[0]))
+            pending = self._pending.get(key)
+            if pending is not None and any(seq > commit for commit in pending.seqs.values()):
+                del self._pending[key]
+
+    def forget_all(self) -> None:
+        """The server lost track of its removals (it restarted): every announced chunk may be
+        gone, so all are announced removed; numbers start again."""
+        for removed, _ in self._announced.values():
+            self._events.append(ChunkEvent(False, removed))
+        self._announced.clear()
+        self._pending.clear()
+        self._removed_at.clear()
+
+    def take(self) -> list[ChunkEvent[Payload]]:
+        """The events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def _announce(self, key: ChunkKey, pending: _Pending[Payload]) -> None:
+        self._announced[key] = (pending.removed, min(pending.seqs.values()))
+        self._events.append(ChunkEvent(True, pending.stored))
+        if len(self._announced) > self.max_chunks:
+            _, (oldest, _) = self._announced.popitem(last=False)
+            self._events.append(ChunkEvent(False, oldest))
+
+
+def _bound(table: OrderedDict, limit: int) -> None:
+    while len(table) > limit:
+        table.popitem(last=False)

