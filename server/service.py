@@ -34,11 +34,12 @@ from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from server import lookups, transfers
+from server import held, lookups, quotas, transfers
 from server.auth import Credentials
 from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
+from server.connections import ConnectionGuard
 from server.policies import make_policy
 from server.pool import ExtentAllocator, SharedMemoryPool
 from server.state import (
@@ -116,6 +117,7 @@ _SPANS: dict[type, str | None] = {
     p.RetrieveEnd: a.SERVER_RETRIEVE,
     p.Abort: a.SERVER_ABORT,
     p.DropObjects: None,
+    p.GetHeld: None,
 }
 
 
@@ -134,7 +136,11 @@ class CacheService:
         self.credentials = credentials
         self.clock = clock
         self.epoch = secrets.randbits(62) + 1
-        self.pool = None if config.metadata_only else SharedMemoryPool(config.capacity_bytes)
+        self.pool = (
+            None
+            if config.metadata_only
+            else SharedMemoryPool(config.capacity_bytes, config.pool_medium, config.pool_dir)
+        )
         allocator = None if self.pool is None else ExtentAllocator(self.pool.size)
         self.cache = KVCache(
             config.capacity_bytes,
@@ -149,6 +155,8 @@ class CacheService:
         self.sessions: dict[str, Session] = {}
         self.tracked_chunks = 0
         self.deadlines = Deadlines()
+        self.connections: ConnectionGuard | None = None
+        """The socket's connection guard (``server.app`` sets it), for its counts."""
         self._running: dict[bytes, _Task] = {}
         self._queued: dict[bytes, deque[p.Request]] = {}
         self._handlers: dict[type, Handler] = {
@@ -168,6 +176,7 @@ class CacheService:
             p.RetrieveEnd: transfers.retrieve_end,
             p.Abort: transfers.abort,
             p.DropObjects: transfers.drop_objects,
+            p.GetHeld: held.get_held,
         }
 
     def close(self) -> None:
@@ -313,12 +322,7 @@ class CacheService:
             return None
         if len(self.sessions) >= self.config.max_sessions:
             raise self.limit("max_sessions", self.config.max_sessions, "live sessions")
-        if len(call.client.sessions) >= self.config.max_sessions_per_client:
-            raise self.limit(
-                "max_sessions_per_client",
-                self.config.max_sessions_per_client,
-                "live sessions of one client",
-            )
+        quotas.check_sessions(self, call.client)
         session = Session(session_id, call.client.client_id, self.clock())
         self.sessions[session_id] = session
         call.client.sessions.add(session_id)
@@ -333,12 +337,18 @@ class CacheService:
         owner = self.clients.get(session.owner)
         if owner is not None:
             owner.sessions.discard(session_id)
+            owner.tracked_chunks -= session.tracked_chunks
 
     def track(self, session: Session, run: ChunkRun, *, lookup: bool) -> None:
         """Records ``run`` for the session's refresh (a lookup's replaces the previous lookup's),
-        within ``max_tracked_chunks``: over it, a lookup is refused; a store's objects are
-        simply not refreshed."""
+        within its client's quota (``server.quotas``) and ``max_tracked_chunks``: over either,
+        a lookup is refused; a store's objects are simply not refreshed."""
         replaced = session.looked_up.num_objects if lookup and session.looked_up else 0
+        owner = self.clients.get(session.owner)
+        if owner is not None and not quotas.tracked_fits(self, owner, run.num_objects - replaced):
+            if not lookup:
+                return
+            raise quotas.refuse_tracked(self)
         over = self.tracked_chunks - replaced + self.cache.locked_chunks + run.num_objects
         if over > self.config.max_tracked_chunks:
             if not lookup:
@@ -347,6 +357,8 @@ class CacheService:
                 "max_tracked_chunks", self.config.max_tracked_chunks, "chunks tracked by sessions"
             )
         self.tracked_chunks += run.num_objects - replaced
+        if owner is not None:
+            owner.tracked_chunks += run.num_objects - replaced
         if lookup:
             session.looked_up = run
         else:
@@ -593,11 +605,13 @@ def _get_config(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
         op_ttl_s=c.op_ttl_s,
         max_chunks_per_request=c.max_chunks_per_request,
         min_object_bytes=c.min_object_bytes,
+        pool_medium=None if s.pool is None else s.pool.medium,
     )
     yield
 
 
 def _get_stats(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    s.chunk_log.flush()  # so that its count of rows it could not write is current
     c = s.counters
     quiet = s.quiescence()
     return p.ServerStats(
@@ -627,5 +641,9 @@ def _get_stats(s: CacheService, call: Call, req: p.Request) -> Generator[None, N
         forbidden=c.forbidden,
         refused_limits=c.refused_limits,
         dropped_frames=c.dropped_frames,
+        refused_quotas=c.refused_quotas,
+        chunk_events_dropped=s.chunk_log.dropped_rows,
+        chunk_events_pending=s.chunk_log.pending_rows,
+        unauthenticated_closed=0 if s.connections is None else s.connections.closed,
     )
     yield

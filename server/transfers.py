@@ -11,6 +11,7 @@ import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
+from server import quotas
 from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
 from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
@@ -118,6 +119,7 @@ def _worker_op(s: CacheService, call: Call, req: p.StoreBegin | p.RetrieveBegin)
         )
     if req.op_id in call.client.op_ids():
         raise _error("conflict", f"operation {req.op_id} is already in flight for this client")
+    quotas.check_ops(s, call.client)
     s.check_chunks(sum(len(item.chunk_hashes) for item in req.items))
     return worker
 
@@ -192,7 +194,12 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
         copied = yield from _server_store_copy(s, call, worker, req, plans, objects)
     deadline = s.clock() + s.config.op_ttl_s
     call.client.stores[req.op_id] = InflightStore(
-        req.op_id, objects, positions, deadline, call.span_id
+        req.op_id,
+        objects,
+        positions,
+        deadline,
+        call.span_id,
+        frozenset(item.session_id for item in req.items),
     )
     s.deadlines.add(deadline, "store", call.client.client_id, req.op_id)
     call.span.set_attributes(
