@@ -125,8 +125,8 @@ def build_summary(
     if len(result.records) > len(requests):
         missing.append(
             f"{len(result.records) - len(requests)} of the {len(result.records)} requests the "
-            "engine served have no telemetry (their spans were not written): the figures "
-            "above leave them out"
+            "engine served have no telemetry (their spans were not written): the summary's "
+            "figures leave them out"
         )
     if spec.engine == "oracle":
         return summary
