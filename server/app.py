@@ -108,7 +108,6 @@ def _serve_bound(
     )
     try:
         with CacheService(config, credentials, chunk_log=chunk_log) as service:
-            service.connections = guard
             prefault_s = 0.0
             if service.pool is not None and service.pool.size <= config.prefault_bytes:
                 prefault_s = service.pool.prefault()
@@ -175,6 +174,7 @@ def _loop(
         if time.monotonic() >= next_tick:
             service.tick()
             guard.tick()
+            service.counters.unauthenticated_closed = guard.closed
             next_tick = time.monotonic() + config.reap_interval_s
             if parent_pid is not None and os.getppid() != parent_pid:
                 log.warning("the process that started this server is gone; stopping")

@@ -12,6 +12,9 @@ Runs in the cache server process, single-threaded, so the index needs no locking
   (``op_ttl_s``, ``lookup_pending_timeout_s``, ``read_lock_ttl_s``, ``session_ttl_s``); the
   housekeeping :meth:`CacheService.tick` sweeps them, so nothing outlives its owner's
   interest. :meth:`CacheService.quiescence` tells what is still held.
+- **Quotas**: besides the server-wide limits, each client has a share of sessions, tracked
+  chunks, operations in flight and pending lookups (``server.quotas``); over it only that
+  client is refused (code ``quota``).
 - **Bounded work**: a request naming many chunks is handled in slices of
   :data:`SLICE_UNITS` chunk operations; other clients' requests are served between slices,
   and a client's own later requests wait behind it, so each client sees its requests handled
@@ -39,7 +42,6 @@ from server.auth import Credentials
 from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
-from server.connections import ConnectionGuard
 from server.policies import make_policy
 from server.pool import ExtentAllocator, SharedMemoryPool
 from server.state import (
@@ -155,8 +157,6 @@ class CacheService:
         self.sessions: dict[str, Session] = {}
         self.tracked_chunks = 0
         self.deadlines = Deadlines()
-        self.connections: ConnectionGuard | None = None
-        """The socket's connection guard (``server.app`` sets it), for its counts."""
         self._running: dict[bytes, _Task] = {}
         self._queued: dict[bytes, deque[p.Request]] = {}
         self._handlers: dict[type, Handler] = {
@@ -345,7 +345,9 @@ class CacheService:
         a lookup is refused; a store's objects are simply not refreshed."""
         replaced = session.looked_up.num_objects if lookup and session.looked_up else 0
         owner = self.clients.get(session.owner)
-        if owner is not None and not quotas.tracked_fits(self, owner, run.num_objects - replaced):
+        locking = len(run.hashes) if lookup else 0  # the lookup's lock group, taken next
+        added = run.num_objects - replaced + locking
+        if owner is not None and not quotas.tracked_fits(self, owner, added):
             if not lookup:
                 return
             raise quotas.refuse_tracked(self)
@@ -644,6 +646,6 @@ def _get_stats(s: CacheService, call: Call, req: p.Request) -> Generator[None, N
         refused_quotas=c.refused_quotas,
         chunk_events_dropped=s.chunk_log.dropped_rows,
         chunk_events_pending=s.chunk_log.pending_rows,
-        unauthenticated_closed=0 if s.connections is None else s.connections.closed,
+        unauthenticated_closed=c.unauthenticated_closed,
     )
     yield

@@ -138,6 +138,9 @@ class Counters:
     refused_quotas: int = 0
     quota_settled: int = 0
     """Lookups answered at once instead of left pending (over a client's pending quota)."""
+    unauthenticated_closed: int = 0
+    """Connections closed for not authenticating (``server.connections``; the loop copies
+    its count here)."""
 
 
 class Deadlines:

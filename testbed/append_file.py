@@ -102,7 +102,7 @@ class AppendFile:
         try:
             written = os.write(self._fd, record)
             if written != len(record):
-                raise OSError(errno.ENOSPC, "short write (no space left on device)")
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (short write)")
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._size)  # no torn record in the file

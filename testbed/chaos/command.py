@@ -46,6 +46,10 @@ def _engine_kill(config: ChaosConfig) -> bool:
     return config.engine_kill
 
 
+def _full_only(config: ChaosConfig) -> bool:
+    return not config.quick
+
+
 SCENARIOS: dict[str, Scenario] = {
     "fuzz": Scenario(attacks.fuzz, engines=_never),
     "unauthenticated": Scenario(attacks.unauthenticated, engines=_never),
@@ -57,7 +61,7 @@ SCENARIOS: dict[str, Scenario] = {
     "server_restart": Scenario(server_faults.server_restart, engines=_always),
     "shared_server": Scenario(sharing.shared_server, engines=_always),
     "disk_full": Scenario(exhaustion.disk_full, engines=_always),
-    "lock_hog": Scenario(crowds.lock_hog, engines=_always),
+    "lock_hog": Scenario(crowds.lock_hog, engines=_full_only),
 }
 
 

@@ -4,8 +4,9 @@
 (its own cache server) into ``OUT``, a small tmpfs of a private mount namespace
 (``testbed.chaos.mounts``; ``kvtb chaos``'s ``disk_full`` and the tests start it so), and fills
 that file system to the last byte once ``K`` requests have finished, as another process
-would. The run must still serve every request and end with a summary saying what it could
-not record; the summary is printed as one JSON line.
+would. Each engine step lasts at least ``--step-s`` (a forward pass), so the run goes on long
+after the disk is full. The run must still serve every request and end with a summary saying
+what it could not record; the summary is printed as one JSON line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from testbed.chaos.mounts import fill
+from testbed.chaos.runs import pace_steps
 from testbed.run import RunOptions, execute_run
 from testbed.runspec import RunSpec
 
@@ -26,7 +28,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--fill-at", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1.0)
+    parser.add_argument(
+        "--step-s", type=float, default=0.05, help="least wall time of an engine step"
+    )
     args = parser.parse_args(argv)
+    pace_steps(args.step_s)  # as a forward pass: the run outlasts the server's flushes
     spec = RunSpec(
         workload="chat",
         requests=args.requests,
