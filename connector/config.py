@@ -12,7 +12,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from testbed.bounds import Bound, out_of_bounds
+
 PREFIX = "kvtb."
+_HOUR_S = 3600.0
+BOUNDS: dict[str, Bound] = {
+    "mq_timeout_s": Bound(1e-3, _HOUR_S, "s"),
+    "heartbeat_interval_s": Bound(1e-3, _HOUR_S, "s"),
+    "lookup_wait_s": Bound(0.0, _HOUR_S, "s"),
+    "load_wait_s": Bound(0.0, _HOUR_S, "s"),
+    "store_wait_s": Bound(0.0, _HOUR_S, "s"),
+    "chunk_size": Bound(1, 1 << 16, "tokens"),
+    "fault_drop_fraction": Bound(0.0, 1.0),
+}
+"""Declared ranges of the numeric keys: timeouts finite (``nan`` and ``inf`` refused)."""
 
 
 @dataclass(frozen=True)
@@ -108,30 +121,18 @@ class ConnectorConfig:
     """The server's admin token (only fault injection uses it)."""
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = out_of_bounds(self, BOUNDS, lambda name: PREFIX + name)
         if not self.server_url.startswith(("tcp://", "ipc://", "inproc://")):
             problems.append(
                 "server_url must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, "
                 f"got {self.server_url!r}"
             )
-        for name in ("mq_timeout_s", "heartbeat_interval_s"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.transfer_mode not in ("auto", "worker", "server"):
             problems.append(
                 f"transfer_mode must be 'auto', 'worker' or 'server', got {self.transfer_mode!r}"
             )
-        for name in ("lookup_wait_s", "load_wait_s", "store_wait_s"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.chunk_size <= 0:
-            problems.append(f"chunk_size must be positive, got {self.chunk_size}")
         if bool(self.curve_secret_key) != bool(self.curve_server_key):
             problems.append("curve_secret_key and curve_server_key go together")
-        if not 0.0 <= self.fault_drop_fraction <= 1.0:
-            problems.append(
-                f"fault_drop_fraction must be in [0, 1], got {self.fault_drop_fraction}"
-            )
         if self.fault_drop_fraction and not self.admin_token:
             problems.append("fault_drop_fraction needs admin_token (it drops objects)")
         if problems:

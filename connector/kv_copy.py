@@ -203,10 +203,10 @@ def _pool_tensor(pool: PoolBuffer) -> torch.Tensor:
 class PoolMapping:
     """The server's pool file mapped into this process.
 
-    When the server pre-faulted the pool (every page of the file allocated), the mapping is
-    made with ``MAP_POPULATE``: all its pages are mapped now, so copies into the pool pay no
-    page faults. Otherwise pages stay lazy (``populated`` is False): populating would
-    allocate the whole pool, which a server sized for an unbounded run may not want.
+    When every page of the file is allocated (servers reserve their pool when they make it,
+    ``server.pool``), the mapping is made with ``MAP_POPULATE``: all its pages are mapped now,
+    so copies into the pool pay no page faults. A file with holes (an earlier server's lazy
+    pool) stays lazy (``populated`` is False): populating would allocate it.
     """
 
     def __init__(self, path: str, size: int) -> None:

@@ -132,6 +132,7 @@ class SchedulerSide:
                     return None, False
                 tracker.hit_tokens = answer.hit_chunks * self.geometry.chunk_size
                 tracker.lookup_ok = answer.ok
+                tracker.lookup_refused = answer.refused
                 tracker.handle = answer.handle
                 tracker.locks_held = answer.hit_chunks > 0
         tracker.engine_hit_tokens = num_computed_tokens
@@ -310,4 +311,6 @@ class SchedulerSide:
 def _status(tracker: RequestTracker) -> str:
     if not tracker.chunk_hashes:
         return "none"
-    return "ok" if tracker.lookup_ok else "unavailable"
+    if tracker.lookup_ok:
+        return "ok"
+    return "refused" if tracker.lookup_refused else "unavailable"

@@ -44,6 +44,9 @@ class LookupAnswer:
     """The lock group's name (workers release the locks with it)."""
     ok: bool = True
     """False when the server was down, timed out or refused the lookup (a miss)."""
+    refused: bool = False
+    """The server refused it for a limit or a client quota (``ok`` is False): a limit
+    refusal, counted apart from failures."""
 
 
 @dataclass
@@ -169,7 +172,8 @@ class SchedulerClient:
                 break
             lookup.took(lookup.future)
             if isinstance(reply, p.Error):
-                self._settle(lookup, None, f"{reply.code}: {reply.message}")
+                refused = reply.code in p.LIMIT_CODES
+                self._settle(lookup, None, f"{reply.code}: {reply.message}", refused=refused)
             elif isinstance(reply, p.LookupResult) and reply.pending:
                 lookup.polls += 1
                 if wait_pending:
@@ -186,10 +190,17 @@ class SchedulerClient:
                 self._settle(lookup, reply, None)
         return lookup.answer
 
-    def _settle(self, lookup: _Lookup, reply: p.LookupResult | None, error: str | None) -> None:
+    def _settle(
+        self,
+        lookup: _Lookup,
+        reply: p.LookupResult | None,
+        error: str | None,
+        *,
+        refused: bool = False,
+    ) -> None:
         hit_chunks = 0 if reply is None else reply.hit_chunks
         lookup.answer = LookupAnswer(
-            hit_chunks, b"" if reply is None else reply.handle, ok=error is None
+            hit_chunks, b"" if reply is None else reply.handle, ok=error is None, refused=refused
         )
         lookup.span.set_attributes(
             {
@@ -207,7 +218,8 @@ class SchedulerClient:
                 lookup.span.set_attribute(a.MISS_STATUS, reply.miss_status)
             self._note_evictions(reply)
         if error is not None:
-            log.warning("lookup failed, treating as a miss: %s", error)
+            what = "refused by the server's limits" if refused else "failed"
+            log.warning("lookup %s, treating as a miss: %s", what, error)
             lookup.span.set_attribute(a.ERROR, error)
             telemetry.fail(lookup.span, error)
         ended_ns = time.time_ns()

@@ -7,8 +7,10 @@ attention layers to views of one allocation, e.g. kernel-block or MLA views). So
 moved under the tensors, not the tensors replaced:
 
 1. one file in ``/dev/shm`` (else the temporary directory) holds every distinct storage of
-   the layers, each at a page-aligned offset; the file is mapped shared and the storages'
-   bytes are copied in;
+   the layers, each at a page-aligned offset; its bytes are reserved when it is made (a file
+   that does not fit is refused, never a ``SIGBUS`` mid-copy) and the worker holds its owner
+   lock (``testbed.owned_files``); the file is mapped shared and the storages' bytes are
+   copied in;
 2. each storage then swaps its data pointer with a storage over its part of the mapping
    (``UntypedStorage._swap_data_ptr_``): every tensor and view of that storage keeps its
    shape, strides, dtype and contents and now reads and writes the file. The old memory is
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ import torch
 
 from connector.kv_copy import PagedKV, storage_array
 from testbed.kv_layout import FILE_PREFIX, SharedKVFile
+from testbed.owned_files import create_reserved, owned_name
 
 _ALIGNMENT = mmap.PAGESIZE
 
@@ -74,10 +76,13 @@ class SharedKV:
             + int(layer.storage_offset()) * layer.element_size()
             for layer in kv.layers
         ]
-        self.path = _shared_directory(file_bytes, directory) / (
-            f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        )
-        self._map = _create_mapped(self.path, file_bytes)
+        self.path = _shared_directory(file_bytes, directory) / owned_name(FILE_PREFIX)
+        self._owner = create_reserved(self.path, file_bytes, what="the worker's shared KV")
+        try:
+            self._map = mmap.mmap(self._owner.fd, file_bytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self.close()
+            raise
         try:
             for key, storage in storages.items():
                 shared = _copy_into(storage, self._map, placements[key])
@@ -96,8 +101,10 @@ class SharedKV:
         )
 
     def close(self) -> None:
-        """Removes the file's name; the memory stays mapped while the tensors live."""
+        """Removes the file's name and releases its owner lock; the memory stays mapped while
+        the tensors live."""
         self.path.unlink(missing_ok=True)
+        self._owner.close()
 
     def __enter__(self) -> SharedKV:
         return self
@@ -120,18 +127,6 @@ def _set_tensors(layers: Sequence[torch.Tensor], key: int, shared: torch.Untyped
     for layer in layers:
         if layer.untyped_storage().data_ptr() == key:
             layer.set_(shared, layer.storage_offset(), layer.shape, layer.stride())
-
-
-def _create_mapped(path: Path, size: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
 
 
 def _shared_directory(size: int, directory: Path | None) -> Path:

@@ -31,7 +31,8 @@ class Admission:
     promised_tokens: int
     """Tokens vLLM agreed to load from the cache (L)."""
     lookup_status: str
-    """``ok``, ``unavailable`` (down, timed out, refused) or ``none`` (no complete chunk)."""
+    """``ok``, ``unavailable`` (down, timed out, an error), ``refused`` (a limit or quota of
+    the server) or ``none`` (no complete chunk)."""
 
 
 class Phase(enum.Enum):
@@ -61,6 +62,8 @@ class RequestTracker:
     """Chunk-aligned external hit; ``None`` until the lookup is answered."""
     lookup_ok: bool = True
     """Whether the lookup was answered (False: server down, timed out or refused)."""
+    lookup_refused: bool = False
+    """Whether the server refused the lookup for a limit or a quota (``lookup_ok`` False)."""
     handle: bytes = b""
     """The server's name for the lookup's lock group (workers release its locks with it)."""
     engine_hit_tokens: int = 0
@@ -87,6 +90,7 @@ class RequestTracker:
         self.lookup_submitted = False
         self.hit_tokens = None
         self.lookup_ok = True
+        self.lookup_refused = False
         self.handle = b""
         self.engine_hit_tokens = 0
         self.locks_held = False

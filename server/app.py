@@ -3,18 +3,22 @@
 ``python -m server`` / ``kvtb server``. Binds loopback by default and prints one readiness
 line on stdout once it accepts requests (so launchers can start it with ``--port 0``)::
 
-    KVTB_SERVER_READY endpoint=tcp://HOST:PORT pid=PID epoch=N token_file=PATH prefault_ms=X \
-        pool=KIND
+    KVTB_SERVER_READY endpoint=tcp://HOST:PORT pid=PID epoch=N token_file=PATH prefault_ms=X
+        pool_medium=shm    (one line; ``none`` with ``--metadata-only``)
 
-Nothing a client sends can stop the loop: a frame that cannot be decoded (malformed,
-oversized, nested, an unknown op) gets an ``Error`` reply; frames larger than twice
+Its pool's memory is reserved before that line (``server.pool``): a pool that does not fit is
+refused at start (exit code 2, naming its size and what is free). Nothing a client sends can
+stop the loop: a frame that cannot be decoded (malformed, oversized, nested, an unknown op)
+gets an ``Error`` reply; frames larger than twice
 ``--max-message-bytes`` make ZeroMQ drop the connection. Clients are known by the routing id
 ZeroMQ gives their connection (unique per connection for the server's life); a client that
 chose its own routing id (``ZMQ_ROUTING_ID``) could reuse another's after it left, so its
 requests are refused. A client silent past ``--client-timeout`` is reaped: everything it owned
-is released. SIGTERM, SIGINT
-and SIGHUP stop the server cleanly: spans and the chunk log are flushed, the pool and its
-token file removed; files of earlier servers that were killed are reclaimed at start.
+is released; a connection that sends no authenticated request soon is closed
+(``server.connections``). SIGTERM, SIGINT and SIGHUP stop the server cleanly: spans and the
+chunk log are flushed, the pool and its token file removed; files of earlier servers that
+were killed are reclaimed at start. A full disk costs spans and chunk log rows (counted and
+logged), never the service.
 """
 
 from __future__ import annotations
@@ -28,15 +32,19 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 
-from server.auth import Credentials, server_credentials, write_token_file
+from server.auth import Credentials, hold_token_file, server_credentials, start_curve
 from server.chunk_log import ChunkLog
 from server.config import ServerConfig
-from server.pools import POOL_KINDS
+from server.connections import (
+    ConnectionGuard,
+    default_max_unauthenticated,
+    descriptor_limit,
+    source_fd,
+)
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed import protocol as p
@@ -59,7 +67,8 @@ def serve(
     parent_pid: int | None = None,
 ) -> None:
     """Serves until ``stop`` is set (or, with ``parent_pid``, until that parent is gone).
-    ``on_ready`` gets the readiness fields (endpoint, pid, epoch, token_file, prefault_ms)."""
+    ``on_ready`` gets the readiness fields (endpoint, pid, epoch, token_file, prefault_ms,
+    pool_medium)."""
     reclaimed = reclaim_dead_server_files()
     if reclaimed:
         log.warning("removed %d files of servers that no longer run", len(reclaimed))
@@ -67,18 +76,13 @@ def serve(
     credentials = server_credentials(config.token_file)
     with zmq.Context() as context:
         socket = _router(context, config)
-        authenticator = _curve(context, socket, config)
+        authenticator = start_curve(context, socket, config.curve_dir)
         try:
             port = _bind(socket, config)
-            if config.token_file is None or not token_path.exists():
-                write_token_file(token_path, credentials)
-            try:
+            with hold_token_file(token_path, credentials, keep=config.token_file is not None):
                 _serve_bound(
                     config, credentials, socket, port, token_path, on_ready, stop, parent_pid
                 )
-            finally:
-                if config.token_file is None:
-                    token_path.unlink(missing_ok=True)
         finally:
             socket.close()
             if authenticator is not None:
@@ -96,21 +100,30 @@ def _serve_bound(
     parent_pid: int | None,
 ) -> None:
     chunk_log = ChunkLog(config.run_dir) if config.run_dir is not None else None
-    with CacheService(config, credentials, chunk_log=chunk_log) as service:
-        prefault_s = 0.0
-        if service.pool is not None and service.pool.size <= config.prefault_bytes:
-            prefault_s = service.pool.prefault()
-        on_ready(
-            {
-                "endpoint": f"tcp://{config.host}:{port}",
-                "pid": str(os.getpid()),
-                "epoch": str(service.epoch),
-                "token_file": str(token_path),
-                "prefault_ms": f"{float(prefault_s or 0.0) * 1e3:.1f}",
-                "pool": "none" if service.pool is None else service.pool.kind,
-            }
-        )
-        _loop(socket, service, config, stop, parent_pid)
+    guard = ConnectionGuard(
+        socket,
+        auth_timeout_s=config.auth_timeout_s,
+        max_unauthenticated=config.max_unauthenticated
+        or default_max_unauthenticated(descriptor_limit()),
+    )
+    try:
+        with CacheService(config, credentials, chunk_log=chunk_log) as service:
+            prefault_s = 0.0
+            if service.pool is not None and service.pool.size <= config.prefault_bytes:
+                prefault_s = service.pool.prefault()
+            on_ready(
+                {
+                    "endpoint": f"tcp://{config.host}:{port}",
+                    "pid": str(os.getpid()),
+                    "epoch": str(service.epoch),
+                    "token_file": str(token_path),
+                    "prefault_ms": f"{float(prefault_s or 0.0) * 1e3:.1f}",
+                    "pool_medium": "none" if service.pool is None else service.pool.medium,
+                }
+            )
+            _loop(socket, service, config, stop, parent_pid, guard)
+    finally:
+        guard.close()
 
 
 def _router(context: zmq.Context, config: ServerConfig) -> zmq.Socket:
@@ -118,28 +131,6 @@ def _router(context: zmq.Context, config: ServerConfig) -> zmq.Socket:
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_message_bytes)
     return socket
-
-
-def _curve(context: zmq.Context, socket: zmq.Socket, config: ServerConfig) -> Any:
-    if config.curve_dir is None:
-        return None
-    from zmq.auth import load_certificate
-    from zmq.auth.thread import ThreadAuthenticator
-
-    secret_file = config.curve_dir / "server.key_secret"
-    if not secret_file.is_file():
-        raise ValueError(
-            f"--curve-dir {config.curve_dir} has no server.key_secret (make one with "
-            "zmq.auth.create_certificates(DIR, 'server'))"
-        )
-    public, secret = load_certificate(secret_file)
-    authenticator = ThreadAuthenticator(context)
-    authenticator.start()
-    authenticator.configure_curve(domain="*", location=str(config.curve_dir))
-    socket.curve_secretkey = secret
-    socket.curve_publickey = public
-    socket.curve_server = True
-    return authenticator
 
 
 def _bind(socket: zmq.Socket, config: ServerConfig) -> int:
@@ -154,24 +145,36 @@ def _loop(
     service: CacheService,
     config: ServerConfig,
     stop: threading.Event,
-    parent_pid: int | None = None,
+    parent_pid: int | None,
+    guard: ConnectionGuard,
 ) -> None:
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
+    poller.register(guard.monitor, zmq.POLLIN)
     next_tick = time.monotonic() + config.reap_interval_s
     while not stop.is_set():
         timeout_ms = 0.0 if service.busy else max(0.0, next_tick - time.monotonic()) * 1e3
-        if poller.poll(int(min(timeout_ms, 100.0))):
+        ready = dict(poller.poll(int(min(timeout_ms, 100.0))))
+        if guard.monitor in ready:
+            guard.read_events()
+        if socket in ready:
             for _ in range(_MAX_BATCH):
                 try:
-                    frames = socket.recv_multipart(zmq.NOBLOCK)
+                    frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                _send(socket, service, handle_frames(service, frames, config.max_message_bytes))
+                replies, authenticated = handle_frames(
+                    service, [frame.bytes for frame in frames], config.max_message_bytes
+                )
+                if authenticated:
+                    guard.authenticated(source_fd(frames[-1]))
+                _send(socket, service, replies)
         if service.busy:
             _send(socket, service, service.advance())
         if time.monotonic() >= next_tick:
             service.tick()
+            guard.tick()
+            service.counters.unauthenticated_closed = guard.closed
             next_tick = time.monotonic() + config.reap_interval_s
             if parent_pid is not None and os.getppid() != parent_pid:
                 log.warning("the process that started this server is gone; stopping")
@@ -186,8 +189,11 @@ def _send(socket: zmq.Socket, service: CacheService, replies: list[Reply]) -> No
             service.counters.dropped_frames += 1
 
 
-def handle_frames(service: CacheService, frames: list[bytes], max_bytes: int) -> list[Reply]:
-    """Replies for one ROUTER message; every malformed input gets an Error (never raises)."""
+def handle_frames(
+    service: CacheService, frames: list[bytes], max_bytes: int
+) -> tuple[list[Reply], bool]:
+    """Replies for one ROUTER message (every malformed input gets an Error; never raises), and
+    whether the message was a request with a valid credential."""
     identity = frames[0]
     body = frames[1:]
     if not identity.startswith(b"\x00"):
@@ -196,35 +202,53 @@ def handle_frames(service: CacheService, frames: list[bytes], max_bytes: int) ->
             "clients must not set ZMQ_ROUTING_ID: connections are identified by the routing id "
             "the server gives them, so that no client can take over another's"
         )
-        return [(identity, service.forbidden(message))]
+        return [(identity, service.forbidden(message))], False
     if len(body) != 1:
-        return [
-            (
-                identity,
-                service.error(0, "malformed", f"expected one frame per request, got {len(body)}"),
-            )
-        ]
+        message = f"expected one frame per request, got {len(body)}"
+        return [(identity, service.error(0, "malformed", message))], False
     frame = body[0]
     if len(frame) > max_bytes:
         message = f"request of {len(frame)} bytes exceeds the limit of {max_bytes}"
-        return [(identity, service.error(0, "too_large", message))]
+        return [(identity, service.error(0, "too_large", message))], False
     try:
         request = p.decode_request(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return [(identity, service.error(0, "malformed", f"cannot decode request: {exc}"[:500]))]
+        message = f"cannot decode request: {exc}"[:500]
+        return [(identity, service.error(0, "malformed", message))], False
     except Exception as exc:  # RecursionError, MemoryError, ...: never fatal
         message = f"cannot decode request: {type(exc).__name__}"
-        return [(identity, service.error(0, "malformed", message))]
+        return [(identity, service.error(0, "malformed", message))], False
+    authenticated = not isinstance(request, p.Ping) and service.credentials.is_client(
+        request.auth
+    )
     try:
-        return service.handle(identity, request)
+        replies = service.handle(identity, request)
     except Exception as exc:  # handle() never raises; this is the last line of defence
         log.exception("unexpected error handling a request")
-        return [(identity, service.error(request.rid, "internal", f"{type(exc).__name__}"))]
+        replies = [(identity, service.error(request.rid, "internal", f"{type(exc).__name__}"))]
+    return replies, authenticated
 
 
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
+
+
+_INT_LIMITS = (
+    "max_chunks_per_request",
+    "max_sessions",
+    "max_sessions_per_client",
+    "max_tracked_chunks",
+    "max_pending_lookups_per_client",
+    "max_inflight_ops_per_client",
+    "min_object_bytes",
+)
+_OPTIONAL_LIMITS = {
+    "max_tracked_chunks_per_client": "chunks one client's lock groups and sessions may "
+    "track at once (default: a quarter of --max-tracked-chunks)",
+    "max_unauthenticated": "connections not yet authenticated open at once (default: a "
+    "quarter of the descriptor limit, at most 256)",
+}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -255,10 +279,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     parser.add_argument(
         "--pool",
-        choices=POOL_KINDS,
-        help="where the pool lives: cpu (shared memory), pinned-host (page-locked shared "
-        "memory: server-driven copies of CUDA KV), gpu (device memory; CUDA KV only); default: "
-        "pinned-host where a CUDA device is visible, else cpu",
+        choices=p.POOL_MEDIA,
+        help="where the pool lives: shm (/dev/shm), disk (--pool-dir; copies then measure a "
+        "disk-backed pool), pinned-host (page-locked shared memory: server-driven copies of CUDA "
+        "KV), gpu (device memory; CUDA KV only); its memory is reserved at start; default: "
+        "pinned-host where a CUDA device is visible, else shm",
+    )
+    parser.add_argument(
+        "--pool-dir", type=Path, help="directory of a --pool disk pool (default: the temp dir)"
     )
     parser.add_argument(
         "--pool-device", type=int, default=d.pool_device, help="GPU of a gpu pool (default: 0)"
@@ -273,6 +301,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         ("--client-timeout", "client_timeout_s"),
         ("--lookup-pending-timeout", "lookup_pending_timeout_s"),
         ("--op-ttl", "op_ttl_s"),
+        ("--auth-timeout", "auth_timeout_s"),
     ):
         ttls.add_argument(
             flag, type=float, default=getattr(d, name), help=f"(default: {getattr(d, name):g})"
@@ -289,19 +318,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="allocate and map pools up to this size at start (default: 512MiB; 0: never)",
     )
 
-    for name in (
-        "max_chunks_per_request",
-        "max_sessions",
-        "max_sessions_per_client",
-        "max_tracked_chunks",
-        "min_object_bytes",
-    ):
+    for name in _INT_LIMITS:
         limits.add_argument(
             "--" + name.replace("_", "-"),
             type=int,
             default=getattr(d, name),
             help=f"(default: {getattr(d, name)})",
         )
+    for name, help_text in _OPTIONAL_LIMITS.items():
+        limits.add_argument("--" + name.replace("_", "-"), type=int, help=help_text)
     security = parser.add_argument_group("credentials")
     security.add_argument(
         "--token-file",
@@ -349,7 +374,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         chunk_size=args.chunk_size,
         capacity_bytes=_size("--capacity", args.capacity),
         metadata_only=args.metadata_only,
-        pool=args.pool,
+        pool_medium=args.pool,
+        pool_dir=args.pool_dir,
         pool_device=args.pool_device,
         policy=args.policy,
         read_lock_ttl_s=args.read_lock_ttl,
@@ -357,12 +383,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         client_timeout_s=args.client_timeout,
         lookup_pending_timeout_s=args.lookup_pending_timeout,
         op_ttl_s=args.op_ttl,
+        auth_timeout_s=args.auth_timeout,
         max_message_bytes=_size("--max-message-bytes", args.max_message_bytes),
-        max_chunks_per_request=args.max_chunks_per_request,
-        max_sessions=args.max_sessions,
-        max_sessions_per_client=args.max_sessions_per_client,
-        max_tracked_chunks=args.max_tracked_chunks,
-        min_object_bytes=args.min_object_bytes,
+        **{name: getattr(args, name) for name in (*_INT_LIMITS, *_OPTIONAL_LIMITS)},
         prefault_bytes=_size("--prefault", args.prefault),
         token_file=args.token_file,
         curve_dir=args.curve_dir,

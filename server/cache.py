@@ -173,6 +173,7 @@ class KVCache:
         self._expiry: list[tuple[float, int, bytes]] = []
         self.locked_chunks = 0
         """Chunks tracked by live lock groups (their memory is bounded by the service)."""
+        self._locked_by_owner: dict[bytes, int] = {}
 
     # -----------------------------------------------------------------------------------------
     # Objects
@@ -354,6 +355,7 @@ class KVCache:
         self.groups[handle] = group
         self._groups_by_owner.setdefault(owner, set()).add(handle)
         self.locked_chunks += len(hashes)
+        self._locked_by_owner[owner] = self._locked_by_owner.get(owner, 0) + len(hashes)
         heapq.heappush(self._expiry, (group.expires_at, next(self._entries), handle))
         if len(self._expiry) > 2 * len(self.groups) + 1024:
             self._expiry = [(g.expires_at, next(self._entries), h) for h, g in self.groups.items()]
@@ -395,6 +397,10 @@ class KVCache:
             for index in range(max(0, first_chunk), min(last_chunk, len(group.hashes)))
             if any(group.units[index * world : (index + 1) * world])
         )
+
+    def locked_chunks_of(self, owner: bytes) -> int:
+        """Chunks held by the live lock groups of client ``owner``."""
+        return self._locked_by_owner.get(owner, 0)
 
     def groups_of(self, owner: bytes) -> list[LockGroup]:
         return [self.groups[h] for h in sorted(self._groups_by_owner.get(owner, ()))]
@@ -451,11 +457,13 @@ class KVCache:
         if self.groups.pop(group.handle, None) is None:
             return
         self.locked_chunks -= len(group.hashes)
+        self._locked_by_owner[group.owner] -= len(group.hashes)
         handles = self._groups_by_owner.get(group.owner)
         if handles is not None:
             handles.discard(group.handle)
             if not handles:
                 del self._groups_by_owner[group.owner]
+                del self._locked_by_owner[group.owner]
 
     # -----------------------------------------------------------------------------------------
     # Pins
@@ -505,3 +513,7 @@ class KVCache:
         assert locks == self.num_locks, (locks, self.num_locks)
         assert pins == self.num_pins, (pins, self.num_pins)
         assert self.locked_chunks == sum(len(g.hashes) for g in self.groups.values())
+        by_owner: dict[bytes, int] = {}
+        for group in self.groups.values():
+            by_owner[group.owner] = by_owner.get(group.owner, 0) + len(group.hashes)
+        assert by_owner == self._locked_by_owner, (by_owner, self._locked_by_owner)

@@ -11,6 +11,11 @@ miss causes of ``testbed.analysis.attribution`` and the what-if curves of
 Rows are buffered and written in batches (at :data:`BATCH_ROWS` rows, at every housekeeping
 tick and on close), so a row costs a few list appends on the request path.
 :class:`NullChunkLog` stands in when the server has no run directory.
+
+A batch that cannot be written (a full disk, an I/O error) is dropped whole and counted
+(:attr:`ChunkLog.dropped_rows`, the server's ``chunk_events_dropped``): the file is cut back to
+its last complete batch, so it stays readable, and the server goes on serving. The first
+failure is logged (and the first success after failures), not every batch.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import BinaryIO
 
 import msgspec
+
+from testbed.append_file import AppendFile
 
 CHUNKS_DIR = "chunks"
 COLUMNS = (
@@ -59,6 +65,8 @@ class NullChunkLog:
 
     enabled = False
     rows = 0
+    dropped_rows = 0
+    pending_rows = 0
 
     def add(
         self,
@@ -92,10 +100,23 @@ class ChunkLog(NullChunkLog):
         directory = Path(run_dir) / CHUNKS_DIR
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"server-{os.getpid()}.msgpack"
-        self._file: BinaryIO | None = open(self.path, "ab")  # noqa: SIM115 (closed in close())
+        self._file = AppendFile(self.path, "chunk log rows")
         self._encoder = msgspec.msgpack.Encoder()
         self._columns: dict[str, list[object]] = {name: [] for name in COLUMNS}
         self.rows = 0
+        self._rejected = 0
+        self._closed = False
+
+    @property
+    def dropped_rows(self) -> int:  # type: ignore[override]
+        """Rows that could not be written: refused while the file could not take them and
+        too many were pending, or still pending when the log was closed."""
+        return self._rejected + self._file.lost_items
+
+    @property
+    def pending_rows(self) -> int:  # type: ignore[override]
+        """Rows not written yet, kept until the file takes them."""
+        return self._file.pending_items
 
     def add(
         self,
@@ -129,17 +150,21 @@ class ChunkLog(NullChunkLog):
             self.flush()
 
     def flush(self) -> None:
-        if self._file is None or not self._columns["seq"]:
+        """Writes the buffered rows as one batch; never raises (``dropped_rows``)."""
+        count = len(self._columns["seq"])
+        if self._closed or not count:
+            self._file.retry()
             return
-        self._file.write(self._encoder.encode({"columns": self._columns}))
-        self._file.flush()
+        batch = self._encoder.encode({"columns": self._columns})
         self._columns = {name: [] for name in COLUMNS}
+        if not self._file.append(batch, count):
+            self._rejected += count
 
     def close(self) -> None:
-        if self._file is not None:
+        if not self._closed:
             self.flush()
             self._file.close()
-            self._file = None
+            self._closed = True
 
     def __enter__(self) -> ChunkLog:
         return self

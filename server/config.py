@@ -2,7 +2,9 @@
 
 Every limit below bounds memory outside the pool or the time one request may hold the
 single-threaded server; a request beyond a limit gets an ``Error`` reply with code ``limit``
-that names the limit and its flag, and the server goes on.
+(a server-wide limit) or ``quota`` (one client's share, ``*_per_client``) that names the limit
+and its flag, and the server goes on. Numeric fields have declared ranges (:data:`BOUNDS`),
+checked when the config is made.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from pathlib import Path
 
 from server.auth import is_loopback
 from server.policies import POLICIES
-from server.pools import POOL_KINDS, PoolKind
+from testbed.bounds import Bound, out_of_bounds
+from testbed.protocol import POOL_MEDIA, PoolMedium
 
 DEFAULT_PORT = 5555
 
@@ -35,10 +38,14 @@ class ServerConfig:
     metadata_only: bool = False
     """Account objects by size but allocate no pool and copy no bytes (capacity sweeps)."""
 
-    pool: PoolKind | None = None
-    """Where the pool lives (``server.pools``): ``cpu`` shared memory, ``pinned-host``
-    page-locked shared memory, or ``gpu`` memory; ``None``: ``pinned-host`` where a CUDA device
-    is visible, else ``cpu``."""
+    pool_medium: PoolMedium | None = None
+    """Where the pool lives (``server.pools``): ``shm`` (``/dev/shm``), ``disk``
+    (``pool_dir``), ``pinned-host`` (page-locked shared memory) or ``gpu`` memory; ``None``:
+    ``pinned-host`` where a CUDA device is visible, else ``shm``. Its bytes are reserved at
+    start; a pool that does not fit is refused, never moved elsewhere."""
+
+    pool_dir: Path | None = None
+    """The directory of a ``disk`` pool (default: the temporary directory)."""
 
     pool_device: int = 0
     """The GPU (local index) of a ``gpu`` pool."""
@@ -73,7 +80,28 @@ class ServerConfig:
     """Live sessions on the server."""
 
     max_sessions_per_client: int = 1 << 14
-    """Live sessions one client connection may own."""
+    """Live sessions one client connection may own (a quota)."""
+
+    max_tracked_chunks_per_client: int | None = None
+    """Chunks one client may have tracked at once: in its lock groups and its sessions'
+    refresh lists (a quota, so that no client can take the whole table of
+    ``max_tracked_chunks``); ``None``: a quarter of ``max_tracked_chunks``."""
+
+    max_pending_lookups_per_client: int = 1024
+    """Lookups of one client left pending on in-flight stores at once; over it a lookup is
+    answered at once (its in-flight chunk a miss) instead of waiting."""
+
+    max_inflight_ops_per_client: int = 1024
+    """Stores and retrieves one client may have begun and not finished (a quota)."""
+
+    auth_timeout_s: float = 5.0
+    """A connection that has sent no request with a valid credential this long after it was
+    accepted is closed (counted as ``unauthenticated_closed``)."""
+
+    max_unauthenticated: int | None = None
+    """Connections not yet authenticated that may be open at once (the oldest are closed
+    beyond it), so that descriptors stay for authenticated clients; ``None``: a quarter of the
+    descriptor limit, at most 256."""
 
     max_tracked_chunks: int = 1 << 21
     """Chunks held in lock groups and session refresh lists, over all sessions."""
@@ -100,46 +128,17 @@ class ServerConfig:
     """Where the chunk event log goes (``RUN_DIR/chunks/``); ``None``: no chunk log."""
 
     def __post_init__(self) -> None:
-        problems = []
-        if not 0 <= self.port <= 65535:
-            problems.append(f"--port must be in 0..65535, got {self.port}")
-        if self.chunk_size <= 0:
-            problems.append(f"--chunk-size must be positive, got {self.chunk_size}")
-        if self.capacity_bytes <= 0:
-            problems.append(f"--capacity must be positive, got {self.capacity_bytes}")
-        if self.pool is not None and self.pool not in POOL_KINDS:
-            problems.append(
-                f"--pool {self.pool!r} is unknown; choose one of {', '.join(POOL_KINDS)}"
-            )
-        if self.pool_device < 0:
-            problems.append(f"--pool-device must not be negative, got {self.pool_device}")
+        problems = out_of_bounds(self, BOUNDS, _flag)
         if self.policy not in POLICIES:
             problems.append(
                 f"--policy {self.policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}"
             )
-        for name in (
-            "read_lock_ttl_s",
-            "session_ttl_s",
-            "client_timeout_s",
-            "lookup_pending_timeout_s",
-            "op_ttl_s",
-            "reap_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_message_bytes < 1024:
+        if self.pool_medium is not None and self.pool_medium not in POOL_MEDIA:
             problems.append(
-                f"--max-message-bytes must be at least 1024, got {self.max_message_bytes}"
+                f"--pool {self.pool_medium!r} is unknown; choose one of {', '.join(POOL_MEDIA)}"
             )
-        for name in (
-            "max_chunks_per_request",
-            "max_sessions",
-            "max_sessions_per_client",
-            "max_tracked_chunks",
-            "min_object_bytes",
-        ):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        elif self.pool_dir is not None and self.pool_medium != "disk":
+            problems.append("--pool-dir goes with --pool disk (a shm pool is in /dev/shm)")
         if not is_loopback(self.host) and self.curve_dir is None:
             problems.append(
                 f"--host {self.host} is not loopback: tokens would cross the network in clear "
@@ -147,3 +146,43 @@ class ServerConfig:
             )
         if problems:
             raise ValueError("invalid server config: " + "; ".join(problems))
+
+    @property
+    def tracked_chunks_quota(self) -> int:
+        """``max_tracked_chunks_per_client``, or its default (a quarter of the global limit)."""
+        return self.max_tracked_chunks_per_client or max(1, self.max_tracked_chunks // 4)
+
+
+_HOUR_S = 3600.0
+_DAY_S = 24 * _HOUR_S
+BOUNDS: dict[str, Bound] = {
+    "port": Bound(0, 65535),
+    "chunk_size": Bound(1, 1 << 16, "tokens"),
+    "capacity_bytes": Bound(1, 1 << 50, "bytes"),
+    "read_lock_ttl_s": Bound(1e-3, _DAY_S, "s"),
+    "session_ttl_s": Bound(1e-3, _DAY_S, "s"),
+    "client_timeout_s": Bound(1e-3, _DAY_S, "s"),
+    "lookup_pending_timeout_s": Bound(1e-3, _HOUR_S, "s"),
+    "op_ttl_s": Bound(1e-3, _DAY_S, "s"),
+    "max_message_bytes": Bound(1024, 1 << 31, "bytes"),
+    "max_chunks_per_request": Bound(1, 1 << 24, "chunks"),
+    "max_sessions": Bound(1, 1 << 24, "sessions"),
+    "max_sessions_per_client": Bound(1, 1 << 24, "sessions"),
+    "max_tracked_chunks": Bound(1, 1 << 30, "chunks"),
+    "max_tracked_chunks_per_client": Bound(1, 1 << 30, "chunks"),
+    "max_pending_lookups_per_client": Bound(0, 1 << 20, "lookups"),
+    "max_inflight_ops_per_client": Bound(1, 1 << 20, "operations"),
+    "min_object_bytes": Bound(1, 1 << 30, "bytes"),
+    "prefault_bytes": Bound(0, 1 << 50, "bytes"),
+    "reap_interval_s": Bound(1e-3, 60.0, "s"),
+    "auth_timeout_s": Bound(1e-3, _HOUR_S, "s"),
+    "max_unauthenticated": Bound(1, 1 << 20, "connections"),
+    "pool_device": Bound(0, 1 << 10),
+}
+"""Declared ranges of the numeric fields (RELIABILITY.md lists the limits)."""
+
+_FLAGS = {"capacity_bytes": "--capacity", "prefault_bytes": "--prefault"}
+
+
+def _flag(name: str) -> str:
+    return _FLAGS.get(name) or "--" + name.removesuffix("_s").replace("_", "-")

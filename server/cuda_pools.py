@@ -3,7 +3,7 @@
 Runs in the cache server, imported only for ``--pool pinned-host`` or ``--pool gpu`` (see
 ``server.pools``). Both expose the pool as one flat uint8 torch tensor (:attr:`tensor`) that
 ``server.cuda_engine`` copies to and from; allocation, capacity and eviction are the same as
-for a ``cpu`` pool (``server.pool.ExtentAllocator`` over ``[0, size)``).
+for a ``shm`` pool (``server.pool.ExtentAllocator`` over ``[0, size)``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from server.pool import SharedMemoryPool
-from server.pools import PoolKind
+from testbed.protocol import PoolMedium
 
 CUDA_HOST_REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: the pages count as pinned for every device's context."""
@@ -21,7 +21,7 @@ def _need_cuda(flag: str) -> None:
     if not torch.cuda.is_available():
         raise ValueError(
             f"--pool {flag} needs a CUDA device, and this machine shows none to torch "
-            "(use --pool cpu)"
+            "(use --pool shm)"
         )
 
 
@@ -30,11 +30,10 @@ class PinnedHostPool(SharedMemoryPool):
     GPU are DMA transfers, asynchronous to the host. Registering faults every page in, so the
     whole pool is committed to memory at start (a pool that does not fit fails then)."""
 
-    kind: PoolKind = "pinned-host"
-
     def __init__(self, size: int) -> None:
         _need_cuda("pinned-host")
         super().__init__(size)
+        self.medium: PoolMedium = "pinned-host"
         self.tensor: torch.Tensor | None = torch.from_numpy(self.array)
         address = self.tensor.data_ptr()
         error = torch.cuda.cudart().cudaHostRegister(address, size, CUDA_HOST_REGISTER_PORTABLE)
@@ -43,7 +42,7 @@ class PinnedHostPool(SharedMemoryPool):
             super().close()
             raise ValueError(
                 f"cannot page-lock a {size}-byte pool (cudaHostRegister error {int(error)}): "
-                "lower --capacity, or use --pool cpu"
+                "lower --capacity, or use --pool shm"
             )
         self._address: int | None = address
 
@@ -58,7 +57,7 @@ class PinnedHostPool(SharedMemoryPool):
 class GpuPool:
     """``size`` bytes of memory on GPU ``device``; no file (workers cannot map it)."""
 
-    kind: PoolKind = "gpu"
+    medium: PoolMedium = "gpu"
     path = None
     array = None
 

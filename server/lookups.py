@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
+from server import quotas
 from server.cache import CacheObject, Space
 from server.chunk_log import LOOKUP, TOUCH, namespace
 from server.state import ChunkRun, PendingLookup, Session
@@ -70,7 +71,11 @@ def _settle(
             a.LOOKUP_POLLS: pending.polls,
         }
     )
-    if miss_status == IN_FLIGHT and s.clock() < pending.deadline:
+    if (
+        miss_status == IN_FLIGHT
+        and s.clock() < pending.deadline
+        and quotas.may_wait(s, call.client)
+    ):
         session.pending = pending
         s.deadlines.add(s.pending_expiry(pending), "pending", b"", session.session_id)
         call.span.set_attribute(a.LOOKUP_PENDING, True)

@@ -1,18 +1,29 @@
 """The server's memory pool: a shared-memory file the workers map, and its allocator.
 
-The server owns the file (created in ``/dev/shm`` where it exists) and hands out
-``(offset, nbytes)`` slots; the copies are made by the workers (``worker`` transfer mode) or
-by the server itself through :attr:`SharedMemoryPool.array` (``server`` mode), so bulk bytes
-never cross ZeroMQ. The allocator coalesces neighbouring free extents, so objects of several
-sizes (different models or layouts on one server) do not fragment the pool for good.
+The server owns the file and hands out ``(offset, nbytes)`` slots; the copies are made by the
+workers (``worker`` transfer mode) or by the server itself through
+:attr:`SharedMemoryPool.array` (``server`` mode), so bulk bytes never cross ZeroMQ. The
+allocator coalesces neighbouring free extents, so objects of several sizes (different models
+or layouts on one server) do not fragment the pool for good.
 
-Page faults. A fresh file has no pages: each first touch of a 4 KiB page costs a fault that
-allocates and zeroes it (a 32 MiB copy into a cold pool took 3–5× as long as into a warm one
-on the development machine). :meth:`prefault` allocates every page at start and maps it in
-the server; workers then map the file with ``MAP_POPULATE`` (``connector.kv_copy.PoolMapping``;
-a pool left lazy stays lazy there). Prefaulting commits the whole pool to memory at once: a
-pool that does not fit fails at start, not with a ``SIGBUS`` in the middle of a copy, but a
-pool sized far beyond what a run stores (an "unlimited" replay) should not be prefaulted.
+Media. Where the pool lives is a closed set, :data:`testbed.protocol.PoolMedium`
+(``server.pools`` makes a pool of each). The file here lives in one of two of them
+(:data:`FileMedium`): ``shm`` (``/dev/shm``, the default) or ``disk`` (a directory, chosen
+explicitly: copies then go through the page cache of a file system, and their times say so);
+``pinned-host`` is the ``shm`` file page-locked. A pool never moves to another medium by
+itself; the medium is recorded in the readiness line, the server's configuration reply and
+every run summary (``pool_medium``).
+
+Memory promised is there. The pool's bytes are reserved when it is created
+(``testbed.owned_files.create_reserved``: ``posix_fallocate``, which on tmpfs allocates the
+pages), so no copy into it can fault for want of memory later, whatever other processes do
+to ``/dev/shm``; a pool that does not fit is refused at once, naming its size and what is
+free. Its owner lock marks the file live for ``kvtb clean`` and other servers' reclaim.
+
+Page tables. Reserved pages are still mapped on first touch (a minor fault each): a 32 MiB
+copy into a pool not yet mapped took 3-5x as long as into a mapped one on the development
+machine. :meth:`SharedMemoryPool.prefault` maps every page in the server; workers map the
+file with ``MAP_POPULATE`` (``connector.kv_copy.PoolMapping``).
 """
 
 from __future__ import annotations
@@ -23,12 +34,19 @@ import errno
 import itertools
 import mmap
 import os
-import secrets
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
+
+from testbed.owned_files import create_reserved, owned_name
+from testbed.protocol import PoolMedium
+
+FileMedium = Literal["shm", "disk"]
+"""Where a pool file lives: ``/dev/shm`` or a directory on disk."""
 
 ALIGNMENT = 64
 MADV_POPULATE_WRITE = 23
@@ -149,48 +167,42 @@ class ExtentAllocator:
 
 
 class SharedMemoryPool:
-    """A file of ``size`` bytes that workers map shared, mapped here too.
+    """A file of ``size`` bytes, reserved, that workers map shared, mapped here too.
 
-    Created in ``/dev/shm`` when it has room, else in the temporary directory; pages are
-    allocated as they are first touched unless :meth:`prefault` is called. Context manager;
-    :meth:`close` unmaps and removes the file.
+    In ``/dev/shm`` (``medium="shm"``) or in ``directory`` (``medium="disk"``, default: the
+    temporary directory). Raises ``testbed.owned_files.InsufficientSpace`` when the medium
+    cannot hold it. Context manager; :meth:`close` unmaps and removes the file.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(
+        self, size: int, medium: FileMedium = "shm", directory: Path | None = None
+    ) -> None:
         if size <= 0:
             raise ValueError(f"pool size must be positive, got {size}")
-        directory = _pool_directory(size)
-        self.path = directory / f"kvtb-pool-{os.getpid()}-{secrets.token_hex(4)}"
+        self.medium: PoolMedium = medium
+        directory = pool_directory(medium, directory)
+        self.path = directory / owned_name("kvtb-pool-")
         self.size = size
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._owner = create_reserved(
+            self.path, size, what=f"a {medium} cache pool", hint=_HINTS[medium]
+        )
         try:
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            self._map = mmap.mmap(self._owner.fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
+            self._owner.close()
             self.path.unlink(missing_ok=True)
             raise
-        finally:
-            os.close(fd)
         self.array: np.ndarray = np.frombuffer(self._map, dtype=np.uint8)
         """The whole pool as a writable flat uint8 array (the server-side copies' target)."""
         self._open = True
 
     def prefault(self) -> float:
-        """Allocates every page of the pool and maps it here; returns the seconds it took.
+        """Maps every page of the (reserved) pool here; returns the seconds it took.
 
-        ``posix_fallocate`` reserves the pages (``OSError`` with ``ENOSPC`` if they do not
-        fit), then ``MADV_POPULATE_WRITE`` maps them writable in one call; on kernels without
-        it one byte per page is rewritten. Contents are unchanged, so it is safe at any time.
+        ``MADV_POPULATE_WRITE`` maps them writable in one call; on kernels without it one
+        byte per page is rewritten. Contents are unchanged, so it is safe at any time.
         """
         started = time.perf_counter()
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, self.size)
-        except OSError as exc:
-            if exc.errno != errno.EOPNOTSUPP:  # a file system without it: pages fault below
-                raise
-        finally:
-            os.close(fd)
         try:
             self._map.madvise(MADV_POPULATE_WRITE)
         except OSError as exc:
@@ -211,6 +223,7 @@ class SharedMemoryPool:
             with contextlib.suppress(BufferError):  # a view is still alive; it keeps the map
                 self._map.close()
             self.path.unlink(missing_ok=True)
+            self._owner.close()
 
     def __enter__(self) -> SharedMemoryPool:
         return self
@@ -219,10 +232,39 @@ class SharedMemoryPool:
         self.close()
 
 
-def _pool_directory(size: int) -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        stats = os.statvfs(shm)
-        if stats.f_bavail * stats.f_frsize >= size:
-            return shm
-    return Path(tempfile.gettempdir())
+SHM_DIR = Path("/dev/shm")
+
+_HINTS: dict[FileMedium, str] = {
+    "shm": "lower --capacity, free /dev/shm, or put the pool on disk explicitly with "
+    "--pool disk (copy times then measure a disk-backed pool)",
+    "disk": "lower --capacity or free space there (--pool-dir picks another directory)",
+}
+
+
+def pool_directory(medium: FileMedium, directory: Path | None = None) -> Path:
+    """Where a pool of ``medium`` goes: ``/dev/shm``, or ``directory`` (default: the temporary
+    directory) for ``disk``; ``ValueError`` when the medium is not there."""
+    return _DIRECTORIES[medium](directory)
+
+
+def _shm_directory(directory: Path | None) -> Path:
+    if directory is not None:
+        raise ValueError("--pool-dir goes with --pool disk (a shm pool is in /dev/shm)")
+    if not SHM_DIR.is_dir():
+        raise ValueError(
+            f"{SHM_DIR} does not exist here; put the pool on disk explicitly with --pool disk"
+        )
+    return SHM_DIR
+
+
+def _disk_directory(directory: Path | None) -> Path:
+    chosen = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+    if not chosen.is_dir():
+        raise ValueError(f"--pool-dir {chosen} is not a directory")
+    return chosen
+
+
+_DIRECTORIES: dict[FileMedium, Callable[[Path | None], Path]] = {
+    "shm": _shm_directory,
+    "disk": _disk_directory,
+}

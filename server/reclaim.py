@@ -2,21 +2,25 @@
 
 A server's pool (``kvtb-pool-<pid>-<hex>``, up to its capacity of RAM in ``/dev/shm``), its
 default token file (``kvtb-token-<pid>-<hex>.json``) and a worker's shared KV file
-(``kvtb-kv-<pid>-<hex>``, server-driven transfers) carry their process's pid. Each is removed
-on every exit its owner can catch; a server start (and ``kvtb clean``) removes those whose pid
-no longer runs. Files of live processes, and of other users, are left alone.
+(``kvtb-kv-<pid>-<hex>``, server-driven transfers) are each removed on every exit their owner
+can catch. Their owner holds an advisory lock on each for its lifetime
+(``testbed.owned_files``); a server start (and ``kvtb clean``) removes those whose lock is free:
+their owner is gone, whatever PID namespace it ran in (the pid in the name is only a label: a
+container sharing ``/dev/shm`` has pids of its own). Files of live owners, and of other
+users, are left alone; so are files of earlier versions (8 hex digits: their owners held no
+lock) while their pid runs here.
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import re
-import secrets
 import tempfile
 from pathlib import Path
 
-_SERVER_FILE = re.compile(r"kvtb-(?:pool|token|kv)-(\d+)-[0-9a-f]+(?:\.json)?")
+from testbed.owned_files import OWNED_HEX_DIGITS, owned_name, remove_if_abandoned
+
+SERVER_FILE = re.compile(r"kvtb-(?:pool|token|kv)-(\d+)-([0-9a-f]+)(?:\.json)?")
+"""Names of the files servers and workers own: the owner's pid (a label), a random part."""
 
 
 def server_files_dir() -> Path:
@@ -26,32 +30,20 @@ def server_files_dir() -> Path:
 
 
 def default_token_path() -> Path:
-    return server_files_dir() / f"kvtb-token-{os.getpid()}-{secrets.token_hex(4)}.json"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM  # exists, another user's
-    return True
+    return server_files_dir() / owned_name("kvtb-token-", ".json")
 
 
 def reclaim_dead_server_files(directories: list[Path] | None = None) -> list[Path]:
-    """Removes the pool and token files of servers that no longer run; returns them."""
+    """Removes the pool, token and shared KV files whose owner is gone; returns them."""
     removed = []
     for directory in directories or [server_files_dir(), Path(tempfile.gettempdir())]:
         if not directory.is_dir():
             continue
-        for path in directory.iterdir():
-            match = _SERVER_FILE.fullmatch(path.name)
-            if match is None or pid_alive(int(match.group(1))):
+        for path in sorted(directory.iterdir()):
+            match = SERVER_FILE.fullmatch(path.name)
+            if match is None:
                 continue
-            try:
-                if path.stat().st_uid != os.getuid():
-                    continue
-                path.unlink()
-            except OSError:
-                continue
-            removed.append(path)
+            legacy = None if len(match.group(2)) == OWNED_HEX_DIGITS else int(match.group(1))
+            if remove_if_abandoned(path, legacy_pid=legacy):
+                removed.append(path)
     return removed

@@ -12,6 +12,9 @@ Runs in the cache server process, single-threaded, so the index needs no locking
   (``op_ttl_s``, ``lookup_pending_timeout_s``, ``read_lock_ttl_s``, ``session_ttl_s``); the
   housekeeping :meth:`CacheService.tick` sweeps them, so nothing outlives its owner's
   interest. :meth:`CacheService.quiescence` tells what is still held.
+- **Quotas**: besides the server-wide limits, each client has a share of sessions, tracked
+  chunks, operations in flight and pending lookups (``server.quotas``); over it only that
+  client is refused (code ``quota``).
 - **Bounded work**: a request naming many chunks is handled in slices of
   :data:`SLICE_UNITS` chunk operations; other clients' requests are served between slices,
   and a client's own later requests wait behind it, so each client sees its requests handled
@@ -34,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-from server import lookups, transfers
+from server import held, lookups, quotas, transfers
 from server.auth import Credentials
 from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
@@ -118,6 +121,7 @@ _SPANS: dict[type, str | None] = {
     p.RetrieveEnd: a.SERVER_RETRIEVE,
     p.Abort: a.SERVER_ABORT,
     p.DropObjects: None,
+    p.GetHeld: None,
 }
 
 
@@ -140,7 +144,9 @@ class CacheService:
         self.pool = (
             None
             if config.metadata_only
-            else make_pool(config.pool, config.capacity_bytes, config.pool_device)
+            else make_pool(
+                config.pool_medium, config.capacity_bytes, config.pool_device, config.pool_dir
+            )
         )
         allocator = None if self.pool is None else ExtentAllocator(self.pool.size)
         self.cache = KVCache(
@@ -177,6 +183,7 @@ class CacheService:
             p.RetrieveEnd: transfers.retrieve_end,
             p.Abort: transfers.abort,
             p.DropObjects: transfers.drop_objects,
+            p.GetHeld: held.get_held,
         }
 
     def close(self) -> None:
@@ -322,12 +329,7 @@ class CacheService:
             return None
         if len(self.sessions) >= self.config.max_sessions:
             raise self.limit("max_sessions", self.config.max_sessions, "live sessions")
-        if len(call.client.sessions) >= self.config.max_sessions_per_client:
-            raise self.limit(
-                "max_sessions_per_client",
-                self.config.max_sessions_per_client,
-                "live sessions of one client",
-            )
+        quotas.check_sessions(self, call.client)
         session = Session(session_id, call.client.client_id, self.clock())
         self.sessions[session_id] = session
         call.client.sessions.add(session_id)
@@ -342,12 +344,20 @@ class CacheService:
         owner = self.clients.get(session.owner)
         if owner is not None:
             owner.sessions.discard(session_id)
+            owner.tracked_chunks -= session.tracked_chunks
 
     def track(self, session: Session, run: ChunkRun, *, lookup: bool) -> None:
         """Records ``run`` for the session's refresh (a lookup's replaces the previous lookup's),
-        within ``max_tracked_chunks``: over it, a lookup is refused; a store's objects are
-        simply not refreshed."""
+        within its client's quota (``server.quotas``) and ``max_tracked_chunks``: over either,
+        a lookup is refused; a store's objects are simply not refreshed."""
         replaced = session.looked_up.num_objects if lookup and session.looked_up else 0
+        owner = self.clients.get(session.owner)
+        locking = len(run.hashes) if lookup else 0  # the lookup's lock group, taken next
+        added = run.num_objects - replaced + locking
+        if owner is not None and not quotas.tracked_fits(self, owner, added):
+            if not lookup:
+                return
+            raise quotas.refuse_tracked(self)
         over = self.tracked_chunks - replaced + self.cache.locked_chunks + run.num_objects
         if over > self.config.max_tracked_chunks:
             if not lookup:
@@ -356,6 +366,8 @@ class CacheService:
                 "max_tracked_chunks", self.config.max_tracked_chunks, "chunks tracked by sessions"
             )
         self.tracked_chunks += run.num_objects - replaced
+        if owner is not None:
+            owner.tracked_chunks += run.num_objects - replaced
         if lookup:
             session.looked_up = run
         else:
@@ -604,11 +616,13 @@ def _get_config(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
         max_chunks_per_request=c.max_chunks_per_request,
         min_object_bytes=c.min_object_bytes,
         eviction_seq=s.evictions.seq,
+        pool_medium=None if s.pool is None else s.pool.medium,
     )
     yield
 
 
 def _get_stats(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+    s.chunk_log.flush()  # so that its count of rows it could not write is current
     c = s.counters
     quiet = s.quiescence()
     return p.ServerStats(
@@ -638,5 +652,9 @@ def _get_stats(s: CacheService, call: Call, req: p.Request) -> Generator[None, N
         forbidden=c.forbidden,
         refused_limits=c.refused_limits,
         dropped_frames=c.dropped_frames,
+        refused_quotas=c.refused_quotas,
+        chunk_events_dropped=s.chunk_log.dropped_rows,
+        chunk_events_pending=s.chunk_log.pending_rows,
+        unauthenticated_closed=c.unauthenticated_closed,
     )
     yield

@@ -55,6 +55,8 @@ class InflightStore:
     """Per object: the session and chunk index it stores (for the chunk log)."""
     deadline: float
     span_id: str = ""
+    session_ids: frozenset[str] = frozenset()
+    """The sessions of the operation's items (whose engine it is working for)."""
     done: DeviceEvent | None = None
     """CUDA copies into the slots: settled before a slot is committed or freed."""
 
@@ -87,6 +89,8 @@ class ClientState:
     stores: dict[int, InflightStore] = field(default_factory=dict)
     retrieves: dict[int, InflightRetrieve] = field(default_factory=dict)
     sessions: set[str] = field(default_factory=set)
+    tracked_chunks: int = 0
+    """Chunks in the refresh lists of its sessions (its share of the service's count)."""
 
     def op_ids(self) -> set[int]:
         return set(self.stores) | set(self.retrieves)
@@ -144,6 +148,12 @@ class Counters:
     forbidden: int = 0
     refused_limits: int = 0
     dropped_frames: int = 0
+    refused_quotas: int = 0
+    quota_settled: int = 0
+    """Lookups answered at once instead of left pending (over a client's pending quota)."""
+    unauthenticated_closed: int = 0
+    """Connections closed for not authenticating (``server.connections``; the loop copies
+    its count here)."""
 
 
 class Deadlines:

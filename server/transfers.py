@@ -11,6 +11,7 @@ import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
+from server import quotas
 from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
 from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
@@ -90,9 +91,9 @@ def _open_engine(s: CacheService, req: p.RegisterWorker) -> tuple[Any, Any]:
         if pool is not None and pool.path is None:
             raise _error(
                 "invalid",
-                f"this server's pool is {pool.kind} memory, which workers cannot map: register "
+                f"this server's pool is {pool.medium} memory, which workers cannot map: register "
                 "CUDA KV for the server to copy (transfer_mode server), or use a server with "
-                "--pool cpu or pinned-host",
+                "--pool shm, disk or pinned-host",
             )
         return None, None
     if pool is None:
@@ -102,7 +103,7 @@ def _open_engine(s: CacheService, req: p.RegisterWorker) -> tuple[Any, Any]:
             raise _error(
                 "invalid",
                 "CUDA KV needs a pool the server's GPU copies reach: start the server with "
-                f"--pool pinned-host or --pool gpu (this one has --pool {pool.kind})",
+                f"--pool pinned-host or --pool gpu (this one has --pool {pool.medium})",
             )
         from server.cuda_engine import CudaEngineKV
 
@@ -113,7 +114,7 @@ def _open_engine(s: CacheService, req: p.RegisterWorker) -> tuple[Any, Any]:
     assert req.shared_kv is not None
     if pool.array is None:
         raise _error(
-            "invalid", f"a {pool.kind} pool is not host memory: shared-memory KV cannot use it"
+            "invalid", f"a {pool.medium} pool is not host memory: shared-memory KV cannot use it"
         )
     from server.kv_copier import EngineKV
 
@@ -151,6 +152,7 @@ def _worker_op(s: CacheService, call: Call, req: p.StoreBegin | p.RetrieveBegin)
         )
     if req.op_id in call.client.op_ids():
         raise _error("conflict", f"operation {req.op_id} is already in flight for this client")
+    quotas.check_ops(s, call.client)
     s.check_chunks(sum(len(item.chunk_hashes) for item in req.items))
     return worker
 
@@ -227,7 +229,13 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
         )
     deadline = s.clock() + s.config.op_ttl_s
     call.client.stores[req.op_id] = InflightStore(
-        req.op_id, objects, positions, deadline, call.span_id, done
+        req.op_id,
+        objects,
+        positions,
+        deadline,
+        call.span_id,
+        frozenset(item.session_id for item in req.items),
+        done,
     )
     s.deadlines.add(deadline, "store", call.client.client_id, req.op_id)
     call.span.set_attributes(

@@ -14,6 +14,12 @@ kvtb clean                      remove files left by cache servers that were kil
 
 ``server`` needs only the base install; the other commands need the ``lab`` extra (and the
 replay and vllm engines need vLLM) and say so, before writing anything, when it is missing.
+
+Exit status, every command (README, "Exit codes"): 0 done; 1 failed (the work ran and did not
+succeed: a run with integrity errors, a failed sweep run, chaos acceptance not met, an
+operating-system error such as a full disk); 2 bad input (a flag, spec, TOML, token file or a
+resource request the machine cannot meet, refused before any work, nothing written); 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 from testbed.credentials import ServerEndpoint, client_token
 from testbed.extras import MissingExtra, require_engines, require_lab
+from testbed.launch import ServerStartError
 from testbed.run_flags import add_spec_arguments, spec_from_args
 from testbed.version import package_version
 
@@ -120,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvtb {args.command}: {exc}", file=sys.stderr)
         return 2
+    except (OSError, ServerStartError) as exc:
+        print(f"kvtb {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvtb {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -269,6 +282,8 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         ("store p50 / p99 ms", _pair(summary, "store")),
         ("retrieve p50 / p99 ms", _pair(summary, "retrieve")),
         ("integrity errors", summary.get("integrity_errors")),
+        ("limit refusals", summary.get("limit_refusals") or None),
+        ("cache pool", summary.get("pool_medium")),
         (
             "spans exported / dropped",
             f"{summary.get('spans_exported')} / {summary.get('spans_dropped')}",
@@ -279,6 +294,8 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     for label, value in rows:
         if value is not None:
             print(f"  {label:<{width}}  {value}")
+    for line in summary.get("missing") or []:
+        print(f"  missing: {line}")
 
 
 def _pct(value: float | None) -> str | None:
@@ -287,16 +304,19 @@ def _pct(value: float | None) -> str | None:
 
 def _pair(summary: dict[str, Any], op: str) -> str | None:
     p50, p99 = summary.get(f"{op}_p50_ms"), summary.get(f"{op}_p99_ms")
-    return None if p50 is None else f"{p50:.3f} / {p99:.3f}"
+    return None if p50 is None or p99 is None else f"{p50:.3f} / {p99:.3f}"
 
 
 def _bytes3(summary: dict[str, Any]) -> str | None:
+    """Stored, retrieved and evicted bytes; ``?`` for a figure the run could not know (an
+    external server's evictions are in its own spans)."""
     from testbed.sizes import format_bytes
 
     if "stored_bytes" not in summary:
         return None
     return " / ".join(
-        format_bytes(summary[k]) for k in ("stored_bytes", "retrieved_bytes", "evicted_bytes")
+        "?" if summary.get(k) is None else format_bytes(summary[k])
+        for k in ("stored_bytes", "retrieved_bytes", "evicted_bytes")
     )
 
 

@@ -37,9 +37,13 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
         startup_timeout_s: float = _STARTUP_TIMEOUT_S,
+        wrapper: Sequence[str] = (),
     ) -> None:
         port = [] if "--port" in args else ["--port", "0"]
         self.args = ["--exit-with-parent", *port, *args]
+        self._wrapper = list(wrapper)
+        """A command the server runs under (``prlimit ...``, a private mount namespace),
+        which must end by executing the rest of its arguments in the same process."""
         self._env = {**os.environ, **(env or {})}
         self._log_path = log_path
         self._startup_timeout_s = startup_timeout_s
@@ -54,7 +58,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         stderr = open(self._log_path, "a") if self._log_path else subprocess.PIPE  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server", *self.args],
+            [*self._wrapper, sys.executable, "-m", "server", *self.args],
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
@@ -84,11 +88,18 @@ class ServerProcess:
         reader.start()
         reader.join(max(0.0, deadline - time.monotonic()))
         if not result:
+            exited_early = not reader.is_alive()  # its output ended: it exited
             self.close()
-            detail = "".join(self._stderr_lines[-20:]).strip() or "(no output)"
+            lines = self._stderr_lines
+            if self._log_path is not None and self._log_path.is_file():
+                lines = self._log_path.read_text(errors="replace").splitlines(keepends=True)
+            detail = "".join(lines[-20:]).strip() or "(no output)"
+            code = self.process.returncode
+            if exited_early:
+                raise ServerStartError(f"cache server exited with code {code} at start:\n{detail}")
             raise ServerStartError(
                 f"cache server did not become ready within {self._startup_timeout_s:.0f}s; "
-                f"exit code {self.process.returncode}; stderr:\n{detail}"
+                f"exit code {code}; stderr:\n{detail}"
             )
         self.ready = dict(part.split("=", 1) for part in result[0].split()[1:])
         credentials = read_token_file(self.ready["token_file"])

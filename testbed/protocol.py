@@ -166,6 +166,18 @@ class CudaEvent(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 # ---------------------------------------------------------------------------------------------
+# Resources: pool media (RELIABILITY.md)
+# ---------------------------------------------------------------------------------------------
+
+PoolMedium = Literal["shm", "disk", "pinned-host", "gpu"]
+"""Where a server's pool lives: ``shm`` (``/dev/shm``, the default without a CUDA device),
+``disk`` (a directory, only when asked for), ``pinned-host`` (``/dev/shm`` page-locked for
+CUDA copies, the default where a CUDA device is visible) or ``gpu`` (device memory).
+A closed set (``server.pools``)."""
+POOL_MEDIA: tuple[PoolMedium, ...] = ("shm", "disk", "pinned-host", "gpu")
+
+
+# ---------------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------------
 
@@ -324,6 +336,19 @@ class DropObjects(_Request, tag="drop_objects", kw_only=True):
     force: bool = False
 
 
+# ---------------------------------------------------------------------------------------------
+# What one engine left on a shared server
+# ---------------------------------------------------------------------------------------------
+
+
+class GetHeld(_Request, tag="get_held", kw_only=True):
+    """Asks what the sessions of one engine still hold: ``owner`` is the engine id that
+    prefixes its session ids (``<owner>:<request id>``, the connector's ``engine_id``; a
+    run's id for ``kvtb run``). Runs sharing a server check their own quiescence with it."""
+
+    owner: Name
+
+
 Request = (
     Ping
     | Heartbeat
@@ -341,6 +366,7 @@ Request = (
     | RetrieveEnd
     | Abort
     | DropObjects
+    | GetHeld
 )
 
 ADMIN_REQUESTS = (DropObjects,)
@@ -372,6 +398,8 @@ class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     min_object_bytes: int = 0
     eviction_seq: Count = 0
     """The number of the latest removal from the cache (``Lookup.evictions_after``)."""
+    pool_medium: PoolMedium | None = None
+    """Where the pool lives (``None``: no pool, metadata only)."""
 
 
 class ServerStats(_Reply, tag="stats", kw_only=True):
@@ -402,6 +430,16 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     forbidden: int
     refused_limits: int
     dropped_frames: int
+    refused_quotas: int = 0
+    """Requests refused for a client's quota (``quota`` errors; ``refused_limits``: the
+    server-wide limits)."""
+    chunk_events_dropped: int = 0
+    """Chunk log rows lost: not written (a full or failing disk) and no longer kept."""
+    chunk_events_pending: int = 0
+    """Chunk log rows not written yet, kept in memory until the disk takes them."""
+    unauthenticated_closed: int = 0
+    """Connections closed for sending no authenticated request in time, or beyond the number
+    of such connections allowed at once."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):
@@ -516,6 +554,17 @@ class Dropped(_Reply, tag="dropped", kw_only=True):
     num_locks_released: int
 
 
+class Held(_Reply, tag="held", kw_only=True):
+    """What one owner's sessions hold (:class:`GetHeld`): all zeros when it left nothing."""
+
+    num_locks: Count = 0
+    num_pins: Count = 0
+    num_inflight_stores: Count = 0
+    num_inflight_retrieves: Count = 0
+    num_pending_lookups: Count = 0
+    num_sessions: Count = 0
+
+
 ErrorCode = Literal[
     "malformed",
     "too_large",
@@ -529,7 +578,12 @@ ErrorCode = Literal[
     "conflict",
     "invalid",
     "internal",
+    "quota",
 ]
+LIMIT_CODES: tuple[ErrorCode, ...] = ("limit", "quota")
+"""Codes of a valid request that a live server turned down for one of its limits (``limit``:
+a server-wide one; ``quota``: one client's share). Clients count them as limit refusals
+(``limit_refusals``), not as failures of the server."""
 
 
 class Error(_Reply, tag="error", kw_only=True):
@@ -551,6 +605,7 @@ Reply = (
     | RetrieveDone
     | Aborted
     | Dropped
+    | Held
     | Error
 )
 

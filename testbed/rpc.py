@@ -26,6 +26,7 @@ is the latest seen. Nothing here blocks longer than a timeout.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -199,8 +200,8 @@ class RpcClient:
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
-        if timeout_s <= 0 or heartbeat_interval_s <= 0:
-            raise ValueError("timeout_s and heartbeat_interval_s must be positive")
+        if not (0 < timeout_s < math.inf and 0 < heartbeat_interval_s < math.inf):
+            raise ValueError("timeout_s and heartbeat_interval_s must be finite and positive")
         if not url.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(
                 f"cache server URL {url!r} is not a ZeroMQ endpoint; use e.g. tcp://127.0.0.1:5555"
@@ -220,7 +221,9 @@ class RpcClient:
         self._socket = self._open_socket()
         self._waiting: dict[int, _Outgoing] = {}  # sent, awaiting a reply
         self._unsent: list[_Outgoing] = []  # not connected yet: retried until their deadline
-        self._next_heartbeat = time.monotonic() + heartbeat_interval_s
+        # The first heartbeat goes at once: a server closes connections that send no
+        # authenticated request soon after they connect (``server.connections``).
+        self._next_heartbeat = time.monotonic()
         self._rids = itertools.count(1)
         self._op_ids = itertools.count(1)
         self._closed = threading.Event()

@@ -1,16 +1,21 @@
 """Executing one run: workload → engine (+ its own cache server) → run directory.
 
 ``<out>/<run_id>/`` receives ``spec.json`` (the resolved spec), ``env.json`` (versions, git
-commit, machine), ``spans/`` (OTLP JSON lines from the engine and the server, with span
-counts), ``server.log``, ``metrics.parquet`` (one row per request) and, last,
-``summary.json``. A directory without ``summary.json`` is an unfinished run: it is cleared
-and redone. A finished run is reused only if its ``spec.json`` equals the resolved spec
+commit, machine, the pool medium), ``spans/`` (OTLP JSON lines from the engine and the
+server, with span counts), ``server.log``, ``metrics.parquet`` (one row per request) and,
+last, ``summary.json``. A run that does not fit on the machine (``testbed.footprint``) is
+refused before anything is written; space for the results is reserved at the start, so a
+disk that fills during the run costs spans (counted, and listed in the summary's
+``missing``), not the summary. A directory without ``summary.json`` is an unfinished run: it
+is cleared and redone. A finished run is reused only if its ``spec.json`` equals the resolved spec
 (:meth:`RunSpec.differences`); otherwise it is redone, with a log line naming the fields that
 differ. Every process the run starts is stopped before it returns.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
 import os
@@ -27,14 +32,17 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from connector.config import ConnectorConfig
+from testbed import footprint
 from testbed import protocol as p
 from testbed.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.launch import ServerProcess
+from testbed.owned_files import ReservedSpace
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.runspec import RunSpec
+from testbed.server_state import server_state_after
 from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing, read_counts
+from testbed.telemetry.setup import TracingConfig, configure_tracing, dropped_spans, read_counts
 from testbed.version import package_version, source_commit
 from testbed.workloads import (
     ArrivalProcess,
@@ -86,6 +94,8 @@ class RunPlan:
     """The external server's configuration (``None``: the run starts its own)."""
     bytes_per_token: int
     """KV bytes the cache stores per token for this spec's model (all TP ranks)."""
+    own_server: bool = False
+    """Whether the run starts its own cache server."""
     workload: Workload | None = None
     """What the requests came from (it says how they arrive: :meth:`arrivals`)."""
     blocks: list[BlockRequest] | None = None
@@ -111,6 +121,16 @@ class RunPlan:
         if self.spec.capacity_tokens is not None:
             return self.spec.capacity_tokens * self.bytes_per_token
         return None
+
+    @property
+    def pool_medium(self) -> str | None:
+        """Where the run's cache pool lives (an external server's answer); ``None``: no pool
+        of a server the run knows (metadata only, the oracle, a vLLM server's own)."""
+        if self.server_info is not None:
+            return self.server_info.pool_medium
+        if not self.own_server or self.spec.metadata_only:
+            return None
+        return self.spec.pool_medium
 
 
 def is_complete(run_dir: Path) -> bool:
@@ -151,12 +171,13 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             run_dir,
             "; ".join(differences),
         )
-    plan = prepare_run(spec, options)
+    plan = prepare_run(spec, options, Path(out_dir))
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a half-written run is redone from scratch
     run_dir.mkdir(parents=True)
+    results_space = ReservedSpace(run_dir / ".kvtb-reserve", footprint.RUN_DIR_RESERVE_BYTES)
     _write_json(run_dir / SPEC, spec.document())
-    _write_json(run_dir / "env.json", environment())
+    _write_json(run_dir / "env.json", {**environment(), "pool_medium": plan.pool_medium})
     tracing = configure_tracing(
         TracingConfig(
             service_name="kvtb-engine",
@@ -178,10 +199,13 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
         elif spec.engine == "serve" and not options.launch:
             result = _run_engine(spec, plan.requests, None, run_dir, options)
             if options.server is not None:
-                server_after = _server_state(options.server)
+                server_after = server_state_after(options.server, owner=None)
         else:
-            result, server_after, capacity = _run_with_server(spec, plan, run_dir, options)
+            result, server_after, capacity = _run_with_server(
+                spec, plan, run_dir, options, results_space.release
+            )
     finally:
+        results_space.release()  # what could not be written yet, and the results, go there
         if tracing is not None:
             tracing.shutdown()
     result.rejected = plan.rejected + result.rejected
@@ -192,14 +216,17 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
 
     summary = build_summary(spec, result, run_dir, wall_s, server_after, plan.bytes_per_token)
     summary["capacity_bytes"] = capacity
+    summary["pool_medium"] = plan.pool_medium
     summary.update(read_counts(run_dir))
+    summary["missing"] = summary.get("missing", []) + dropped_spans(run_dir)
     _write_json(run_dir / SUMMARY, summary)  # last: marks the run complete
     return summary
 
 
-def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
-    """Checks the spec against what will run it and loads the workload; raises ``ValueError``
-    with a message naming the problem (nothing is written)."""
+def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")) -> RunPlan:
+    """Checks the spec against what will run it and this machine (``testbed.footprint``, on a
+    sample of the workload first, then on all of it) and loads the workload; raises
+    ``ValueError`` with a message naming the problem (nothing is written)."""
     if spec.engine in ("vllm", "serve"):
         from testbed.engine.vllm_engine import check_spec
 
@@ -208,19 +235,41 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
         _check_serve(options)
     elif options.endpoint is not None or options.launch:
         raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
+    bytes_per_token = _bytes_per_token(spec)
+    own_server = spec.engine in ("replay", "vllm") and options.server is None or options.launch
     workload = _make_workload(spec)
     requests: list[WorkloadRequest] = []
     blocks = None  # the oracle keys a block-hash trace from its ids: no token synthesised
+    check = functools.partial(
+        footprint.check_run,
+        spec,
+        bytes_per_token=bytes_per_token,
+        own_server=own_server,
+        out_dir=out_dir,
+    )
     if spec.engine == "oracle" and isinstance(workload, BlockTraceWorkload):
+        check(_first(spec, workload.block_requests(), footprint.SAMPLE_REQUESTS))
         blocks, rejected = _servable(spec, workload.block_requests())
+        check(blocks, exact=True)
     else:
+        check(_first(spec, workload, footprint.SAMPLE_REQUESTS))
         requests, rejected = _servable(spec, workload)
-    bytes_per_token = _bytes_per_token(spec)
+        check(requests, exact=True)
     server_info = None
     if options.server is not None and spec.engine != "oracle":
         asked = RunPlan(spec, [], [], None, bytes_per_token).capacity_bytes
         server_info = _check_external_server(spec, options.server, asked)
-    return RunPlan(spec, requests, rejected, server_info, bytes_per_token, workload, blocks)
+    return RunPlan(
+        spec, requests, rejected, server_info, bytes_per_token, own_server, workload, blocks
+    )
+
+
+def _first(spec: RunSpec, requests: Iterable[R], limit: int) -> list[R]:
+    """The first ``limit`` of ``requests`` (for a quick check before reading them all)."""
+    try:
+        return list(itertools.islice(iter(requests), limit))
+    except FileNotFoundError as exc:
+        raise ValueError(f"workload {spec.workload!r}: {exc}") from None
 
 
 def _make_workload(spec: RunSpec) -> Workload:
@@ -317,15 +366,22 @@ def _check_external_server(
         problems.append(f"its policy is {info.policy}, the spec asks for {spec.policy}")
     if spec.metadata_only != info.metadata_only:
         problems.append(f"it runs with metadata_only={info.metadata_only}")
+    if spec.pool_medium != RunSpec().pool_medium and spec.pool_medium != info.pool_medium:
+        problems.append(f"its pool is {info.pool_medium}, the spec asks for {spec.pool_medium}")
     if problems:
         raise ValueError(f"--server {server.url} does not match the run: " + "; ".join(problems))
     return info
 
 
 def _run_with_server(
-    spec: RunSpec, plan: RunPlan, run_dir: Path, options: RunOptions
-) -> tuple[EngineResult, dict[str, int] | None, int | None]:
-    """The engine's result, the server's state after it, and the capacity that ran."""
+    spec: RunSpec,
+    plan: RunPlan,
+    run_dir: Path,
+    options: RunOptions,
+    engine_done: Callable[[], None] = lambda: None,
+) -> tuple[EngineResult, dict[str, Any] | None, int | None]:
+    """The engine's result, the server's state after it, and the capacity that ran.
+    ``engine_done`` is called once the engine has finished, before the server is asked."""
     server = None
     endpoint = options.server
     capacity = plan.server_info.capacity_bytes if plan.server_info else None
@@ -334,6 +390,7 @@ def _run_with_server(
         args = [
             "--chunk-size", str(spec.chunk_size),
             "--capacity", str(capacity),
+            "--pool", spec.pool_medium,
             "--policy", spec.policy,
             "--run-dir", str(run_dir),
             "--run-id", spec.run_id,
@@ -350,25 +407,11 @@ def _run_with_server(
         result = _run_engine(
             spec, plan.requests, endpoint, run_dir, options, server, arrivals=plan.arrivals()
         )
-        return result, _server_state(endpoint), capacity
+        engine_done()
+        return result, server_state_after(endpoint, owner=spec.run_id), capacity
     finally:
         if server is not None:
             server.close()
-
-
-def _server_state(endpoint: ServerEndpoint) -> dict[str, int] | None:
-    """The server's state after the run (for the quiescence check); ``None`` if it is gone."""
-    try:
-        with RpcClient(endpoint.url, role="run", token=endpoint.token, timeout_s=2.0) as admin:
-            reply = admin.call(p.GetStats(), timeout_s=2.0)
-    except (ServerUnavailable, RemoteError):
-        return None
-    assert isinstance(reply, p.ServerStats)
-    return {
-        name: getattr(reply, name)
-        for name in reply.__struct_fields__
-        if name not in ("v", "rid", "epoch")
-    }
 
 
 def _run_engine(
@@ -544,7 +587,7 @@ def max_model_len(requests: Sequence[RequestShape], block_size: int) -> int:
 def _unlimited_capacity(plan: RunPlan) -> int:
     """A capacity no run of these requests can fill: every prompt token stored once."""
     tokens = sum(len(r.prompt_token_ids) for r in plan.requests)
-    return tokens * plan.bytes_per_token + (64 << 20)
+    return footprint.unlimited_capacity(tokens, plan.bytes_per_token)
 
 
 def _resource(spec: RunSpec, plan: RunPlan) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Every ``kvtb run`` flag is a field here (``--chunk-size`` ↔ ``chunk_size``), and so is every key
 of a sweep's ``[base]`` and ``[grid]``. :func:`RunSpec.from_mapping` rejects unknown keys with
-the list of valid ones.
+the list of valid ones; every numeric field has a declared range (:data:`BOUNDS`), checked
+before anything else, so that a value no run could use fails at once with its range.
 
 Run identity: :attr:`RunSpec.run_id` is a short hash of :data:`SPEC_SCHEMA` and *every* field
 of the resolved spec (defaults included), so the same experiment always lands in the same
@@ -26,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.policies import POLICIES
+from testbed.bounds import Bound, out_of_bounds
 from testbed.engine.profiles import PROFILES, KVProfile, get_profile
+from testbed.protocol import POOL_MEDIA
 from testbed.sizes import parse_bytes
 
 ENGINES = ("replay", "vllm", "serve", "oracle")
@@ -39,12 +42,31 @@ SPEC_SCHEMA = 2
 a field's meaning changes while its name and value stay (e.g. a capacity counted in another
 unit), so that no run made under the old meaning is reused. Version 1: ``spec.json`` without
 ``spec_schema``, ids hashed from the fields that differed from their defaults."""
-SPEC_MIGRATIONS: dict[str, Any] = {}
+SPEC_MIGRATIONS: dict[str, Any] = {"pool_medium": "shm"}
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
 they did). While a field has that value it is left out of the run id (older ids stay), and a
-``spec.json`` that lacks the field compares as holding it. Empty: no field has been added since
-version 2."""
+``spec.json`` that lacks the field compares as holding it. ``pool_medium``: runs before it had
+their pool in ``/dev/shm`` (a pool too big for it went to disk silently; that no longer
+happens)."""
+_HOUR_S = 3600.0
+BOUNDS: dict[str, Bound] = {
+    "requests": Bound(1, 10_000_000, "requests"),
+    "seed": Bound(0, 2**63 - 1),
+    "chunk_size": Bound(1, 1 << 16, "tokens"),
+    "tp": Bound(1, 256, "ranks"),
+    "engine_blocks": Bound(2, 1 << 24, "blocks"),
+    "block_size": Bound(1, 1 << 12, "tokens"),
+    "max_num_batched_tokens": Bound(1, 1 << 24, "tokens"),
+    "max_num_seqs": Bound(1, 1 << 16, "requests"),
+    "max_output_tokens": Bound(1, 1 << 20, "tokens"),
+    "capacity_tokens": Bound(1, 1 << 40, "tokens"),
+    "capacity_bytes": Bound(1, 1 << 50, "bytes"),
+    "fault_drop_fraction": Bound(0.0, 1.0),
+    "server_timeout_s": Bound(1e-3, _HOUR_S, "s"),
+}
+"""Declared ranges of the numeric fields (RELIABILITY.md lists them); the machine's memory is
+checked separately, before a run starts (``testbed.footprint``)."""
 DOCUMENT_ONLY_KEYS = ("run_id", "spec_schema", "effective")
 """``spec.json`` keys that are not fields: the id, the schema, and ``effective`` (what an
 engine actually ran where it differs from the spec), none of them compared."""
@@ -97,6 +119,10 @@ class RunSpec:
     arrival: str = "trace"
     metadata_only: bool = False
     """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
+    pool_medium: str = "shm"
+    """Where the run's own cache server keeps its pool: ``shm`` (``/dev/shm``) or ``disk`` (the
+    temporary directory; copy times then measure a disk-backed pool). Its memory is reserved
+    when the server starts; a pool that does not fit is refused before the run."""
     fault_drop_fraction: float = 0.0
     server_timeout_s: float = 30.0
     """The connector's longest wait for a server reply (``kvtb.mq_timeout_s``): a dead or hung
@@ -113,7 +139,7 @@ class RunSpec:
     """Generator parameters (see testbed.workloads)."""
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = out_of_bounds(self, BOUNDS)
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.profile not in PROFILES:
@@ -132,18 +158,10 @@ class RunSpec:
             problems.append(
                 "model applies to the vllm and serve engines only (replay uses KV profiles)"
             )
-        if self.requests is not None and self.requests < 1:
-            problems.append(f"requests must be at least 1, got {self.requests}")
-        for name in (
-            "chunk_size",
-            "tp",
-            "engine_blocks",
-            "block_size",
-            "max_num_batched_tokens",
-            "max_num_seqs",
-        ):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        if self.pool_medium not in POOL_MEDIA:
+            problems.append(
+                f"pool_medium must be one of {', '.join(POOL_MEDIA)}, got {self.pool_medium!r}"
+            )
         if self.transfer_mode not in ("worker", "server"):
             problems.append(
                 f"transfer_mode must be 'worker' or 'server', got {self.transfer_mode!r}"
@@ -153,7 +171,7 @@ class RunSpec:
                 "transfer_mode 'server' copies KV bytes; a metadata_only run has none "
                 "(use transfer_mode 'worker')"
             )
-        if self.chunk_size % self.block_size:
+        if self.block_size >= 1 and self.chunk_size % self.block_size:
             problems.append(
                 f"chunk_size {self.chunk_size} must be a multiple of block_size {self.block_size}"
             )
@@ -186,12 +204,6 @@ class RunSpec:
                     f"arrival {self.arrival!r} sends every request at once; closed-loop users "
                     "(workload param users) need arrival 'trace'"
                 )
-        if self.server_timeout_s <= 0:
-            problems.append(f"server_timeout_s must be positive, got {self.server_timeout_s}")
-        for name in ("capacity_tokens", "capacity_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                problems.append(f"{name} must be positive, got {value}")
         if problems:
             raise ValueError("invalid run spec: " + "; ".join(problems))
 

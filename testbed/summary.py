@@ -5,7 +5,9 @@ Telemetry is the record: per-request hits, failed loads and miss causes come fro
 failures and outages from the run's own spans (``testbed.analysis.metrics``), so the figures
 are the same for every engine and stay the run's own when several runs share one server. The
 engine adds only what it alone knows: arrival and first-token times, generated tokens, its
-integrity check and its step times. Every field is defined in METRICS.md.
+integrity check and its step times. Every field is defined in METRICS.md. What the run could
+not record (spans or chunk events a full disk dropped, a chunk Parquet file it could not
+write) is listed in ``missing``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ QUIESCENCE_KEYS = (
     "num_pending_lookups",
 )
 """What a quiescent server holds none of at the end of a run."""
+RUN_QUIESCENCE_KEYS = (*QUIESCENCE_KEYS, "num_sessions")
+"""What a run leaves none of on its server: the above, and sessions (of its own sessions,
+``server.held``; the server's totals when the run cannot ask for its own)."""
 
 
 def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame:
@@ -90,13 +95,18 @@ def build_summary(
     result: EngineResult,
     run_dir: Path,
     wall_s: float,
-    server_after: dict[str, int] | None,
+    server_after: dict[str, Any] | None,
     bytes_per_token: int,
 ) -> dict[str, Any]:
     """Writes ``metrics.parquet`` (and ``chunks.parquet``) and returns the summary."""
     chunk_rows = chunk_bytes = None
-    if has_chunk_log(run_dir):
-        chunk_rows, chunk_bytes = write_chunk_parquet(run_dir)
+    missing: list[str] = []
+    chunk_log = has_chunk_log(run_dir)
+    if chunk_log:
+        try:
+            chunk_rows, chunk_bytes = write_chunk_parquet(run_dir)
+        except OSError as exc:  # a full disk: the raw streams stay and are read instead
+            missing.append(f"chunks.parquet not written ({exc}); the raw chunk log stays")
     run = Run(run_dir)
     requests = request_table(spec, result, run)
     requests.to_parquet(run_dir / METRICS_FILE, index=False)
@@ -110,6 +120,14 @@ def build_summary(
         "output_tokens": int(requests["output_tokens"].fillna(0).sum()) if len(requests) else 0,
     }
     summary.update(_token_figures(requests))
+    summary["missing"] = missing
+    summary["requests_served"] = len(result.records)
+    if len(result.records) > len(requests):
+        missing.append(
+            f"{len(result.records) - len(requests)} of the {len(result.records)} requests the "
+            "engine served have no telemetry (their spans were not written): the summary's "
+            "figures leave them out"
+        )
     if spec.engine == "oracle":
         return summary
     spans = run.spans
@@ -131,6 +149,12 @@ def build_summary(
     )
     summary["server_outage_s"] = metrics.server_outage_s(run.spans)
     summary.update(_server_state(server_after))
+    summary["chunk_events_dropped"] = _chunk_events_dropped(server_after, chunk_log)
+    if summary["chunk_events_dropped"]:
+        missing.append(
+            f"{summary['chunk_events_dropped']} chunk log events not written by the server "
+            "(its disk was full): miss causes they decide count as cold, unresolved"
+        )
     ttft = requests["ttft_ms"].dropna() if "ttft_ms" in requests else pd.Series(dtype=float)
     summary.update(
         {
@@ -182,7 +206,7 @@ def _token_figures(requests: pd.DataFrame) -> dict[str, Any]:
     }
 
 
-def _server_state(server_after: dict[str, int] | None) -> dict[str, Any]:
+def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
     """The server's state after the run (the quiescence invariant); ``None`` values when it
     could not be asked (it died or hung)."""
     if server_after is None:
@@ -190,13 +214,27 @@ def _server_state(server_after: dict[str, int] | None) -> dict[str, Any]:
             "server_available_after": False,
             "server_quiescent": None,
             "server_state_after": None,
+            "server_state_scope": None,
             "server_locks_after": None,
         }
-    held = {key: int(server_after[key]) for key in QUIESCENCE_KEYS}
+    own = server_after.get("held")
+    source, keys = (
+        (own, RUN_QUIESCENCE_KEYS) if own is not None else (server_after, QUIESCENCE_KEYS)
+    )
+    held = {key: int(source[key]) for key in keys}
     return {
         "server_available_after": True,
         "server_quiescent": not any(held.values()),
         "server_state_after": held,
+        "server_state_scope": "run" if own is not None else "server",
         "server_locks_after": held["num_locks"],
         "server_index_bytes": int(server_after["index_bytes"]),
     }
+
+
+def _chunk_events_dropped(server_after: dict[str, Any] | None, chunk_log: bool) -> int | None:
+    """Chunk log rows the run's own server could not write (``None``: no chunk log here, or
+    the server could not be asked)."""
+    if server_after is None or not chunk_log:
+        return None
+    return int(server_after.get("chunk_events_dropped", 0))

@@ -29,3 +29,15 @@ def start_server(tmp_path) -> Iterator[StartServer]:
 @pytest.fixture
 def server(start_server: StartServer) -> ServerProcess:
     return start_server("--chunk-size", "64", "--capacity", "16MiB")
+
+
+@pytest.fixture
+def private_mounts():
+    """``testbed.chaos.mounts``, skipped where private mount namespaces cannot be made (an
+    exhausted ``/dev/shm`` or a full disk is made there, never on the machine's own)."""
+    from testbed.chaos import mounts
+
+    reason = mounts.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    return mounts

@@ -11,7 +11,8 @@ tokens ``P``, chunk size ``C``:
   cache server, ``X`` = tokens below the first failed block over all TP ranks;
   ``load_failed`` ``[E+X, E+L)``: promised, not loaded; ``last_token`` ``P-1``;
 - every other token ``t`` in ``[E+L, P-1)``: ``partial_chunk`` if ``t >= floor(P/C)*C``, else
-  ``unavailable`` if the lookup failed, ``engine_only`` if the server held chunk ``t // C`` at
+  ``unavailable`` if the lookup failed, ``refused`` if the server refused it for a limit or a
+  client quota, ``engine_only`` if the server held chunk ``t // C`` at
   lookup, else the cause of that chunk's lookup status: ``in_flight``, ``capacity`` (absent,
   but committed before the lookup) or ``cold`` (never committed before); a chunk that hit
   behind an earlier miss takes the cause of the nearest earlier chunk that missed.
@@ -40,6 +41,7 @@ CATEGORIES = (
     "load_failed",
     "in_flight",
     "unavailable",
+    "refused",
     "engine_only",
 )
 """Every prompt token is in exactly one of these (summary.json's ``tokens`` table)."""
@@ -48,6 +50,9 @@ MISS_CAUSES = CATEGORIES[2:]
 CHUNK_CAUSES = ("in_flight", "capacity", "cold")
 """The causes read from the chunk log."""
 LOOKUP_OK, LOOKUP_UNAVAILABLE, LOOKUP_NONE = "ok", "unavailable", "none"
+LOOKUP_REFUSED = "refused"
+"""The server answered the lookup with a limit or quota error (``testbed.protocol.LIMIT_CODES``):
+up and reachable, it declined to take more for this client."""
 CHUNK_HIT, CHUNK_IN_FLIGHT, CHUNK_ABSENT = "hit", "in_flight", "absent"
 
 COLUMNS = (
@@ -315,6 +320,7 @@ def attribute(
             "last_token": (P > 0).astype(np.int64),
             "load_failed": L - X,
             "unavailable": regions["unavailable"],
+            "refused": regions["refused"],
             "engine_only": regions["engine_only"],
         }
     )
@@ -364,15 +370,18 @@ def _regions(
     full_end = np.minimum(last, complete_end)
     rest = np.clip(full_end - low, 0, None)
     unavailable = status == LOOKUP_UNAVAILABLE
+    refused = status == LOOKUP_REFUSED
+    no_answer = unavailable | refused  # no hit was reported: nothing to read from the log
     held_end = (H // C) * C  # the server held these chunks at lookup
-    engine_only = np.where(unavailable, 0, np.clip(np.minimum(full_end, held_end) - low, 0, None))
+    engine_only = np.where(no_answer, 0, np.clip(np.minimum(full_end, held_end) - low, 0, None))
     chunk_start = np.maximum(low, held_end)
     return {
         "partial_chunk": partial,
         "unavailable": np.where(unavailable, rest, 0),
+        "refused": np.where(refused, rest, 0),
         "engine_only": engine_only,
         "chunk_start": chunk_start,
-        "chunk_end": np.where(unavailable, chunk_start, np.maximum(full_end, chunk_start)),
+        "chunk_end": np.where(no_answer, chunk_start, np.maximum(full_end, chunk_start)),
     }
 
 

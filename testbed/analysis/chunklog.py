@@ -136,7 +136,11 @@ def write_chunk_parquet(run_dir: Path | str, *, remove_raw: bool = True) -> tupl
     table = pa.Table.from_pandas(frame, schema=_parquet_schema(frame), preserve_index=False)
     target = run_dir / CHUNK_PARQUET
     tmp = target.with_name(target.name + ".tmp")
-    pq.write_table(table, tmp, compression="zstd")
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: the raw streams stay
+        raise
     tmp.replace(target)
     if remove_raw:
         for path in streams:

@@ -145,6 +145,8 @@ class RequestStory:
     def _lookup_line(self) -> str:
         if self.lookup_status == acc.LOOKUP_UNAVAILABLE:
             return "unavailable (the cache server did not answer)"
+        if self.lookup_status == acc.LOOKUP_REFUSED:
+            return "refused (the cache server's limits or this client's quota)"
         if self.lookup_status == acc.LOOKUP_NONE:
             return "none (the prompt has no complete chunk)"
         hit = self.server_hit_tokens or 0
@@ -260,7 +262,7 @@ class Explainer:
                 f"{int(row['engine_hit_tokens'])}: vLLM's prefix cache or its block allocation "
                 "decided, and nothing more was loaded.",
             )
-        if cause == "unavailable":
+        if cause in ("unavailable", "refused"):
             error = self._lookup_error(row)
             return Miss(
                 cause,
@@ -430,8 +432,8 @@ def _segments(row: pd.Series, chunks: list[ChunkLookup]) -> list[Segment]:
     complete_end = (P // C) * C
     full_end = min(last, complete_end)
     pieces = [(0, E, "engine"), (E, E + X, "external"), (E + X, low, "load_failed")]
-    if row["lookup_status"] == acc.LOOKUP_UNAVAILABLE:
-        pieces.append((low, full_end, "unavailable"))
+    if row["lookup_status"] in (acc.LOOKUP_UNAVAILABLE, acc.LOOKUP_REFUSED):
+        pieces.append((low, full_end, str(row["lookup_status"])))
     else:
         held_end = (H // C) * C
         pieces.append((low, min(full_end, held_end), "engine_only"))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from testbed.protocol import ErrorCode
+from testbed.protocol import LIMIT_CODES, ErrorCode
 from testbed.telemetry import attributes as a
 
 OPERATIONS = {
@@ -239,13 +239,24 @@ def run_server_errors(spans: pd.DataFrame, run_id: str | None = None) -> int | N
 def run_error_replies(spans: pd.DataFrame, run_id: str | None = None) -> int:
     """This run's connector spans that received an error reply: their error (``kvcache.error``,
     else the status message) is ``"<code>: <message>"`` with a protocol error code."""
+    return int(_reply_error_codes(spans, run_id).isin(ERROR_CODES).sum())
+
+
+def run_limit_refusals(spans: pd.DataFrame, run_id: str | None = None) -> int:
+    """This run's connector spans whose error reply was a refusal for a server limit or a
+    client quota (codes ``LIMIT_CODES``): the server was up and declined."""
+    return int(_reply_error_codes(spans, run_id).isin(list(LIMIT_CODES)).sum())
+
+
+def _reply_error_codes(spans: pd.DataFrame, run_id: str | None) -> pd.Series:
+    """The protocol error code of each of the run's connector spans (``""``: none)."""
     connector = _connector(spans, None, run_id)
     if connector.empty:
-        return 0
+        return pd.Series([], dtype=object)
     errors = column(connector, a.ERROR, "").astype(str)
     errors = errors.where(errors != "", connector["status_message"].fillna("").astype(str))
     codes = errors.str.partition(": ")[0]
-    return int((errors.str.contains(": ", regex=False) & codes.isin(ERROR_CODES)).sum())
+    return codes.where(errors.str.contains(": ", regex=False), "")
 
 
 def run_transfer_failures(
@@ -302,6 +313,7 @@ def run_totals(
         "evicted_bytes": None if evicted is None else evicted[1],
         "server_errors": run_server_errors(spans, run_id),
         "error_replies": run_error_replies(spans, run_id),
+        "limit_refusals": run_limit_refusals(spans, run_id),
         "store_failures": run_transfer_failures(spans, events, a.CONNECTOR_STORE, run_id),
         "retrieve_failures": run_transfer_failures(spans, events, a.CONNECTOR_RETRIEVE, run_id),
         "abandoned_releases": run_abandoned_releases(spans, run_id),

@@ -29,6 +29,7 @@ EXPLAIN_PREFERENCE = (
     "load_failed",
     "in_flight",
     "unavailable",
+    "refused",
     "engine_only",
     "external",
     "cold",

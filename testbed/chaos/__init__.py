@@ -9,6 +9,10 @@ Everything here runs in the chaos process unless said otherwise:
 - ``client_faults``: clients SIGKILLed while holding things; a client that loses its replies.
 - ``attacks``: fuzzing; requests without credentials or with another client's ids.
 - ``sharing``: four engines on one small server.
+- ``exhaustion``: a full ``/dev/shm`` and full disks (in private mount namespaces).
+- ``crowds``: a flood of connections that never authenticate; a client hogging the locks.
+- ``mounts``: small file systems in a private mount namespace (also used by the tests).
+- ``shm_probe``, ``full_disk_run``: what runs inside such a namespace (``python -m``).
 - ``frames``: structure-aware fuzz frames from the protocol's structs (pure).
 - ``frame_edits``: building and bending msgpack frames for ``frames`` (pure).
 - ``fuzz``: sends fuzz frames to a server and checks it afterwards (also used by the tests).

@@ -18,9 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.chaos import attacks, client_faults, server_faults, sharing
+from testbed.bounds import Bound, check
+from testbed.chaos import attacks, client_faults, crowds, exhaustion, server_faults, sharing
 from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports
+
+TIMEOUT_BOUND = Bound(1e-3, 3600.0, "s")
+"""The range of ``--timeout`` (the engines' connector timeout; finite)."""
 
 
 @dataclass(frozen=True)
@@ -42,14 +46,22 @@ def _engine_kill(config: ChaosConfig) -> bool:
     return config.engine_kill
 
 
+def _full_only(config: ChaosConfig) -> bool:
+    return not config.quick
+
+
 SCENARIOS: dict[str, Scenario] = {
     "fuzz": Scenario(attacks.fuzz, engines=_never),
     "unauthenticated": Scenario(attacks.unauthenticated, engines=_never),
     "lost_replies": Scenario(client_faults.lost_replies, engines=_never),
+    "shm_exhaustion": Scenario(exhaustion.shm_exhaustion, engines=_never),
+    "connection_flood": Scenario(crowds.connection_flood, engines=_never),
     "client_kill": Scenario(client_faults.client_kill, engines=_engine_kill),
     "server_kill": Scenario(server_faults.server_kill, engines=_always),
     "server_restart": Scenario(server_faults.server_restart, engines=_always),
     "shared_server": Scenario(sharing.shared_server, engines=_always),
+    "disk_full": Scenario(exhaustion.disk_full, engines=_always),
+    "lock_hog": Scenario(crowds.lock_hog, engines=_full_only),
 }
 
 
@@ -78,8 +90,9 @@ def add_chaos_parser(commands: Any) -> None:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+    problem = check(args.timeout, TIMEOUT_BOUND)
+    if problem is not None:
+        raise ValueError(f"--timeout {problem}, got {args.timeout}")
     config = ChaosConfig(args.out, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
     names = [name for name in SCENARIOS if not args.only or name in args.only]
     if any(SCENARIOS[name].engines(config) for name in names):
@@ -135,6 +148,8 @@ def run_scenarios(config: ChaosConfig, names: list[str]) -> list[ScenarioResult]
                 lab.finish(result)
         result.wall_s = time.perf_counter() - started
         verdict = "ok" if result.passed else "FAILED"
+        if result.skipped:
+            verdict = f"skipped ({result.skipped})"
         print(
             f"[{index}/{len(names)}] {name}: {verdict} in {result.wall_s:.1f} s",
             file=sys.stderr,

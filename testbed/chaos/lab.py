@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,10 @@ class Lab:
 
     # --- processes -----------------------------------------------------------------------------
 
-    def server(self, *args: str) -> ServerProcess:
+    def server(self, *args: str, wrapper: Sequence[str] = ()) -> ServerProcess:
+        """Starts a server with ``args`` (under ``wrapper``: ``prlimit``, private mounts)."""
         log = self.dir / f"server-{len(self.servers)}.log"
-        server = ServerProcess(list(args), log_path=log).start()
+        server = ServerProcess(list(args), log_path=log, wrapper=wrapper).start()
         self.servers.append(server)
         self.server_pids.add(server.pid)
         return server

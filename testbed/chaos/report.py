@@ -30,8 +30,16 @@ KEYS = (
     "max_server_rss_mib",
     "recovery_s",
     "unauthorized_accepted",
+    "sigbus_deaths",
+    "pool_refusals",
+    "spans_dropped",
+    "chunk_events_dropped",
+    "unauthenticated_closed",
+    "max_connect_wait_s",
+    "quota_refusals",
+    "starved_requests",
 )
-MAX_KEYS = ("max_step_stall_s", "max_server_rss_mib", "recovery_s")
+MAX_KEYS = ("max_step_stall_s", "max_server_rss_mib", "recovery_s", "max_connect_wait_s")
 ZERO_KEYS = (
     "integrity_errors",
     "server_crashes",
@@ -42,6 +50,8 @@ ZERO_KEYS = (
     "fuzz_crashes",
     "capacity_violations",
     "unauthorized_accepted",
+    "sigbus_deaths",
+    "starved_requests",
 )
 """Keys that must total 0."""
 
@@ -58,6 +68,9 @@ class ScenarioResult:
     wall_s: float = 0.0
     error: str | None = None
     """What stopped the scenario before it finished (it then fails)."""
+    skipped: str | None = None
+    """Why the scenario could not run on this machine (e.g. no private mount namespaces);
+    it then neither passes nor fails, and the report says so."""
 
     def set(self, **values: Value) -> None:
         unknown = set(values) - set(KEYS)
@@ -96,6 +109,7 @@ class ScenarioResult:
             "checks": self.checks,
             "details": self.details,
             "error": self.error,
+            "skipped": self.skipped,
         }
 
 
@@ -171,6 +185,8 @@ def markdown(document: dict[str, Any]) -> str:
         checks = ", ".join(f"{name} {'✓' if ok else '✗'}" for name, ok in s["checks"].items())
         if s["error"]:
             checks += f" (stopped: {s['error'][:120]})"
+        if s.get("skipped"):
+            checks = f"skipped: {s['skipped']}"
         lines.append(f"| {s['name']} | {s['proves']} | {checks} |")
     names = [s["name"] for s in scenarios]
     lines += ["", "| key | " + " | ".join(names) + " | total |"]

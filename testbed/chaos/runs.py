@@ -159,7 +159,7 @@ def _child_main(run: EngineRun, done: Synchronized[int], log_path: Path) -> None
     try:
         from testbed.run import RunOptions, execute_run
 
-        _pace_steps(run.step_s)
+        pace_steps(run.step_s)
 
         def progress(finished: int, total: int) -> None:
             done.value = finished
@@ -176,7 +176,7 @@ def _child_main(run: EngineRun, done: Synchronized[int], log_path: Path) -> None
         os._exit(1)
 
 
-def _pace_steps(step_s: float) -> None:
+def pace_steps(step_s: float) -> None:
     """Makes every replay step in this process last at least ``step_s`` (a forward pass)."""
     if step_s <= 0:
         return

@@ -9,18 +9,16 @@ the pool and token files of dead servers still on disk (``server.reclaim``'s nam
 
 from __future__ import annotations
 
-import re
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.reclaim import pid_alive, server_files_dir
+from server.reclaim import SERVER_FILE, server_files_dir
 from testbed import protocol as p
+from testbed.owned_files import is_owned
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
-
-_SERVER_FILE = re.compile(r"kvtb-(?:pool|token)-(\d+)-[0-9a-f]+(?:\.json)?")
 
 
 def rss_mib(pid: int) -> float | None:
@@ -133,17 +131,15 @@ class ServerWatch:
 
 
 def leftover_files(pids: set[int]) -> list[Path]:
-    """Pool and token files of servers ``pids`` that no longer run but whose files remain
-    (where servers keep them: ``/dev/shm``, else the temporary directory)."""
+    """Pool and token files named for servers ``pids`` that nobody owns any more (their owner
+    lock is free) but that remain (where servers keep them: ``/dev/shm``, else the temporary
+    directory)."""
     found = []
     for directory in {server_files_dir(), Path(tempfile.gettempdir())}:
         if not directory.is_dir():
             continue
         for path in directory.iterdir():
-            match = _SERVER_FILE.fullmatch(path.name)
-            if match is None:
-                continue
-            pid = int(match.group(1))
-            if pid in pids and not pid_alive(pid):
+            match = SERVER_FILE.fullmatch(path.name)
+            if match is not None and int(match.group(1)) in pids and not is_owned(path):
                 found.append(path)
     return sorted(found)

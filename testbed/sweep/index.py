@@ -146,11 +146,14 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
 
 def _flat(summary: dict[str, Any]) -> dict[str, Any]:
     """Summary fields with table values (``tokens``, ``server_state_after``) as one column per
-    entry, ``<field>_<entry>`` (e.g. ``tokens_cold``)."""
+    entry, ``<field>_<entry>`` (e.g. ``tokens_cold``); lists of lines (``missing``) as one
+    string, lines joined by ``"; "``."""
     flat: dict[str, Any] = {}
     for key, value in summary.items():
         if isinstance(value, dict):
             flat.update({f"{key}_{inner}": item for inner, item in value.items()})
+        elif isinstance(value, list):
+            flat[key] = "; ".join(map(str, value))
         else:
             flat[key] = value
     return flat

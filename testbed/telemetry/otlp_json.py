@@ -4,6 +4,10 @@ Each line of a span file is one ``TracesData`` object in the OTLP/JSON encoding 
 the OpenTelemetry Collector's file exporter): ``resourceSpans → scopeSpans → spans``, trace and
 span ids as lowercase hex, enums as integers, 64-bit integers (times, int attributes) as
 decimal strings. :mod:`testbed.analysis` reads these files back.
+
+Lines go through ``testbed.append_file``: a line that cannot be written (a full disk) is kept
+and written later, never torn; what is finally lost is counted (:attr:`lost_spans`, which
+``testbed.telemetry.setup`` takes off the exported count), and the process goes on.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
+
+from testbed.append_file import AppendFile
 
 # OTLP's SpanKind and StatusCode enum values.
 _KIND = {
@@ -128,23 +134,28 @@ class JsonLinesSpanExporter(SpanExporter):
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file: IO[str] | None = path.open("a", encoding="utf-8")
+        self._file = AppendFile(path, "spans")
         self._lock = threading.Lock()
 
+    @property
+    def lost_spans(self) -> int:
+        """Spans accepted (``SUCCESS``) but never written: still pending at shutdown."""
+        return self._file.lost_items
+
+    @property
+    def first_error(self) -> str | None:
+        return self._file.first_error
+
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        line = json.dumps(encode_traces_data(spans), separators=(",", ":"))
+        line = (json.dumps(encode_traces_data(spans), separators=(",", ":")) + "\n").encode()
         with self._lock:
-            if self._file is None:
-                return SpanExportResult.FAILURE
-            self._file.write(line + "\n")
-            self._file.flush()
-        return SpanExportResult.SUCCESS
+            written = self._file.append(line, len(spans))
+        return SpanExportResult.SUCCESS if written else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            self._file.close()
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return True
+        with self._lock:
+            return self._file.retry()

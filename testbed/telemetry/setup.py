@@ -12,12 +12,15 @@ rank and the run, and whose exporters are
 ``OTEL_BSP_*`` are honoured. Queues default to sizes at which a normal run drops nothing, and
 nothing is dropped silently: every span that ends is counted, every exporter counts what it
 delivered, and :meth:`Tracing.shutdown` (flush, then close) writes both counts next to the
-span file, where the run summary reads ``spans_exported`` and ``spans_dropped``.
+span file, where the run summary reads ``spans_exported`` and ``spans_dropped``. The counts
+file gets its space when tracing starts and is rewritten in place, so the counts of spans a
+full disk made drop can still be written (with the first error, ``errors``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import threading
@@ -44,6 +47,8 @@ from testbed.telemetry.otlp_json import JsonLinesSpanExporter
 
 SPANS_DIR = "spans"
 COUNTS_SUFFIX = ".counts.json"
+COUNTS_BYTES = 4096
+"""Space of a counts file, reserved when tracing starts (the record is padded to it)."""
 
 # Defaults chosen so that a run's bursts fit: the SDK's 2,048-span queue overflows silently.
 _BSP_DEFAULTS = {
@@ -103,25 +108,35 @@ class _CountingExporter(SpanExporter):
         self.inner = inner
         self.exported = 0
         self.failed = 0
+        self.error: str | None = None
+        """Why an export failed, the first time (``None``: none did)."""
         self.after_export: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        error = None
         try:
             result = self.inner.export(spans)
-        except Exception:
-            result = SpanExportResult.FAILURE
+        except Exception as exc:
+            result, error = SpanExportResult.FAILURE, f"{type(exc).__name__}: {exc}"
         with self._lock:
             if result is SpanExportResult.SUCCESS:
                 self.exported += len(spans)
             else:
                 self.failed += len(spans)
+                self.error = self.error or error or getattr(self.inner, "first_error", None)
         if self.after_export is not None:
             self.after_export()
         return result
 
+    @property
+    def delivered(self) -> int:
+        """Spans the exporter took and did not lose later (a span file's pending lines)."""
+        return self.exported - int(getattr(self.inner, "lost_spans", 0))
+
     def shutdown(self) -> None:
         self.inner.shutdown()
+        self.error = self.error or getattr(self.inner, "first_error", None)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -166,6 +181,9 @@ class Tracing:
         self.provider.add_span_processor(self._ends)
         self.exporters = {name: _CountingExporter(name, e) for name, e in exporters.items()}
         self.span_file = span_file
+        self._counts_fd: int | None = None
+        if span_file is not None:
+            self._counts_fd = _open_counts(span_file.with_suffix(COUNTS_SUFFIX))
         for name, exporter in self.exporters.items():
             if config.synchronous and name == "file":
                 exporter.after_export = self._write_counts
@@ -176,10 +194,14 @@ class Tracing:
         telemetry.use_provider(self.provider)
 
     def _write_counts(self) -> None:
-        if self.span_file is not None:
-            self.span_file.with_suffix(COUNTS_SUFFIX).write_text(
-                json.dumps(self.counts(), indent=1)
-            )
+        """Rewrites the counts file in place (its space was reserved at start)."""
+        if self._counts_fd is None:
+            return
+        record = json.dumps(self.counts(), indent=1).encode()
+        try:
+            os.pwrite(self._counts_fd, record.ljust(COUNTS_BYTES), 0)
+        except OSError as exc:
+            logging.getLogger(__name__).warning("cannot write span counts: %s", exc)
 
     def counts(self) -> dict[str, Any]:
         return {
@@ -188,9 +210,10 @@ class Tracing:
             "ended": self._ends.ended,
             "exporters": {
                 name: {
-                    "exported": e.exported,
+                    "exported": e.delivered,
                     "failed": e.failed,
-                    "dropped": self._ends.ended - e.exported,
+                    "dropped": self._ends.ended - e.delivered,
+                    **({"error": e.error[:300]} if e.error else {}),
                 }
                 for name, e in self.exporters.items()
             },
@@ -206,6 +229,9 @@ class Tracing:
             self.provider.shutdown()
             telemetry.use_provider(None)
             self._write_counts()
+            if self._counts_fd is not None:
+                os.close(self._counts_fd)
+                self._counts_fd = None
         return self.counts()
 
     def __enter__(self) -> Tracing:
@@ -289,12 +315,55 @@ def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
     )
 
 
+def _open_counts(path: Path) -> int | None:
+    """The counts file, created with :data:`COUNTS_BYTES` reserved (``None``: no room)."""
+    from testbed.owned_files import reserve
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return None
+    try:
+        reserve(fd, COUNTS_BYTES)
+        os.pwrite(fd, b"{}".ljust(COUNTS_BYTES), 0)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot reserve %s: %s", path, exc)
+    return fd
+
+
+def span_counts(run_dir: Path) -> list[dict[str, Any]]:
+    """The counts file of each process of a run (those that wrote one)."""
+    found = []
+    for path in sorted((Path(run_dir) / SPANS_DIR).glob(f"*{COUNTS_SUFFIX}")):
+        try:
+            counts = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            continue
+        if counts:
+            found.append(counts)
+    return found
+
+
 def read_counts(run_dir: Path) -> dict[str, int]:
     """``spans_exported`` (to files) and ``spans_dropped`` summed over a run's processes."""
     exported = dropped = 0
-    for path in sorted((Path(run_dir) / SPANS_DIR).glob(f"*{COUNTS_SUFFIX}")):
-        counts = json.loads(path.read_text())
+    for counts in span_counts(run_dir):
         file_counts = counts["exporters"].get("file", {"exported": 0, "dropped": counts["ended"]})
         exported += file_counts["exported"]
         dropped += file_counts["dropped"]
     return {"spans_exported": exported, "spans_dropped": dropped}
+
+
+def dropped_spans(run_dir: Path) -> list[str]:
+    """One line per process of a run whose span file lacks spans: how many, and why."""
+    lines = []
+    for counts in span_counts(run_dir):
+        file_counts = counts["exporters"].get("file")
+        if file_counts is None or not file_counts["dropped"]:
+            continue
+        reason = file_counts.get("error") or "not exported (queue overflow or shutdown)"
+        lines.append(
+            f"{file_counts['dropped']} spans of {counts['service']} (pid {counts['pid']}) not "
+            f"written: {reason}"
+        )
+    return lines

@@ -387,7 +387,7 @@ class SyntheticRun:
             )  # fmt: skip
             admission = self.lookup(session_id, hashes, lookup_span)
         else:
-            if lookup == acc.LOOKUP_UNAVAILABLE:
+            if lookup in (acc.LOOKUP_UNAVAILABLE, acc.LOOKUP_REFUSED):
                 self._span(
                     self.engine, a.CONNECTOR_LOOKUP, parent=request_span, kind=SpanKind.CLIENT,
                     attributes={a.SESSION_ID: session_id, a.OK: False, a.ERROR: lookup_error},

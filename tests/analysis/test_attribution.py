@@ -184,6 +184,21 @@ def test_a_lookup_that_failed_makes_the_complete_chunks_unavailable(synthetic):
     assert table.set_index("request_id")["server_hit_tokens"].isna().loc["r2"]
 
 
+def test_a_lookup_refused_for_a_limit_is_its_own_cause_not_a_failure(synthetic):
+    run = synthetic()
+    run.request("r1", ABC)
+    refusal = "quota: refused: over this client's quota of 1 live sessions"
+    run.request("r2", ABC, lookup=acc.LOOKUP_REFUSED, lookup_error=refusal, engine_hit=4)
+    table = acc.attribution(run.close())
+    assert categories(table, "r2") == {
+        "engine": 4,
+        "refused": 8,
+        "partial_chunk": 1,
+        "last_token": 1,
+    }
+    assert table.set_index("request_id")["unavailable"].sum() == 0
+
+
 def test_chunks_the_server_held_but_nothing_loaded_are_engine_only(synthetic):
     run = synthetic()
     run.request("r1", ABC)
@@ -324,8 +339,8 @@ def reference(admission: Admission, chunk_size: int, tp: int) -> dict[str, int]:
             cause = "load_failed"
         elif t >= (P // chunk_size) * chunk_size:
             cause = "partial_chunk"
-        elif admission.lookup_status == "unavailable":
-            cause = "unavailable"
+        elif admission.lookup_status in ("unavailable", "refused"):
+            cause = admission.lookup_status
         elif t // chunk_size < H // chunk_size:
             cause = "engine_only"
         else:
@@ -349,7 +364,7 @@ def test_random_runs_put_every_token_in_exactly_one_category(tmp_path, seed):
         P = prompt.tokens(C)
         engine_hit = rng.choice([0, 0, C // 2 * rng.randint(0, 2 * len(prompt.labels))])
         engine_hit = min(engine_hit, max(P - 1, 0))
-        lookup = acc.LOOKUP_UNAVAILABLE if rng.random() < 0.1 else acc.LOOKUP_OK
+        lookup = rng.choice([acc.LOOKUP_UNAVAILABLE, acc.LOOKUP_REFUSED] + [acc.LOOKUP_OK] * 8)
         retrieve = {}
         for rank in range(tp):
             roll = rng.random()

@@ -23,7 +23,7 @@ def test_two_runs_sharing_a_server_each_report_their_own_figures(tmp_path):
     second.request("b2", Prompt(("x", "y")), evict=ABC.hashes[2:])  # evicts 2 objects for room
     second.request("b3", ABC, retrieve={1: 4})  # loads chunks 0-1 (rank 1 fails), stores 2
     first.error_reply("a1")
-    second.error_reply("b1")
+    second.error_reply("b1", "quota: refused: over this client's quota of 1 live sessions")
     second.connector_failure("b2")  # a timeout, not an error reply
     second.abandoned("b2")  # a late lookup's locks released, a store aborted
     second.close()
@@ -40,6 +40,7 @@ def test_two_runs_sharing_a_server_each_report_their_own_figures(tmp_path):
         "evicted_bytes": 0,
         "server_errors": 1,
         "error_replies": 1,
+        "limit_refusals": 0,  # a1's error was not a refusal for a limit
         "store_failures": 2,  # a2's item on each TP rank
         "retrieve_failures": 0,
         "abandoned_releases": 0,
@@ -51,19 +52,22 @@ def test_two_runs_sharing_a_server_each_report_their_own_figures(tmp_path):
         "evicted_bytes": 2 * OBJECT_BYTES,
         "server_errors": 1,
         "error_replies": 1,
+        "limit_refusals": 1,  # b1's was: a refusal for its client's quota
         "store_failures": 0,
         "retrieve_failures": 1,
         "abandoned_releases": 2,
     }
     # The server-wide figures are the sums of both runs'.
     everything = metrics.run_totals(spans, events)
-    for key in (
+    summed = (
         "stored_bytes",
         "evicted_bytes",
         "server_errors",
         "error_replies",
         "abandoned_releases",
-    ):
+        "limit_refusals",
+    )
+    for key in summed:
         assert everything[key] == totals["A"][key] + totals["B"][key], key
     evicted = spans[spans["name"] == a.SERVER_EVICT]
     assert int(evicted[a.EVICTED_BYTES].sum()) == 2 * OBJECT_BYTES

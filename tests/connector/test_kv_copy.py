@@ -153,13 +153,9 @@ def test_layers_of_different_strides_are_refused():
         PagedKV((layer, layer.transpose(1, 2).contiguous().transpose(1, 2)), 0, block_size=4)
 
 
-def test_the_workers_pool_mapping_is_populated_when_the_server_prefaulted_it():
+def test_the_workers_pool_mapping_is_populated_since_every_pool_is_reserved():
     size = 8 << 20
     with SharedMemoryPool(size) as pool:
-        lazy = PoolMapping(str(pool.path), size)  # not pre-faulted: mapping commits nothing
-        assert not lazy.populated and pool.resident_bytes() == 0
-        lazy.close()
-        pool.prefault()
         mapping = PoolMapping(str(pool.path), size)
         try:
             assert mapping.populated

@@ -65,7 +65,7 @@ def test_cuda_ipc_works_between_two_processes():
 @pytest.mark.parametrize("pool", POOLS)
 def test_round_trip_from_a_worker_process_is_bit_exact_and_skips_held_blocks(start_server, pool):
     server = _server(start_server, pool)
-    assert server.ready["pool"] == pool
+    assert server.ready["pool_medium"] == pool
     result = _worker(server, "roundtrip", *SMALL)
     assert result["stored"] and result["failed_blocks"] == 0
     assert result["bit_exact"]

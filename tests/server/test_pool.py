@@ -1,22 +1,35 @@
-"""The shared-memory pool (pre-faulted on request) and its extent allocator."""
+"""The shared-memory pool (reserved when made, mapped in on request) and its extent allocator."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
+
+import pytest
 
 from server.pool import ALIGNMENT, ExtentAllocator, SharedMemoryPool
+from testbed.owned_files import is_owned
 
 
-def test_prefault_allocates_every_page_and_keeps_the_contents():
+def test_a_pool_has_its_memory_when_made_and_prefault_keeps_the_contents():
     size = 16 << 20
     with SharedMemoryPool(size) as pool:
-        assert pool.resident_bytes() == 0  # a fresh file has no pages yet
+        assert pool.medium == "shm" and pool.path.parent == Path("/dev/shm")
+        assert pool.resident_bytes() >= size  # every page reserved before any copy
+        assert is_owned(pool.path)  # its owner lock marks it live for reclaim
         pool.array[12345:12349] = [1, 2, 3, 4]
         seconds = pool.prefault()
         assert seconds > 0
-        assert pool.resident_bytes() >= size
         assert pool.array[12345:12349].tolist() == [1, 2, 3, 4]
         assert pool.array.size == size and pool.array.flags.writeable
+    assert not pool.path.exists()
+
+
+def test_a_disk_pool_is_made_only_where_asked(tmp_path):
+    with SharedMemoryPool(1 << 20, "disk", tmp_path) as pool:
+        assert pool.path.parent == tmp_path and pool.resident_bytes() >= 1 << 20
+    with pytest.raises(ValueError, match="--pool-dir goes with --pool disk"):
+        SharedMemoryPool(1 << 20, "shm", tmp_path)
 
 
 def test_close_removes_the_file_even_while_a_view_is_alive():

@@ -137,7 +137,7 @@ def test_cpu_pools_are_the_default_without_a_gpu_and_gpu_pools_are_refused_at_st
     start_server,
 ):
     server = start_server("--chunk-size", "64", "--capacity", "8MiB")
-    assert server.ready["pool"] == "cpu"
+    assert server.ready["pool_medium"] == "shm"
     for kind in ("gpu", "pinned-host"):
         done = subprocess.run(
             [sys.executable, "-m", "server", "--port", "0", "--pool", kind],

@@ -92,8 +92,9 @@ def test_connector_config_names_bad_keys_and_values():
         ConnectorConfig.from_extra_config({"kvtb.server_ulr": "x"})
     with pytest.raises(ValueError, match="kvtb.mq_timeout_s"):
         ConnectorConfig.from_extra_config({"kvtb.mq_timeout_s": "soon"})
-    with pytest.raises(ValueError, match="mq_timeout_s must be positive"):
-        ConnectorConfig(mq_timeout_s=0)
+    for never in (0, float("nan"), float("inf")):  # a timeout must be finite and positive
+        with pytest.raises(ValueError, match=r"kvtb.mq_timeout_s must be .*in \[0.001, 3600\] s"):
+            ConnectorConfig(mq_timeout_s=never)
 
 
 def test_byte_sizes_parse_with_units_and_reject_nonsense():

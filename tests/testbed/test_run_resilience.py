@@ -149,7 +149,8 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         '{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]}\n{oops\n'
     )
     tokens = tmp_path / "tokens.json"
-    tokens.write_text(json.dumps({"client": "a", "admin": "b"}))
+    tokens.write_text(json.dumps({"client": "c" * 48, "admin": "a" * 48}))
+    tokens.chmod(0o600)
     out = tmp_path / "runs"
     port = _free_port()
     cases = [
@@ -162,7 +163,7 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         (["run", "--workload", f"mooncake:{empty}"], "no requests"),
         (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "not found"),
         (["run", "--workload", f"mooncake:{broken}"], "broken.jsonl"),
-        (["run", "--capacity-tokens", "-5"], "capacity_tokens must be positive"),
+        (["run", "--capacity-tokens", "-5"], "capacity_tokens must be in [1, 2^40] tokens"),
         (["run", "--policy", "mru"], "policy 'mru'"),
         (["run", "--chunk-size", "100", "--block-size", "64"], "multiple of block_size"),
         (["run", "--engine", "vllm", "--metadata-only"], "metadata_only"),
@@ -183,3 +184,48 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         busy = running.url.rsplit(":", 1)[1]
         code, output, _ = _kvtb("server", "--port", busy, cwd=tmp_path)
         assert code == 1 and "in use" in output and "Traceback" not in output
+
+
+def test_values_no_run_could_use_are_refused_with_their_range_before_any_work(
+    tmp_path, capsys
+):
+    """``block_size = 0`` gave a traceback, ``requests = 10^12`` took 4 GiB in a minute, a
+    timeout of ``inf`` hung a run after its server died, a 300-character token made every
+    request fail as "no cache server answers there". Every numeric field now has a range,
+    timeouts must be finite, a run is checked against the machine's memory, and tokens are
+    checked when read: exit 2, one line, nothing written (in-process here; the subprocess
+    timings are in the test above)."""
+    from testbed.cli import main as kvtb
+
+    tokens = tmp_path / "tokens.json"
+    readable = tmp_path / "readable.json"
+    for path, client, mode in ((readable, "c" * 48, 0o644), (tokens, "c" * 300, 0o600)):
+        path.write_text(json.dumps({"client": client, "admin": "a" * 48}))
+        path.chmod(mode)
+    toml = tmp_path / "never.toml"
+    toml.write_text("server_timeout_s = nan\n")
+    out = tmp_path / "runs"
+    server = ["run", "--server", f"tcp://127.0.0.1:{_free_port()}"]
+    cases = [
+        (["run", "--block-size", "0"], "block_size must be in [1, 4096]"),
+        (["run", "--requests", str(10**12)], "requests must be in [1, 10,000,000]"),
+        (["run", "--capacity-bytes", str(10**18)], "capacity_bytes must be in [1, 2^50]"),
+        (["run", "--engine-blocks", str(10**9)], "engine_blocks must be in [2, 2^24]"),
+        (["run", "--server-timeout-s", "nan"], "server_timeout_s must be finite"),
+        (["run", "--server-timeout-s", "inf"], "server_timeout_s must be finite"),
+        (["run", "--config", str(toml)], "server_timeout_s must be finite"),
+        (["run", "--requests", "5000000"], "does not fit on this machine"),
+        (["run", "--engine-blocks", "16000000"], "vLLM's KV pool ~"),
+        (["run", "--capacity-bytes", "1TiB"], "does not fit in /dev/shm"),
+        ([*server, "--token-file", str(readable)], f"chmod 600 {readable}"),
+        ([*server, "--token-file", str(tokens)], "has 300 characters"),
+        (["server", "--read-lock-ttl", "nan"], "--read-lock-ttl must be finite"),
+        (["server", "--capacity", str(10**18)], "--capacity must be in [1, 2^50]"),
+        (["chaos", "--out", str(tmp_path / "chaos"), "--timeout", "inf"], "--timeout must be"),
+    ]
+    for args, expected in cases:
+        code = kvtb([*args, "--out", str(out)] if args[0] == "run" else args)
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err, (args, err)
+        assert err.count("\n") == 1, err  # one line
+    assert not out.exists() and not (tmp_path / "chaos").exists()
