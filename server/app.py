@@ -39,6 +39,7 @@ from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed import protocol as p
 from testbed.sizes import parse_bytes
+from testbed.spec_inputs import absolute_path
 from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import TracingConfig, configure_tracing
 
@@ -292,13 +293,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     security = parser.add_argument_group("credentials")
     security.add_argument(
         "--token-file",
-        type=Path,
+        type=absolute_path,
         help="keep the client and admin tokens in this 0600 file (created if missing, reused "
         "if present); default: a new file beside the pool, removed on exit",
     )
     security.add_argument(
         "--curve-dir",
-        type=Path,
+        type=absolute_path,
         help="ZeroMQ CURVE keys (server.key_secret, allowed clients' *.key); required with a "
         "non-loopback --host",
     )
@@ -313,7 +314,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     tracing = parser.add_argument_group("telemetry")
     tracing.add_argument(
         "--run-dir",
-        type=Path,
+        type=absolute_path,
         help="write spans to RUN_DIR/spans/ (OTLP JSON lines) and the chunk event log to "
         "RUN_DIR/chunks/",
     )

@@ -4,9 +4,11 @@
 commit, machine), ``spans/`` (OTLP JSON lines from the engine and the server, with span
 counts), ``server.log``, ``metrics.parquet`` (one row per request) and, last,
 ``summary.json``. A directory without ``summary.json`` is an unfinished run: it is cleared
-and redone. A finished run is reused only if its ``spec.json`` equals the resolved spec
-(:meth:`RunSpec.differences`); otherwise it is redone, with a log line naming the fields that
-differ. Every process the run starts is stopped before it returns.
+and redone. A finished run is reused only if it did not fail (:func:`failure`: its summary
+lists no failures, :mod:`testbed.run_health`, and no ``error.txt`` says it died) and its
+``spec.json`` equals the resolved spec (:meth:`RunSpec.differences`); otherwise it is redone,
+with a log line saying why. Every process the run starts is stopped before it returns, and
+every process gets absolute paths and the spec's trace sampler.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from testbed.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.launch import ServerProcess
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.run_health import failures
 from testbed.runspec import RunSpec
+from testbed.spec_inputs import check_workload_content
 from testbed.telemetry import attributes as a
+from testbed.telemetry import sampling
 from testbed.telemetry.setup import TracingConfig, configure_tracing, read_counts
 from testbed.version import package_version, source_commit
 from testbed.workloads import WorkloadRequest, make_workload
@@ -42,6 +47,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
 SPEC = "spec.json"
+ERROR = "error.txt"
+"""A failed run's error (first line) and traceback, written by whoever saw it fail."""
 REPLAY_VOCAB = 32_000
 VLLM_VOCAB = 1024  # the tiny model's vocabulary
 
@@ -90,11 +97,27 @@ def is_complete(run_dir: Path) -> bool:
     return (run_dir / SUMMARY).is_file()
 
 
-def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
-    """``None`` when ``run_dir`` holds no finished run; else how the finished run's
-    ``spec.json`` differs from ``spec`` (empty: it is a run of exactly ``spec``, reusable)."""
+def failure(run_dir: Path) -> str | None:
+    """Why the run in ``run_dir`` failed; ``None`` when it has not (or has not run yet): the
+    error recorded in ``error.txt``, else the failures its summary lists."""
+    error = run_dir / ERROR
+    if error.is_file():
+        return error.read_text().split("\n", 1)[0] or "run failed"
     if not is_complete(run_dir):
         return None
+    found = json.loads((run_dir / SUMMARY).read_text()).get("failures") or []
+    return "; ".join(found) or None
+
+
+def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
+    """``None`` when ``run_dir`` holds no finished run; else why the finished run is not a
+    run of exactly ``spec`` to reuse: how its ``spec.json`` differs, or that it failed (empty:
+    reusable)."""
+    if not is_complete(run_dir):
+        return None
+    failed = failure(run_dir)
+    if failed is not None:
+        return [f"the run failed ({failed})"]
     path = run_dir / SPEC
     if not path.is_file():
         return [f"{SPEC} is missing"]
@@ -113,13 +136,13 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     run directory is touched; a run whose server dies or hangs still finishes and writes its
     summary from what it recorded.
     """
-    run_dir = Path(out_dir) / spec.run_id
+    run_dir = Path(out_dir).absolute() / spec.run_id
     differences = reuse_differences(run_dir, spec)
     if differences == []:
         return json.loads((run_dir / SUMMARY).read_text())
     if differences:
         log.warning(
-            "run %s: the finished run in %s was made from another spec (%s); redoing it",
+            "run %s: the finished run in %s is not reused (%s); redoing it",
             spec.run_id,
             run_dir,
             "; ".join(differences),
@@ -138,6 +161,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             resource=_resource(spec, plan),
             otlp_endpoint=options.otlp_endpoint,
             otlp_protocol=options.otlp_protocol,
+            sampling=(spec.trace_sampler, spec.trace_sampler_ratio),
         )
     )
     started = time.perf_counter()
@@ -166,7 +190,10 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     summary = build_summary(spec, result, run_dir, wall_s, server_after, plan.bytes_per_token)
     summary["capacity_bytes"] = capacity
     summary.update(read_counts(run_dir))
-    _write_json(run_dir / SUMMARY, summary)  # last: marks the run complete
+    own_server = spec.engine != "oracle" and options.server is None
+    own_server = own_server and (spec.engine != "serve" or options.launch)
+    summary["failures"] = failures(summary, run_dir, own_server=own_server)
+    _write_json(run_dir / SUMMARY, summary)  # last: marks the run finished
     return summary
 
 
@@ -181,6 +208,7 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
         _check_serve(options)
     elif options.endpoint is not None or options.launch:
         raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
+    check_workload_content(spec)
     loaded = _load_requests(spec)
     requests, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
     if not requests:
@@ -305,7 +333,8 @@ def _run_with_server(
             args += ["--otlp-endpoint", options.otlp_endpoint]
         if options.otlp_protocol:
             args += ["--otlp-protocol", options.otlp_protocol]
-        server = ServerProcess(args, log_path=run_dir / "server.log").start()
+        env = sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio)
+        server = ServerProcess(args, env=env, log_path=run_dir / "server.log").start()
         endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
         result = _run_engine(spec, plan.requests, endpoint, run_dir, options, server)
@@ -339,13 +368,8 @@ def _run_engine(
     server: ServerProcess | None = None,
 ) -> EngineResult:
     total = len(requests)
-    bar = tqdm(
-        total=total,
-        unit="req",
-        desc=f"{spec.engine} {spec.run_id}",
-        disable=not options.progress,
-        leave=False,
-    )
+    desc = f"{spec.engine} {spec.run_id}"
+    bar = tqdm(total=total, unit="req", desc=desc, disable=not options.progress, leave=False)
     done = 0
 
     def finished(record: RequestRecord) -> None:
@@ -422,7 +446,12 @@ def _run_serve(
         )
         collector = SpanCollector(run_dir).start()
         try:
-            vllm = VllmServerProcess(launch, run_dir, otlp_endpoint=collector.endpoint).start()
+            vllm = VllmServerProcess(
+                launch,
+                run_dir,
+                otlp_endpoint=collector.endpoint,
+                env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
+            ).start()
         except BaseException:
             collector.close()
             raise

@@ -14,6 +14,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from testbed.run_flags import add_data_dir_argument
+from testbed.spec_inputs import absolute_path
+
 _WORKLOAD_FLAGS = (
     "requests",
     "seed",
@@ -35,7 +38,10 @@ def add_whatif_parser(commands: Any) -> None:
         "source", nargs="?", metavar="SOURCE", help="a run directory or a workload spec"
     )
     parser.add_argument("--workload", help="a workload spec (instead of SOURCE)")
-    parser.add_argument("--config", type=Path, help="TOML file with run keys (flags override)")
+    parser.add_argument(
+        "--config", type=absolute_path, help="TOML file with run keys (flags override)"
+    )
+    add_data_dir_argument(parser)
     for name in _WORKLOAD_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), default=None, metavar=name.upper())
     parser.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None)
@@ -56,9 +62,9 @@ def add_whatif_parser(commands: Any) -> None:
     parser.add_argument(
         "--time-profiles", help="comma-separated time models: flat, h100, h200, a100, l40s"
     )
-    parser.add_argument("--hardware-file", type=Path, help="TOML hardware profiles to add")
+    parser.add_argument("--hardware-file", type=absolute_path, help="TOML hardware profiles to add")
     parser.add_argument("--figures", action="store_true", help="also write PNG figures")
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--out", type=absolute_path, required=True, help="output directory")
 
 
 def run_whatif(args: argparse.Namespace) -> int:

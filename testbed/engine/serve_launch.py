@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,20 @@ class LaunchSpec:
 class VllmServerProcess:
     """vLLM's OpenAI server on a free loopback port. Context manager."""
 
-    def __init__(self, spec: LaunchSpec, run_dir: Path, otlp_endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        run_dir: Path,
+        otlp_endpoint: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.spec = spec
         self.run_dir = run_dir
         self.otlp_endpoint = otlp_endpoint
         """Where vLLM exports its own spans (OTLP/HTTP). vLLM forwards a request's trace
         context to the engine, and so to the connector, only when its tracing is on."""
+        self.env = dict(env or {})
+        """More environment variables for vLLM's processes (the run's trace sampler)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -94,6 +103,7 @@ class VllmServerProcess:
             SPAN_DIR_ENV: str(self.run_dir),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **self.env,
         }
         if self.otlp_endpoint is not None:
             command += ["--otlp-traces-endpoint", self.otlp_endpoint]

@@ -5,8 +5,9 @@ already complete (a finished run of exactly its spec: ``testbed.run.is_reusable`
 from another spec is redone, with a log line saying which fields differ), executes the
 others (local processes or Ray tasks, see :mod:`testbed.sweep.executors`), then builds
 ``index.parquet``. Running it again does nothing new; after a crash or Ctrl-C it finishes only
-the runs that are missing (a half-written run is redone by ``execute_run``). Failed runs are
-recorded (and retried by the next invocation); they never stop the sweep.
+the runs that are missing (a half-written run is redone by ``execute_run``). Failed runs (an
+error, or a summary that lists failures: ``testbed.run.failure``) are recorded and retried by
+the next invocation, never reused; they never stop the sweep.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from testbed.extras import require_engines
 from testbed.run import is_reusable, reuse_differences
 from testbed.runspec import RunSpec
+from testbed.spec_inputs import data_dir
 from testbed.sweep.executors import RayMissing, RunOutcome, require_ray, run_local, run_ray
 from testbed.sweep.experiments import experiment_path, resolve_sweep_file
 from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
@@ -96,7 +98,7 @@ def _run_sweep(sweep: SweepSpec, sweep_dir: Path, options: SweepOptions) -> Swee
             continue  # finished, and a run of exactly this spec
         if differences:
             log.warning(
-                "sweep %s: run %s was finished from another spec (%s); it will be redone",
+                "sweep %s: run %s is finished but not reused (%s); it will be redone",
                 sweep.name,
                 run.run_id,
                 "; ".join(differences),
@@ -144,7 +146,7 @@ def _exclusive(sweep_dir: Path) -> Iterator[None]:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """``kvtb sweep FILE``: 0 when every run is complete, 1 if any failed, 130 when interrupted."""
-    sweep = load_sweep(resolve_sweep_file(args.file))
+    sweep = load_sweep(resolve_sweep_file(args.file), data_dir(args.data_dir))
     jobs = args.jobs or ((os.cpu_count() or 1) if args.executor == "ray" else 1)
     options = SweepOptions(
         executor=args.executor, jobs=jobs, address=args.address, progress=not args.no_progress

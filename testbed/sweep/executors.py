@@ -172,14 +172,15 @@ def _child_main(spec: RunSpec, out_dir: Path, conn: Connection, parent_pid: int)
             conn.send(("progress", done, total))
 
     try:
-        execute_run(spec, out_dir, RunOptions(progress=False, on_progress=progress))
+        summary = execute_run(spec, out_dir, RunOptions(progress=False, on_progress=progress))
     except BaseException as exc:  # SystemExit from SIGTERM too: the parent is waiting for a word
         with contextlib.suppress(OSError):
             conn.send(("done", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         if not isinstance(exc, Exception):
             raise
         return
-    conn.send(("done", None, ""))
+    failed = summary.get("failures")
+    conn.send(("done", f"the run failed: {'; '.join(failed)}" if failed else None, ""))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

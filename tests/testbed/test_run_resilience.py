@@ -22,7 +22,7 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 
 from testbed.credentials import ServerEndpoint  # noqa: E402
 from testbed.launch import ServerProcess  # noqa: E402
-from testbed.run import RunOptions, execute_run  # noqa: E402
+from testbed.run import RunOptions, execute_run, reuse_differences  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 
 TIMEOUT_S = 1.0
@@ -85,6 +85,11 @@ def test_a_run_whose_own_server_is_killed_still_writes_its_summary(tmp_path):
     options = RunOptions(progress=False, on_progress=_killer(10, kill_own_server))
     summary = execute_run(spec, tmp_path, options)
     _assert_survived(summary, tmp_path / spec.run_id, summary["requests"])
+    # A run that lost its server is a failed run: recorded, and never reused.
+    assert "the cache server stopped answering during the run" in summary["failures"]
+    assert reuse_differences(tmp_path / spec.run_id, spec) == [
+        f"the run failed ({'; '.join(summary['failures'])})"
+    ]
 
 
 def test_a_run_whose_external_server_is_killed_still_writes_its_summary(tmp_path):
