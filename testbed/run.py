@@ -63,6 +63,9 @@ class RunOptions:
     otlp_protocol: str | None = None
     on_progress: Callable[[int, int], None] | None = None
     """Called with (requests done, requests total) as requests finish."""
+    on_wait: Callable[[str | None], None] | None = None
+    """Called while a long start holds the first request back (vLLM's server starting), with
+    what it waits for, about once a second; then once with ``None`` when serving begins."""
     endpoint: str | None = None
     """serve engine: a running vLLM OpenAI server (with the connector) to send the workload
     to; its connector and cache server keep their telemetry where they were told."""
@@ -379,9 +382,20 @@ def _run_engine(
         if options.on_progress is not None:
             options.on_progress(done, total)
 
+    def waiting(text: str | None) -> None:
+        """What the run waits for before its first request (``None``: it has begun, and the
+        bar's clock starts then, so that a long start does not make an ETA)."""
+        if text is None:
+            bar.set_description_str(desc)
+            bar.reset(total)
+        else:
+            bar.set_description_str(f"{desc}: {text}")
+        if options.on_wait is not None:
+            options.on_wait(text)
+
     try:
         if spec.engine == "serve":
-            return _run_serve(spec, requests, endpoint, run_dir, options, server, finished)
+            return _run_serve(spec, requests, endpoint, run_dir, options, server, finished, waiting)
         assert endpoint is not None
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
@@ -406,6 +420,7 @@ def _run_serve(
     options: RunOptions,
     server: ServerProcess | None,
     finished: Callable[[RequestRecord], None],
+    waiting: Callable[[str | None], None],
 ) -> EngineResult:
     """The workload over HTTP: to ``options.endpoint``, or to a vLLM server launched here
     against the run's own cache server (stopped before it, so its spans are flushed)."""
@@ -445,16 +460,23 @@ def _run_serve(
             connector=connector.to_extra_config(),
         )
         collector = SpanCollector(run_dir).start()
+        if options.progress:
+            tqdm.write(
+                f"run {spec.run_id}: starting vLLM's OpenAI server (log: {run_dir / 'vllm.log'}); "
+                "its first requests wait until it answers /health"
+            )
         try:
             vllm = VllmServerProcess(
                 launch,
                 run_dir,
                 otlp_endpoint=collector.endpoint,
                 env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
+                on_wait=waiting,
             ).start()
         except BaseException:
             collector.close()
             raise
+        waiting(None)
         url = vllm.url
     assert url is not None
     try:

@@ -6,7 +6,8 @@
 with the connector named only by ``kv_connector`` (the plugin registers it), pointed at the
 run's ``kvtb server`` and writing its spans into the run directory (``KVTB_SPAN_DIR``), and
 vLLM's own tracing exporting to a collector of the run (so requests' trace context reaches the
-connector), waits for ``/health``, and on close stops it (SIGTERM, then SIGKILL).
+connector), waits for ``/health`` (saying what it waits for, ``on_wait``), and on close stops
+it (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ class VllmServerProcess:
         run_dir: Path,
         otlp_endpoint: str | None = None,
         env: Mapping[str, str] | None = None,
+        on_wait: Callable[[str], None] | None = None,
     ) -> None:
         self.spec = spec
         self.run_dir = run_dir
@@ -64,6 +66,8 @@ class VllmServerProcess:
         context to the engine, and so to the connector, only when its tracing is on."""
         self.env = dict(env or {})
         """More environment variables for vLLM's processes (the run's trace sampler)."""
+        self.on_wait = on_wait
+        """Called about once a second while the server starts, with what it waits for."""
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -119,8 +123,14 @@ class VllmServerProcess:
 
     def _wait_healthy(self) -> None:
         assert self.process is not None
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        started = time.monotonic()
+        deadline = started + _STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self.on_wait is not None:
+                self.on_wait(
+                    f"starting vLLM, {time.monotonic() - started:.0f} s: "
+                    f"waiting for {self.url}/health ({self._last_log_line()})"
+                )
             if self.process.poll() is not None:
                 tail = (self.run_dir / "vllm.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"vLLM's server exited ({self.process.returncode}):\n{tail}")
@@ -132,6 +142,17 @@ class VllmServerProcess:
                 time.sleep(1.0)
         self.close()
         raise RuntimeError(f"vLLM's server did not answer /health within {_STARTUP_TIMEOUT_S:.0f}s")
+
+    def _last_log_line(self) -> str:
+        """The newest line of ``vllm.log``, shortened: what vLLM says it is doing."""
+        try:
+            with open(self.run_dir / "vllm.log", "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 2048))
+                lines = log.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return "no log yet"
+        last = lines[-1].strip() if lines else "no log yet"
+        return last if len(last) <= 80 else last[:77] + "..."
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stops the server; vLLM's graceful shutdown closes the connectors (their spans)."""

@@ -41,7 +41,12 @@ def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usa
         max_num_seqs=1,  # one at a time: the repeat arrives after the first was stored
         prefix_caching=False,  # so that the repeat's hit comes from the cache server
     )
-    summary = execute_run(spec, tmp_path / "runs", RunOptions(launch=True, progress=False))
+    said: list[str | None] = []
+    options = RunOptions(launch=True, progress=False, on_wait=said.append)
+    summary = execute_run(spec, tmp_path / "runs", options)
+    # While vLLM started, the run said what it waited for; then that serving had begun.
+    assert said[-1] is None and len(said) >= 2
+    assert all("starting vLLM" in text and "/health" in text for text in said[:-1])
     run = load_run(tmp_path / "runs" / spec.run_id)
     table = run.requests.set_index("workload_request_id")
     spans = run.spans
