@@ -151,7 +151,9 @@ def build_summary(
             "ttft_p99_ms": float(ttft.quantile(0.99)) if len(ttft) else None,
         }
     )
+    summary["ttft_count"] = len(ttft)
     for operation in ("lookup", "store", "retrieve"):
+        summary[f"{operation}_count"] = int((spans["name"] == metrics.OPERATIONS[operation]).sum())
         for quantile, label in ((0.5, "p50"), (0.99, "p99")):
             summary[f"{operation}_{label}_ms"] = metrics.operation_latency_ms(
                 spans, operation, quantile

@@ -126,13 +126,23 @@ def _print_summary(whatif: Any, path: Path) -> None:
         f"what-if of {meta['num_requests']} requests, {meta['prompt_tokens']:,} prompt tokens "
         f"→ {path}"
     )
+    run_source = (meta.get("source") or {}).get("kind") == "run"
     for size in meta["chunk_sizes"]:
         unlimited = whatif.point(size, None)
         gauge = whatif.min_capacity[whatif.min_capacity["chunk_size"] == size]
         at_90 = gauge[gauge["fraction"] == 0.9]["capacity_tokens"]
-        line = f"  chunk {size}: unlimited {unlimited['token_hit_rate']:.2%}"
+        external = unlimited["external_hit_tokens"] / max(meta["prompt_tokens"], 1)
+        if run_source:  # the run's hits count vLLM's own; the gauge counts the external ones
+            line = (
+                f"  chunk {size}, unlimited cache: token hit rate {unlimited['token_hit_rate']:.2%}"
+                f" (vLLM's prefix cache + external), external {external:.2%}"
+            )
+            what = "the external hits"
+        else:
+            line = f"  chunk {size}, unlimited cache: external hit rate {external:.2%}"
+            what = "them"
         if len(at_90):
-            line += f"; 90% of it from {int(at_90.iloc[0]):,} tokens (LRU)"
+            line += f"; 90% of {what} from {int(at_90.iloc[0]):,} tokens of LRU capacity"
         print(line)
     run = meta.get("run")
     if run:
