@@ -185,6 +185,8 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
         if tracing is not None:
             tracing.shutdown()
     result.rejected = plan.rejected + result.rejected
+    if spec.engine_blocks is None and spec.engine != "oracle":
+        result.effective.setdefault("engine_blocks", pool_blocks(spec, plan.requests))
     if result.effective:
         _write_json(run_dir / SPEC, {**spec.document(), "effective": result.effective})
     wall_s = time.perf_counter() - started
@@ -400,12 +402,16 @@ def _run_engine(
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
-            replay = ReplaySpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
+            replay = ReplaySpec.from_run_spec(
+                spec, max_model_len(requests, spec.block_size), pool_blocks(spec, requests)
+            )
             with ReplayEngine(replay, endpoint, work_dir=run_dir) as engine:
                 return engine.run(requests, on_finish=finished)
         from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
-        vllm_spec = VllmEngineSpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
+        vllm_spec = VllmEngineSpec.from_run_spec(
+            spec, max_model_len(requests, spec.block_size), pool_blocks(spec, requests)
+        )
         with VllmEngine(vllm_spec, endpoint, work_dir=run_dir) as vllm_engine:
             return vllm_engine.run(requests, on_finish=finished)
     finally:
@@ -451,7 +457,7 @@ def _run_serve(
             model=spec.model,
             max_model_len=max_model_len(requests, spec.block_size),
             block_size=spec.block_size,
-            engine_blocks=spec.engine_blocks,
+            engine_blocks=pool_blocks(spec, requests),
             max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             prefix_caching=spec.prefix_caching,
@@ -523,12 +529,29 @@ def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:
     return result
 
 
+POOL_REQUESTS = 2
+"""A pool sized from the workload holds its longest request this many times over."""
+
+
+def pool_blocks(spec: RunSpec, requests: list[WorkloadRequest]) -> int:
+    """vLLM's KV pool for ``requests``, in blocks: the spec's ``engine_blocks``, or, when it
+    leaves that to the workload, room for the longest request :data:`POOL_REQUESTS` times over
+    plus vLLM's null block."""
+    if spec.engine_blocks is not None:
+        return spec.engine_blocks
+    longest = max(len(r.prompt_token_ids) + r.max_output_tokens for r in requests)
+    return POOL_REQUESTS * -(-longest // spec.block_size) + 1
+
+
 def split_servable(
-    requests: list[WorkloadRequest], block_size: int, engine_blocks: int
+    requests: list[WorkloadRequest], block_size: int, engine_blocks: int | None
 ) -> tuple[list[WorkloadRequest], list[str]]:
     """The requests an engine with ``engine_blocks`` KV blocks can serve, and the ids of those
     it never could (vLLM would stall on them). Every engine, the oracle included, gets the same
-    servable requests, so that measured runs and their bounds count the same traffic."""
+    servable requests, so that measured runs and their bounds count the same traffic. A pool
+    sized from the workload (``None``) serves every request."""
+    if engine_blocks is None:
+        return list(requests), []
     servable, rejected = [], []
     for request in requests:
         tokens = len(request.prompt_token_ids) + request.max_output_tokens

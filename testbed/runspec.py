@@ -46,8 +46,9 @@ a field's meaning changes while its name and value stay (e.g. a capacity counted
 unit), so that no run made under the old meaning is reused. Version 1: ``spec.json`` without
 ``spec_schema``, ids hashed from the fields that differed from their defaults. Version 2: every
 field hashed. Version 3: a trace workload is identified by its content (``workload_digest``),
-not its path, and the trace sampler is a field; runs of version 2 are redone, not migrated,
-because nothing recorded whether their traces were sampled or which file content they read."""
+not its path, the trace sampler is a field, and ``engine_blocks`` defaults to a pool sized from
+the workload; runs of version 2 are redone, not migrated, because nothing recorded whether
+their traces were sampled or which file content they read."""
 SPEC_MIGRATIONS: dict[str, Any] = {}
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
@@ -87,8 +88,10 @@ class RunSpec:
     """Cache capacity in bytes (alternative to capacity_tokens)."""
     policy: str = "lru"
     """Eviction policy: lru, fifo, lfu (server); lru or belady (oracle)."""
-    engine_blocks: int = 8192
-    """vLLM's own KV pool, in blocks of block_size tokens."""
+    engine_blocks: int | None = None
+    """vLLM's own KV pool, in blocks of block_size tokens. None: sized from the workload, room
+    for its longest request twice over (``testbed.run.pool_blocks``), so that reuse beyond a
+    few requests needs the external cache; a number: that pool (longer requests are left out)."""
     block_size: int = 64
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
@@ -162,7 +165,7 @@ class RunSpec:
             "max_num_batched_tokens",
             "max_num_seqs",
         ):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be positive, got {getattr(self, name)}")
         if self.transfer_mode not in ("worker", "server"):
             problems.append(

@@ -165,7 +165,7 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         ),
         (["run", "--server", f"tcp://127.0.0.1:{port}"], "credential"),
         (["run", "--workload", f"mooncake:{empty}"], "no requests"),
-        (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "not found"),
+        (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "does not exist"),
         (["run", "--workload", f"mooncake:{broken}"], "broken.jsonl"),
         (["run", "--capacity-tokens", "-5"], "capacity_tokens must be positive"),
         (["run", "--policy", "mru"], "policy 'mru'"),

@@ -147,7 +147,8 @@ class MooncakeBlocks:
                 output = max(1, int(record["output_length"]))
                 if spec.max_output_tokens is not None:
                     output = max(1, min(output, spec.max_output_tokens))
-                if -(-(input_length + output) // spec.block_size) > spec.engine_blocks - 1:
+                blocks = -(-(input_length + output) // spec.block_size)
+                if spec.engine_blocks is not None and blocks > spec.engine_blocks - 1:
                     continue  # split_servable: no engine of a run could serve it
                 parent = -1
                 for hash_id in hash_ids:
