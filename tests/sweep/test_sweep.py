@@ -61,17 +61,18 @@ def cache_servers(under: Path) -> list[int]:
 
 
 def run_processes_of(pid: int) -> list[int]:
-    """Pids of the run processes a sweep spawned (not, e.g., multiprocessing's resource tracker)."""
-    found = []
+    """Pids of the run processes a sweep started: the children of its fork server (not the
+    fork server itself, nor multiprocessing's resource tracker)."""
+    processes = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if parent == pid and b"spawn_main" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
+        processes.append((int(stat.parent.name), parent, cmdline))
+    servers = {p for p, parent, cmdline in processes if parent == pid and b"forkserver" in cmdline}
+    return [p for p, parent, _ in processes if parent in servers]
 
 
 def alive(pid: int) -> bool:
