@@ -24,7 +24,13 @@ from pathlib import Path
 
 from testbed.credentials import ServerEndpoint, client_token
 from testbed.extras import MissingExtra, require_engines, require_lab
-from testbed.run_flags import add_data_dir_argument, add_spec_arguments, spec_from_args
+from testbed.run_flags import (
+    add_data_dir_argument,
+    add_set_argument,
+    add_spec_arguments,
+    assignments,
+    spec_from_args,
+)
 from testbed.spec_inputs import absolute_path
 from testbed.version import package_version
 
@@ -66,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     sweep.add_argument("--no-progress", action="store_true")
     add_data_dir_argument(sweep)
+    add_set_argument(sweep)
 
     report = commands.add_parser("report", help="tables and figures for a sweep directory")
     report.add_argument("sweep_dir", type=absolute_path)
@@ -104,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
     demo.add_argument("--out", type=absolute_path, default="runs")
+    add_set_argument(demo)
 
     args = parser.parse_args(argv)
     try:
@@ -164,7 +172,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from testbed.sweep.cli import demo
 
-        return demo(args.out)
+        return demo(args.out, assignments(args.set))
     raise AssertionError(args.command)
 
 

@@ -33,6 +33,7 @@ from matplotlib.figure import Figure
 matplotlib.use("Agg")  # files only, no display
 
 from testbed.analysis import attribution_plots, capacity_whatif, metrics, plots
+from testbed.analysis.headline import headline
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import figure_axes
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
@@ -98,7 +99,8 @@ def write_report(sweep_dir: Path) -> Path:
     report = out / "report.md"
     captions = [(name, caption) for name, _, caption in figures]
     misses = attribution_plots.miss_cause_table(causes) if len(causes) else None
-    report.write_text(_markdown(manifest, context, table, captions, index, misses))
+    sentence = headline(runs)
+    report.write_text(_markdown(manifest, context, table, captions, index, misses, sentence))
     return report
 
 
@@ -245,10 +247,13 @@ def _markdown(
     figures: list[tuple[str, str]],
     index: pd.DataFrame,
     misses: pd.DataFrame | None = None,
+    sentence: str | None = None,
 ) -> str:
     lines = [f"# Sweep report: {context}", ""]
     if manifest.get("description"):
         lines += [manifest["description"], ""]
+    if sentence:
+        lines += [f"**Headline.** {sentence}", ""]
     failed = index[index["status"] != COMPLETE]
     lines += [
         f"{len(table)} finished runs; {len(failed)} failed. "

@@ -69,6 +69,18 @@ def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE``: a run key set in every run of a sweep, over the sweep file."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a run key in every run, over the sweep file (VALUE as TOML; repeatable), "
+        "e.g. --set requests=20 to try a sweep at a small size",
+    )
+
+
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
     data = data_dir(getattr(args, "data_dir", None))
     values: dict[str, Any] = {}
@@ -86,14 +98,27 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     if "workload" in flags:
         values.pop("workload_digest", None)  # the config's trace is not the one that runs
     values.update(resolve_values(flags, InputContext(Path.cwd(), "command line", data)))
-    params = dict(values.get("workload_params", {}))
-    for item in args.workload_param:
-        key, _, value = item.partition("=")
-        params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
+    params = {**values.get("workload_params", {}), **assignments(args.workload_param)}
     if params:
         values["workload_params"] = params
     source = str(args.config) if args.config else "command line"
     return RunSpec.from_mapping(with_sampling_from_environment(values), source=source)
+
+
+def assignments(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items as a mapping, each VALUE read as TOML (``20``, ``[32, 256]``,
+    ``true``), or as a string where it is not TOML (``chat``); a bare ``KEY`` is ``true``."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, equals, text = item.partition("=")
+        if not equals:
+            values[key] = True
+            continue
+        try:
+            values[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = text
+    return values
 
 
 def _parse_flag(name: str, raw: str, annotation: Any) -> Any:

@@ -75,10 +75,28 @@ class SweepSpec:
     def run_ids(self) -> list[str]:
         return [run.run_id for run in self.runs]
 
+    @property
+    def label_keys(self) -> tuple[str, ...]:
+        """The swept keys that tell runs apart, without those an earlier one determines (the
+        other keys of a linked grid dimension): what a run's label needs."""
+        kept: list[str] = []
+        for key in self.swept:
+            groups: dict[tuple[str, ...], set[str]] = {}
+            for run in self.runs:
+                groups.setdefault(tuple(repr(getattr(run, k)) for k in kept), set()).add(
+                    repr(getattr(run, key))
+                )
+            if any(len(values) > 1 for values in groups.values()):
+                kept.append(key)
+        return tuple(kept)
 
-def load_sweep(path: Path, data: DataDir | None = None) -> SweepSpec:
+
+def load_sweep(
+    path: Path, data: DataDir | None = None, overrides: Mapping[str, Any] | None = None
+) -> SweepSpec:
     """Reads and expands a sweep file; every error message starts with the file's path.
-    ``data``: the data directory (default: :func:`testbed.spec_inputs.data_dir`)."""
+    ``data``: the data directory (default: :func:`testbed.spec_inputs.data_dir`);
+    ``overrides``: run keys set in every run, over the file's values (``kvtb sweep --set``)."""
     path = Path(path)
     text = path.read_text()
     try:
@@ -92,6 +110,7 @@ def load_sweep(path: Path, data: DataDir | None = None) -> SweepSpec:
         source_text=text,
         base_dir=path.absolute().parent,
         data=data,
+        overrides=overrides,
     )
 
 
@@ -103,9 +122,11 @@ def expand_sweep(
     source_text: str = "",
     base_dir: Path | None = None,
     data: DataDir | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> SweepSpec:
     """Expands a parsed sweep document (see the module docstring) into its runs; relative
-    paths in it are relative to ``base_dir`` (default: the working directory)."""
+    paths in it are relative to ``base_dir`` (default: the working directory); ``overrides``
+    are set in every run (relative paths in them: to the working directory)."""
     unknown = sorted(set(document) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise ValueError(
@@ -141,6 +162,11 @@ def expand_sweep(
 
     runs: dict[str, RunSpec] = {}
     root = Path.cwd() if base_dir is None else base_dir
+    extra = _table(dict(overrides or {}), "--set")
+    if extra:
+        combinations = [
+            (f"{where} with --set", _merge(mapping, extra)) for where, mapping in combinations
+        ]
     for where, mapping in combinations:
         context = InputContext(root, where) if data is None else InputContext(root, where, data)
         values = with_sampling_from_environment(resolve_values(mapping, context))

@@ -380,7 +380,11 @@ def test_quickstart_is_a_small_sweep_of_both_engines():
     sweep = load_sweep(QUICKSTART)
     assert sweep.name == "quickstart"
     assert {run.engine for run in sweep.runs} == {"replay", "oracle"}
-    assert len(sweep.runs) <= 8 and all(run.requests <= 100 for run in sweep.runs)
+    assert {run.workload for run in sweep.runs} == {"chat", "rag"}
+    assert None in {run.capacity_tokens for run in sweep.runs} and "capacity_tokens" in sweep.swept
+    assert len(sweep.runs) <= 12 and all(run.requests <= 200 for run in sweep.runs)
+    # Keys linked to the workload (its size and parameters) stay out of run labels.
+    assert sweep.label_keys == ("workload", "capacity_tokens", "engine")
 
 
 def test_demo_runs_its_sweep_and_writes_the_report(tmp_path, monkeypatch, capsys):
@@ -392,7 +396,9 @@ def test_demo_runs_its_sweep_and_writes_the_report(tmp_path, monkeypatch, capsys
 
     assert sweep_cli.demo(tmp_path / "runs") == 0
 
-    report = Path(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("report: "))
+    printed = capsys.readouterr().out.strip().splitlines()
+    (line,) = [line for line in printed if line.startswith("report: ")]
+    report = Path(line.removeprefix("report: "))
     assert report.is_file() and report.is_relative_to(tmp_path / "runs" / "quickstart")
     assert (load_index(tmp_path / "runs" / "quickstart")["status"] == "complete").all()
 
@@ -467,3 +473,16 @@ def test_report_takes_the_out_directory_of_plain_runs(tmp_path, capsys):
 def test_report_of_a_directory_without_runs_says_what_to_give(tmp_path, capsys):
     assert kvtb(["report", str(tmp_path)]) != 0
     assert "kvtb run" in capsys.readouterr().err
+
+
+def test_set_overrides_a_run_key_in_every_run_of_a_sweep(tmp_path, capsys):
+    sweep = load_sweep(QUICKSTART, overrides={"requests": 8})
+    assert {run.requests for run in sweep.runs} == {8}
+    assert len(sweep.runs) == len(load_sweep(QUICKSTART).runs)
+    with pytest.raises(ValueError, match="--set: unknown key 'reqests'"):
+        load_sweep(QUICKSTART, overrides={"reqests": 8})
+    path = write(tmp_path, ORACLE_BASE + "[grid]\nchunk_size = [128, 256]\n", name="small")
+    args = ["sweep", str(path), "--out", str(tmp_path / "runs"), "--no-progress"]
+    assert kvtb([*args, "--set", "requests=4", "--set", "workload=rag"]) == 0
+    index = load_index(tmp_path / "runs" / "small")
+    assert set(index["requests"]) == {4} and set(index["workload"]) == {"rag"}

@@ -161,7 +161,7 @@ def _capacity_axes(axes: plt.Axes, ylabel: str) -> None:
     axes.set_xlabel("external cache capacity (tokens of KV, log scale)")
     axes.set_ylabel(ylabel)
     axes.set_ylim(0, 100)
-    axes.legend(fontsize="x-small", ncols=2)
+    axes.legend(fontsize="x-small", ncols=2, loc="upper left")  # curves rise to the right
 
 
 def min_capacity_figure(whatif: WhatIf, title: str = "Minimum LRU capacity") -> Figure:
