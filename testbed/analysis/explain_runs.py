@@ -64,6 +64,7 @@ def explain_runs(path: Path | str, request_id: str, run: str | None = None) -> E
             raise LookupError(f"--run {run!r} is not a run of {source.path}; its runs: {names}")
         runs = chosen
     stories, missing, oracles = [], [], []
+    hint = ""
     for row in runs.itertuples():
         name = f"{row.run_id} ({row.label})"
         if row.engine == "oracle":
@@ -71,8 +72,9 @@ def explain_runs(path: Path | str, request_id: str, run: str | None = None) -> E
             continue
         try:
             story = Explainer(source.run(str(row.run_id))).explain(request_id)
-        except LookupError:
+        except LookupError as exc:
             missing.append(name)
+            hint = hint or str(exc.args[0]).rpartition(": ")[2].rstrip(")")
             continue
         stories.append(RunStory(str(row.run_id), str(row.label), story))
     if not stories:
@@ -80,6 +82,7 @@ def explain_runs(path: Path | str, request_id: str, run: str | None = None) -> E
         raise LookupError(
             f"no request {request_id!r}{where} in {source.path}: give vLLM's request id, the "
             "workload's, the session id or the id a client saw"
-            + (f" (oracle runs have no telemetry: {', '.join(oracles)})" if oracles else "")
+            + (f" (ids such as {hint})" if hint else "")
+            + (f"; oracle runs have no telemetry: {', '.join(oracles)}" if oracles else "")
         )
     return Explained(tuple(stories), tuple(missing), tuple(oracles))
