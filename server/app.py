@@ -49,6 +49,7 @@ from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed import protocol as p
 from testbed.sizes import parse_bytes
+from testbed.spec_inputs import absolute_path
 from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import TracingConfig, configure_tracing
 
@@ -218,9 +219,7 @@ def handle_frames(
     except Exception as exc:  # RecursionError, MemoryError, ...: never fatal
         message = f"cannot decode request: {type(exc).__name__}"
         return [(identity, service.error(0, "malformed", message))], False
-    authenticated = not isinstance(request, p.Ping) and service.credentials.is_client(
-        request.auth
-    )
+    authenticated = not isinstance(request, p.Ping) and service.credentials.is_client(request.auth)
     try:
         replies = service.handle(identity, request)
     except Exception as exc:  # handle() never raises; this is the last line of defence
@@ -330,13 +329,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     security = parser.add_argument_group("credentials")
     security.add_argument(
         "--token-file",
-        type=Path,
+        type=absolute_path,
         help="keep the client and admin tokens in this 0600 file (created if missing, reused "
         "if present); default: a new file beside the pool, removed on exit",
     )
     security.add_argument(
         "--curve-dir",
-        type=Path,
+        type=absolute_path,
         help="ZeroMQ CURVE keys (server.key_secret, allowed clients' *.key); required with a "
         "non-loopback --host",
     )
@@ -351,7 +350,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     tracing = parser.add_argument_group("telemetry")
     tracing.add_argument(
         "--run-dir",
-        type=Path,
+        type=absolute_path,
         help="write spans to RUN_DIR/spans/ (OTLP JSON lines) and the chunk event log to "
         "RUN_DIR/chunks/",
     )

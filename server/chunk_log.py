@@ -6,7 +6,7 @@ huge). This log does, compactly: one row per chunk event, appended to
 batch* ``{"columns": {name: [values, ...]}}`` of equal-length columns (:data:`COLUMNS`).
 ``testbed.analysis.chunklog`` reads it (and a run converts it to ``chunks.parquet``); the
 miss causes of ``testbed.analysis.attribution`` and the what-if curves of
-``testbed.analysis.whatif`` come from it. README.md documents the columns.
+``testbed.analysis.whatif`` come from it. docs/telemetry.md documents the columns.
 
 Rows are buffered and written in batches (at :data:`BATCH_ROWS` rows, at every housekeeping
 tick and on close), so a row costs a few list appends on the request path.

@@ -28,12 +28,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from testbed.credentials import ServerEndpoint, client_token
 from testbed.extras import MissingExtra, require_engines, require_lab
 from testbed.launch import ServerStartError
-from testbed.run_flags import add_spec_arguments, spec_from_args
+from testbed.run_flags import (
+    add_data_dir_argument,
+    add_set_argument,
+    add_spec_arguments,
+    assignments,
+    spec_from_args,
+)
+from testbed.spec_inputs import absolute_path
 from testbed.version import package_version
 
 
@@ -60,8 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sweep.add_argument(
         "--out",
-        type=Path,
-        default=Path("runs"),
+        type=absolute_path,
+        default="runs",
         help="parent of the sweep directory (default: runs)",
     )
     sweep.add_argument(
@@ -73,17 +79,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep.add_argument("--executor", choices=["local", "ray"], default="local")
     sweep.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
     sweep.add_argument("--no-progress", action="store_true")
+    add_data_dir_argument(sweep)
+    add_set_argument(sweep)
 
     report = commands.add_parser("report", help="tables and figures for a sweep directory")
-    report.add_argument("sweep_dir", type=Path)
+    report.add_argument("sweep_dir", type=absolute_path)
 
     export = commands.add_parser("export", help="export the spans of runs or sweeps")
     formats = export.add_subparsers(dest="format", required=True, metavar="FORMAT")
     jaeger = formats.add_parser("jaeger", help="Jaeger-UI JSON (upload it in the Jaeger UI)")
     jaeger.add_argument(
-        "run_dirs", type=Path, nargs="+", metavar="DIR", help="run or sweep directories"
+        "run_dirs", type=absolute_path, nargs="+", metavar="DIR", help="run or sweep directories"
     )
-    jaeger.add_argument("-o", "--output", type=Path, required=True)
+    jaeger.add_argument("-o", "--output", type=absolute_path, required=True)
     jaeger.add_argument(
         "--request",
         action="append",
@@ -114,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
-    demo.add_argument("--out", type=Path, default=Path("runs"))
+    demo.add_argument("--out", type=absolute_path, default="runs")
+    add_set_argument(demo)
 
     args = parser.parse_args(argv)
     try:
@@ -185,7 +194,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from testbed.sweep.cli import demo
 
-        return demo(args.out)
+        return demo(args.out, assignments(args.set))
     raise AssertionError(args.command)
 
 
@@ -197,7 +206,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     add_spec_arguments(parser)
     parser.add_argument(
-        "--out", type=Path, default=Path("runs"), help="parent directory (default: runs)"
+        "--out", type=absolute_path, default="runs", help="parent directory (default: runs)"
     )
     parser.add_argument(
         "--server", help="use this cache server (tcp://HOST:PORT) instead of starting one"
@@ -213,7 +222,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--token-file",
-        type=Path,
+        type=absolute_path,
         help="the --server's token file (its readiness line prints the path; default: "
         "KVTB_TOKEN_FILE or KVTB_TOKEN)",
     )
@@ -241,8 +250,10 @@ def _run(args: argparse.Namespace) -> int:
             otlp_protocol=args.otlp_protocol,
         ),
     )
-    print_summary(summary, args.out / spec.run_id)
-    return 0 if not summary.get("integrity_errors") else 1
+    from testbed.summary_text import summary_lines
+
+    print("\n".join(summary_lines(summary, args.out / spec.run_id)))
+    return 1 if summary.get("failures") or summary.get("integrity_errors") else 0
 
 
 def _endpoint(args: argparse.Namespace) -> ServerEndpoint | None:
@@ -266,58 +277,6 @@ def _endpoint(args: argparse.Namespace) -> ServerEndpoint | None:
             "readiness line), or KVTB_TOKEN_FILE / KVTB_TOKEN"
         )
     return ServerEndpoint(args.server, token)
-
-
-def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    rows = [
-        ("requests", summary.get("requests")),
-        ("prompt tokens", summary.get("prompt_tokens")),
-        ("token hit rate", _pct(summary.get("token_hit_rate"))),
-        ("  engine prefix hits", summary.get("engine_hit_tokens")),
-        ("  external hits", summary.get("external_hit_tokens")),
-        ("  recomputed", summary.get("recomputed_tokens")),
-        ("mean request hit rate", _pct(summary.get("mean_request_hit_rate"))),
-        ("stored / retrieved / evicted", _bytes3(summary)),
-        ("lookup p50 / p99 ms", _pair(summary, "lookup")),
-        ("store p50 / p99 ms", _pair(summary, "store")),
-        ("retrieve p50 / p99 ms", _pair(summary, "retrieve")),
-        ("integrity errors", summary.get("integrity_errors")),
-        ("limit refusals", summary.get("limit_refusals") or None),
-        ("cache pool", summary.get("pool_medium")),
-        (
-            "spans exported / dropped",
-            f"{summary.get('spans_exported')} / {summary.get('spans_dropped')}",
-        ),
-    ]
-    width = max(len(label) for label, _ in rows)
-    print(f"run {summary['run_id']} ({summary['engine']}) → {run_dir}")
-    for label, value in rows:
-        if value is not None:
-            print(f"  {label:<{width}}  {value}")
-    for line in summary.get("missing") or []:
-        print(f"  missing: {line}")
-
-
-def _pct(value: float | None) -> str | None:
-    return None if value is None else f"{value:.2%}"
-
-
-def _pair(summary: dict[str, Any], op: str) -> str | None:
-    p50, p99 = summary.get(f"{op}_p50_ms"), summary.get(f"{op}_p99_ms")
-    return None if p50 is None or p99 is None else f"{p50:.3f} / {p99:.3f}"
-
-
-def _bytes3(summary: dict[str, Any]) -> str | None:
-    """Stored, retrieved and evicted bytes; ``?`` for a figure the run could not know (an
-    external server's evictions are in its own spans)."""
-    from testbed.sizes import format_bytes
-
-    if "stored_bytes" not in summary:
-        return None
-    return " / ".join(
-        "?" if summary.get(k) is None else format_bytes(summary[k])
-        for k in ("stored_bytes", "retrieved_bytes", "evicted_bytes")
-    )
 
 
 if __name__ == "__main__":

@@ -116,8 +116,11 @@ def check(footprint: Footprint, out_dir: Path, pool_dir: Path | None = None) -> 
                 f"its cache pool of {format_bytes(footprint.pool_bytes)} does not fit in "
                 f"{where} ({format_bytes(free)} free); give a smaller capacity_tokens or "
                 "capacity_bytes"
-                + (", or pool_medium = 'disk' (a disk-backed pool, recorded as such)"
-                   if footprint.pool_medium == "shm" else "")  # fmt: skip
+                + (
+                    ", or pool_medium = 'disk' (a disk-backed pool, recorded as such)"
+                    if footprint.pool_medium == "shm"
+                    else ""
+                )  # fmt: skip
             )
     room = free_bytes(_existing_parent(out_dir))
     if room is not None and room < RUN_DIR_RESERVE_BYTES:
@@ -179,6 +182,8 @@ def check_run(
     """Checks a run of ``spec`` against this machine (:func:`check`): on all its requests
     (``exact``), or on its first ones, extrapolated to ``spec.requests``. ``bytes_per_token``:
     what the cache stores per token; ``own_server``: whether the run starts its server."""
+    if not requests:
+        return  # nothing to check: loading the workload says it is empty
     tokens = [(r.num_prompt_tokens, r.max_output_tokens) for r in requests]
     num_requests = len(tokens) if exact or spec.requests is None else spec.requests
     capacity = spec.capacity_bytes
@@ -191,7 +196,7 @@ def check_run(
     footprint = estimate(
         num_requests=num_requests,
         sample_tokens=tokens,
-        engine_kv_bytes=0 if kv is None else kv(spec, bytes_per_token),
+        engine_kv_bytes=0 if kv is None else kv(spec, pool_blocks(spec, requests), bytes_per_token),
         capacity_bytes=capacity,
         bytes_per_token=bytes_per_token,
         pool_medium=medium,
@@ -199,18 +204,32 @@ def check_run(
     check(footprint, out_dir)
 
 
-def _replay_kv_bytes(spec: RunSpec, bytes_per_token: int) -> int:
+POOL_REQUESTS = 2
+"""A pool sized from the workload holds its longest request this many times over."""
+
+
+def pool_blocks(spec: RunSpec, requests: Sequence[RequestShape]) -> int:
+    """vLLM's KV pool for ``requests``, in blocks: the spec's ``engine_blocks``, or, when it
+    leaves that to the workload, room for the longest request :data:`POOL_REQUESTS` times over
+    plus vLLM's null block."""
+    if spec.engine_blocks is not None:
+        return spec.engine_blocks
+    longest = max(r.num_prompt_tokens + r.max_output_tokens for r in requests)
+    return POOL_REQUESTS * -(-longest // spec.block_size) + 1
+
+
+def _replay_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
     """The replay's worker harnesses: one int16 KV tensor per layer and TP rank."""
     per_rank = spec.kv_profile.bytes_per_token(spec.tp)
-    return spec.engine_blocks * spec.block_size * per_rank * spec.tp
+    return blocks * spec.block_size * per_rank * spec.tp
 
 
-def _vllm_kv_bytes(spec: RunSpec, bytes_per_token: int) -> int:
+def _vllm_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
     """vLLM's KV cache (``kv_cache_memory_bytes``) on every TP rank."""
-    return spec.engine_blocks * spec.block_size * bytes_per_token
+    return blocks * spec.block_size * bytes_per_token
 
 
-ENGINE_KV: dict[str, Callable[[RunSpec, int], int]] = {
+ENGINE_KV: dict[str, Callable[[RunSpec, int, int], int]] = {
     "replay": _replay_kv_bytes,
     "vllm": _vllm_kv_bytes,
 }

@@ -3,7 +3,9 @@
 :class:`ServerProcess` runs ``python -m server`` with the given flags (``--port 0`` by
 default), reads the readiness line for the bound endpoint, its epoch and its token file
 (whose client and admin tokens it then holds), and on close stops the process (SIGTERM,
-then SIGKILL) so no test or run leaves a server behind.
+then SIGKILL) so no test or run leaves a server behind. The server runs in the caller's working
+directory, with this package importable from it; paths it is given should be absolute (the
+command line makes them so), so that nothing depends on where it runs.
 """
 
 from __future__ import annotations
@@ -63,8 +65,7 @@ class ServerProcess:
             stderr=stderr,
             stdin=subprocess.DEVNULL,
             text=True,
-            env=self._env,
-            cwd=Path(__file__).resolve().parent.parent,
+            env=_importable(self._env),
         )
         if stderr is subprocess.PIPE:
             threading.Thread(target=self._drain_stderr, daemon=True).start()
@@ -148,6 +149,16 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _importable(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with this package's import root on ``PYTHONPATH`` when it is a source tree (not
+    an installed site directory), so that ``python -m server`` finds it from any directory."""
+    root = Path(__file__).resolve().parent.parent
+    if root.name in ("site-packages", "dist-packages"):
+        return dict(env)
+    paths = [str(root), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float) -> None:

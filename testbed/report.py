@@ -1,8 +1,13 @@
 """``kvtb report runs/<sweep>``: a sweep's comparison table and figures.
 
-Writes ``<sweep>/report/``: ``report.md`` (what was run, the comparison table, the figures),
-``runs.csv`` and PNG figures:
+Writes ``<sweep>/report/``: ``report.md`` (what was run, whether its traces were sampled, the
+comparison table, the figures), ``runs.csv`` and PNG figures, the what-if first:
 
+- ``whatif_hit_rate.png``, ``whatif_min_capacity.png``, ``whatif_reuse.png`` (sweeps that vary
+  capacity or policy): what the external cache buys at every capacity: the measured runs on the
+  exact LRU curve of the accesses a run recorded, above vLLM's own share, and the oracle runs
+  on the workload's curve beside Belady, a row per workload; the minimum-capacity gauge and
+  reuse CDFs (:mod:`testbed.analysis.capacity_whatif`);
 - ``hit_rate.png``: token hit rate against the swept parameter, oracle bounds dashed beside
   the measured runs; ``request_hit_rate.png`` the same, request-weighted;
 - ``token_sources.png``: prompt tokens from the engine's prefix cache, the external cache,
@@ -13,10 +18,8 @@ Writes ``<sweep>/report/``: ``report.md`` (what was run, the comparison table, t
 - ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary);
 - ``token_causes.png``: where every prompt token went, per run (the ten categories of
   METRICS.md), beside the miss-cause table (3C table) in ``report.md``.
-- ``whatif_hit_rate.png``, ``whatif_min_capacity.png``, ``whatif_reuse.png`` (sweeps that vary
-  capacity or policy): the workload's LRU curve at every capacity with Belady (and the swept
-  server policies) beside it and every measured run on it, the minimum-capacity gauge, reuse
-  CDFs (:mod:`testbed.analysis.whatif.figures`).
+
+Token categories take :mod:`testbed.analysis.palette`'s colours in every figure.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from matplotlib.figure import Figure
 
 matplotlib.use("Agg")  # files only, no display
 
-from testbed.analysis import attribution_plots, metrics, plots
+from testbed.analysis import attribution_plots, capacity_whatif, metrics, plots
+from testbed.analysis.headline import headline
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import figure_axes
-from testbed.analysis.whatif import figures as whatif_figures
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
 from testbed.telemetry import attributes as a
 
@@ -96,7 +99,8 @@ def write_report(sweep_dir: Path) -> Path:
     report = out / "report.md"
     captions = [(name, caption) for name, _, caption in figures]
     misses = attribution_plots.miss_cause_table(causes) if len(causes) else None
-    report.write_text(_markdown(manifest, context, table, captions, index, misses))
+    sentence = headline(runs)
+    report.write_text(_markdown(manifest, context, table, captions, index, misses, sentence))
     return report
 
 
@@ -104,7 +108,8 @@ def _figures(
     sweep_dir: Path, runs: pd.DataFrame, x: str, series: list[str], swept: list[str], context: str
 ) -> list[tuple[str, Figure, str]]:
     """(file name, figure, caption) of every figure the sweep supports."""
-    figures = [
+    figures = capacity_whatif.report_figures(sweep_dir, swept, context)  # first, when it applies
+    figures += [
         (
             "hit_rate.png",
             plots.hit_rate(runs, x, series, title=f"Token hit rate — {context}"),
@@ -124,7 +129,6 @@ def _figures(
             "Mean per-request hit rate, request-weighted.",
         ),
     ]
-    figures += whatif_figures.sweep_figures(sweep_dir, runs, swept, context)
     measured = runs[runs["engine"] != "oracle"]
     if measured.empty:
         return figures
@@ -243,14 +247,17 @@ def _markdown(
     figures: list[tuple[str, str]],
     index: pd.DataFrame,
     misses: pd.DataFrame | None = None,
+    sentence: str | None = None,
 ) -> str:
     lines = [f"# Sweep report: {context}", ""]
     if manifest.get("description"):
         lines += [manifest["description"], ""]
+    if sentence:
+        lines += [f"**Headline.** {sentence}", ""]
     failed = index[index["status"] != COMPLETE]
     lines += [
         f"{len(table)} finished runs; {len(failed)} failed. "
-        f"Swept: {', '.join(manifest['swept']) or 'nothing'}.",
+        f"Swept: {', '.join(manifest['swept']) or 'nothing'}. {_sampling(index)}",
         "",
     ]
     shown = table.rename(columns={"summary_requests": "served", "requests_rejected": "rejected"})
@@ -288,6 +295,22 @@ def _markdown(
     for name, caption in figures:
         lines += [f"![{caption}]({name})", "", f"*{caption}*", ""]
     return "\n".join(lines)
+
+
+def _sampling(index: pd.DataFrame) -> str:
+    """Whether every run recorded every trace; else which runs sampled, and how much of them
+    their token figures are estimated from."""
+    if "sampling_every_trace" not in index:
+        return "No run says whether its traces were sampled (made before runs recorded it)."
+    sampled = index[index["sampling_every_trace"].eq(False).fillna(False)]
+    if sampled.empty:
+        return "Every run recorded every trace: the token figures are exact."
+    runs = "; ".join(
+        f"`{row.run_id}` {row.sampling_text} ({row.requests_recorded} of "
+        f"{row.summary_requests} requests)"
+        for row in sampled.itertuples()
+    )
+    return f"Sampled runs, whose token figures are estimates from the requests recorded: {runs}."
 
 
 def _markdown_table(frame: pd.DataFrame) -> str:

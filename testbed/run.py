@@ -7,9 +7,11 @@ last, ``summary.json``. A run that does not fit on the machine (``testbed.footpr
 refused before anything is written; space for the results is reserved at the start, so a
 disk that fills during the run costs spans (counted, and listed in the summary's
 ``missing``), not the summary. A directory without ``summary.json`` is an unfinished run: it
-is cleared and redone. A finished run is reused only if its ``spec.json`` equals the resolved spec
-(:meth:`RunSpec.differences`); otherwise it is redone, with a log line naming the fields that
-differ. Every process the run starts is stopped before it returns.
+is cleared and redone. A finished run is reused only if it did not fail (:func:`failure`: its
+summary lists no failures, :mod:`testbed.run_health`, and no ``error.txt`` says it died) and its
+``spec.json`` equals the resolved spec (:meth:`RunSpec.differences`); otherwise it is redone,
+with a log line saying why. Every process the run starts is stopped before it returns, and
+every process gets absolute paths and the spec's trace sampler.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ from testbed import footprint
 from testbed import protocol as p
 from testbed.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
+from testbed.footprint import pool_blocks
 from testbed.launch import ServerProcess
 from testbed.owned_files import ReservedSpace
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.run_health import failures
 from testbed.runspec import RunSpec
 from testbed.server_state import server_state_after
+from testbed.spec_inputs import check_workload_content
 from testbed.telemetry import attributes as a
+from testbed.telemetry import sampling
 from testbed.telemetry.setup import TracingConfig, configure_tracing, dropped_spans, read_counts
 from testbed.version import package_version, source_commit
 from testbed.workloads import (
@@ -60,6 +66,8 @@ log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
 SPEC = "spec.json"
+ERROR = "error.txt"
+"""A failed run's error (first line) and traceback, written by whoever saw it fail."""
 REPLAY_VOCAB = 32_000
 R = TypeVar("R", bound=RequestShape)
 VLLM_VOCAB = 1024  # the tiny model's vocabulary
@@ -75,6 +83,9 @@ class RunOptions:
     otlp_protocol: str | None = None
     on_progress: Callable[[int, int], None] | None = None
     """Called with (requests done, requests total) as requests finish."""
+    on_wait: Callable[[str | None], None] | None = None
+    """Called while a long start holds the first request back (vLLM's server starting), with
+    what it waits for, about once a second; then once with ``None`` when serving begins."""
     endpoint: str | None = None
     """serve engine: a running vLLM OpenAI server (with the connector) to send the workload
     to; its connector and cache server keep their telemetry where they were told."""
@@ -137,11 +148,27 @@ def is_complete(run_dir: Path) -> bool:
     return (run_dir / SUMMARY).is_file()
 
 
-def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
-    """``None`` when ``run_dir`` holds no finished run; else how the finished run's
-    ``spec.json`` differs from ``spec`` (empty: it is a run of exactly ``spec``, reusable)."""
+def failure(run_dir: Path) -> str | None:
+    """Why the run in ``run_dir`` failed; ``None`` when it has not (or has not run yet): the
+    error recorded in ``error.txt``, else the failures its summary lists."""
+    error = run_dir / ERROR
+    if error.is_file():
+        return error.read_text().split("\n", 1)[0] or "run failed"
     if not is_complete(run_dir):
         return None
+    found = json.loads((run_dir / SUMMARY).read_text()).get("failures") or []
+    return "; ".join(found) or None
+
+
+def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
+    """``None`` when ``run_dir`` holds no finished run; else why the finished run is not a
+    run of exactly ``spec`` to reuse: how its ``spec.json`` differs, or that it failed (empty:
+    reusable)."""
+    if not is_complete(run_dir):
+        return None
+    failed = failure(run_dir)
+    if failed is not None:
+        return [f"the run failed ({failed})"]
     path = run_dir / SPEC
     if not path.is_file():
         return [f"{SPEC} is missing"]
@@ -160,13 +187,13 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     run directory is touched; a run whose server dies or hangs still finishes and writes its
     summary from what it recorded.
     """
-    run_dir = Path(out_dir) / spec.run_id
+    run_dir = Path(out_dir).absolute() / spec.run_id
     differences = reuse_differences(run_dir, spec)
     if differences == []:
         return json.loads((run_dir / SUMMARY).read_text())
     if differences:
         log.warning(
-            "run %s: the finished run in %s was made from another spec (%s); redoing it",
+            "run %s: the finished run in %s is not reused (%s); redoing it",
             spec.run_id,
             run_dir,
             "; ".join(differences),
@@ -186,6 +213,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
             resource=_resource(spec, plan),
             otlp_endpoint=options.otlp_endpoint,
             otlp_protocol=options.otlp_protocol,
+            sampling=(spec.trace_sampler, spec.trace_sampler_ratio),
         )
     )
     started = time.perf_counter()
@@ -209,6 +237,8 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
         if tracing is not None:
             tracing.shutdown()
     result.rejected = plan.rejected + result.rejected
+    if spec.engine_blocks is None and spec.engine != "oracle":
+        result.effective.setdefault("engine_blocks", pool_blocks(spec, plan.requests))
     if result.effective:
         _write_json(run_dir / SPEC, {**spec.document(), "effective": result.effective})
     wall_s = time.perf_counter() - started
@@ -219,7 +249,10 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     summary["pool_medium"] = plan.pool_medium
     summary.update(read_counts(run_dir))
     summary["missing"] = summary.get("missing", []) + dropped_spans(run_dir)
-    _write_json(run_dir / SUMMARY, summary)  # last: marks the run complete
+    own_server = spec.engine != "oracle" and options.server is None
+    own_server = own_server and (spec.engine != "serve" or options.launch)
+    summary["failures"] = failures(summary, run_dir, own_server=own_server)
+    _write_json(run_dir / SUMMARY, summary)  # last: marks the run finished
     return summary
 
 
@@ -240,6 +273,7 @@ def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")
     workload = _make_workload(spec)
     requests: list[WorkloadRequest] = []
     blocks = None  # the oracle keys a block-hash trace from its ids: no token synthesised
+    check_workload_content(spec)
     check = functools.partial(
         footprint.check_run,
         spec,
@@ -401,7 +435,8 @@ def _run_with_server(
             args += ["--otlp-endpoint", options.otlp_endpoint]
         if options.otlp_protocol:
             args += ["--otlp-protocol", options.otlp_protocol]
-        server = ServerProcess(args, log_path=run_dir / "server.log").start()
+        env = sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio)
+        server = ServerProcess(args, env=env, log_path=run_dir / "server.log").start()
         endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
         result = _run_engine(
@@ -427,13 +462,8 @@ def _run_engine(
     """``arrivals``: how the requests arrive (the replay engine takes closed-loop users;
     ``None``: at their ``arrival_s``)."""
     total = len(requests)
-    bar = tqdm(
-        total=total,
-        unit="req",
-        desc=f"{spec.engine} {spec.run_id}",
-        disable=not options.progress,
-        leave=False,
-    )
+    desc = f"{spec.engine} {spec.run_id}"
+    bar = tqdm(total=total, unit="req", desc=desc, disable=not options.progress, leave=False)
     done = 0
 
     def finished(record: RequestRecord) -> None:
@@ -443,19 +473,34 @@ def _run_engine(
         if options.on_progress is not None:
             options.on_progress(done, total)
 
+    def waiting(text: str | None) -> None:
+        """What the run waits for before its first request (``None``: it has begun, and the
+        bar's clock starts then, so that a long start does not make an ETA)."""
+        if text is None:
+            bar.set_description_str(desc)
+            bar.reset(total)
+        else:
+            bar.set_description_str(f"{desc}: {text}")
+        if options.on_wait is not None:
+            options.on_wait(text)
+
     try:
         if spec.engine == "serve":
-            return _run_serve(spec, requests, endpoint, run_dir, options, server, finished)
+            return _run_serve(spec, requests, endpoint, run_dir, options, server, finished, waiting)
         assert endpoint is not None
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
-            replay = ReplaySpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
+            replay = ReplaySpec.from_run_spec(
+                spec, max_model_len(requests, spec.block_size), pool_blocks(spec, requests)
+            )
             with ReplayEngine(replay, endpoint, work_dir=run_dir) as engine:
                 return engine.run(arrivals or OpenLoop(requests), on_finish=finished)
         from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
-        vllm_spec = VllmEngineSpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
+        vllm_spec = VllmEngineSpec.from_run_spec(
+            spec, max_model_len(requests, spec.block_size), pool_blocks(spec, requests)
+        )
         with VllmEngine(vllm_spec, endpoint, work_dir=run_dir) as vllm_engine:
             return vllm_engine.run(requests, on_finish=finished)
     finally:
@@ -470,6 +515,7 @@ def _run_serve(
     options: RunOptions,
     server: ServerProcess | None,
     finished: Callable[[RequestRecord], None],
+    waiting: Callable[[str | None], None],
 ) -> EngineResult:
     """The workload over HTTP: to ``options.endpoint``, or to a vLLM server launched here
     against the run's own cache server (stopped before it, so its spans are flushed)."""
@@ -500,7 +546,7 @@ def _run_serve(
             model=spec.model,
             max_model_len=max_model_len(requests, spec.block_size),
             block_size=spec.block_size,
-            engine_blocks=spec.engine_blocks,
+            engine_blocks=pool_blocks(spec, requests),
             max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             prefix_caching=spec.prefix_caching,
@@ -509,11 +555,23 @@ def _run_serve(
             connector=connector.to_extra_config(),
         )
         collector = SpanCollector(run_dir).start()
+        if options.progress:
+            tqdm.write(
+                f"run {spec.run_id}: starting vLLM's OpenAI server (log: {run_dir / 'vllm.log'}); "
+                "its first requests wait until it answers /health"
+            )
         try:
-            vllm = VllmServerProcess(launch, run_dir, otlp_endpoint=collector.endpoint).start()
+            vllm = VllmServerProcess(
+                launch,
+                run_dir,
+                otlp_endpoint=collector.endpoint,
+                env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
+                on_wait=waiting,
+            ).start()
         except BaseException:
             collector.close()
             raise
+        waiting(None)
         url = vllm.url
     assert url is not None
     try:
@@ -562,11 +620,14 @@ def _run_oracle(
 
 
 def split_servable(
-    requests: Iterable[R], block_size: int, engine_blocks: int
+    requests: Iterable[R], block_size: int, engine_blocks: int | None
 ) -> tuple[list[R], list[str]]:
     """The requests an engine with ``engine_blocks`` KV blocks can serve, and the ids of those
     it never could (vLLM would stall on them). Every engine, the oracle included, gets the same
-    servable requests, so that measured runs and their bounds count the same traffic."""
+    servable requests, so that measured runs and their bounds count the same traffic. A pool
+    sized from the workload (``None``) serves every request."""
+    if engine_blocks is None:
+        return list(requests), []
     servable: list[R] = []
     rejected: list[str] = []
     for request in requests:

@@ -1,6 +1,9 @@
 """``kvtb run``'s flags: every key of :class:`~testbed.runspec.RunSpec` as a flag
 (``--chunk-size`` for ``chunk_size``), a ``--config`` TOML file under them, and their parsing
-into a validated spec. ``kvtb whatif`` takes the same flags for a workload source."""
+into a validated spec. ``kvtb whatif`` takes the same flags for a workload source.
+
+Paths are resolved as they are parsed (:mod:`testbed.spec_inputs`): a flag's relative to the
+working directory, a ``--config`` file's relative to that file's directory."""
 
 from __future__ import annotations
 
@@ -11,17 +14,28 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from testbed.runspec import RunSpec
+from testbed.runspec import DERIVED_KEYS, RunSpec
 from testbed.sizes import parse_bytes
+from testbed.spec_inputs import (
+    DATA_DIR_ENV,
+    InputContext,
+    absolute_path,
+    data_dir,
+    resolve_values,
+    with_sampling_from_environment,
+)
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, a flag per run key and ``--workload-param KEY=VALUE``."""
-    parser.add_argument("--config", type=Path, help="TOML file with run keys (flags override it)")
+    parser.add_argument(
+        "--config", type=absolute_path, help="TOML file with run keys (flags override it)"
+    )
+    add_data_dir_argument(parser)
     hints = typing.get_type_hints(RunSpec)
     defaults = RunSpec()
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
-        if name == "workload_params":
+        if name == "workload_params" or name in DERIVED_KEYS:
             continue
         flag = "--" + name.replace("_", "-")
         annotation = hints[name]
@@ -44,24 +58,67 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """``--data-dir``: where ``$KVTB_DATA_DIR`` in a workload path points."""
+    parser.add_argument(
+        "--data-dir",
+        type=absolute_path,
+        default=None,
+        help=f"the data directory of the public traces, $KVTB_DATA_DIR in a workload path "
+        f"(default: {DATA_DIR_ENV}, else ../shared/data beside a checkout)",
+    )
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE``: a run key set in every run of a sweep, over the sweep file."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a run key in every run, over the sweep file (VALUE as TOML; repeatable), "
+        "e.g. --set requests=20 to try a sweep at a small size",
+    )
+
+
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    data = data_dir(getattr(args, "data_dir", None))
     values: dict[str, Any] = {}
     if args.config is not None:
-        values.update(tomllib.loads(args.config.read_text()))
+        config = Path(args.config).absolute()
+        context = InputContext(config.parent, str(args.config), data)
+        values.update(resolve_values(tomllib.loads(config.read_text()), context))
+    flags: dict[str, Any] = {}
     hints = typing.get_type_hints(RunSpec)
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
         raw = getattr(args, name, None)
         if raw is None or name == "workload_params":
             continue
-        values[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
-    params = dict(values.get("workload_params", {}))
-    for item in args.workload_param:
-        key, _, value = item.partition("=")
-        params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
+        flags[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
+    if "workload" in flags:
+        values.pop("workload_digest", None)  # the config's trace is not the one that runs
+    values.update(resolve_values(flags, InputContext(Path.cwd(), "command line", data)))
+    params = {**values.get("workload_params", {}), **assignments(args.workload_param)}
     if params:
         values["workload_params"] = params
     source = str(args.config) if args.config else "command line"
-    return RunSpec.from_mapping(values, source=source)
+    return RunSpec.from_mapping(with_sampling_from_environment(values), source=source)
+
+
+def assignments(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items as a mapping, each VALUE read as TOML (``20``, ``[32, 256]``,
+    ``true``), or as a string where it is not TOML (``chat``); a bare ``KEY`` is ``true``."""
+    values: dict[str, Any] = {}
+    for item in items:
+        key, equals, text = item.partition("=")
+        if not equals:
+            values[key] = True
+            continue
+        try:
+            values[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = text
+    return values
 
 
 def _parse_flag(name: str, raw: str, annotation: Any) -> Any:

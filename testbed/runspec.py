@@ -12,7 +12,11 @@ its ``spec.json`` (:meth:`RunSpec.document`) equals today's resolved spec
 (:meth:`RunSpec.differences` is empty); a field it lacks is a difference, unless
 :data:`SPEC_MIGRATIONS` says which value the runs made before the field existed had.
 Changing a default therefore changes the id of every spec that relies on it: the old runs are
-not reused, they are redone under a new id.
+not reused, they are redone under a new id. A trace workload counts by its content
+(``workload_digest``), not its path (:func:`identity`): a moved checkout keeps its run ids.
+
+The spec holds values, not the machine: paths are made absolute, traces hashed and the
+sampler read from the environment when a spec is parsed (:mod:`testbed.spec_inputs`).
 """
 
 from __future__ import annotations
@@ -31,24 +35,31 @@ from testbed.bounds import Bound, out_of_bounds
 from testbed.engine.profiles import PROFILES, KVProfile, get_profile
 from testbed.protocol import POOL_MEDIA
 from testbed.sizes import parse_bytes
+from testbed.telemetry import sampling
+from testbed.telemetry.sampling import DEFAULT_SAMPLER
 
 ENGINES = ("replay", "vllm", "serve", "oracle")
 SERVER_POLICIES = tuple(sorted(POLICIES))
 ORACLE_POLICIES = ("lru", "belady")  # capacity None: the infinite cache
 MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
 
-SPEC_SCHEMA = 2
+SPEC_SCHEMA = 3
 """What the fields mean, as a version; part of every run id and of ``spec.json``. Bump it when
 a field's meaning changes while its name and value stay (e.g. a capacity counted in another
 unit), so that no run made under the old meaning is reused. Version 1: ``spec.json`` without
-``spec_schema``, ids hashed from the fields that differed from their defaults."""
-SPEC_MIGRATIONS: dict[str, Any] = {"pool_medium": "shm"}
+``spec_schema``, ids hashed from the fields that differed from their defaults. Version 2: every
+field hashed. Version 3: a trace workload is identified by its content (``workload_digest``),
+not its path, the trace sampler and the pool's medium are fields, and ``engine_blocks``
+defaults to a pool sized from the workload; runs of version 2 are redone, not migrated,
+because nothing recorded whether their traces were sampled or which file content they read."""
+SPEC_MIGRATIONS: dict[str, Any] = {}
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
 they did). While a field has that value it is left out of the run id (older ids stay), and a
-``spec.json`` that lacks the field compares as holding it. ``pool_medium``: runs before it had
-their pool in ``/dev/shm`` (a pool too big for it went to disk silently; that no longer
-happens)."""
+``spec.json`` that lacks the field compares as holding it. Empty: no field has been added since
+version 3."""
+DERIVED_KEYS = ("workload_digest",)
+"""Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
 BOUNDS: dict[str, Bound] = {
     "requests": Bound(1, 10_000_000, "requests"),
@@ -78,8 +89,9 @@ class RunSpec:
     """replay (vLLM's scheduler, no model), vllm (full engine), serve (a vLLM OpenAI server
     over HTTP: kvtb run --endpoint URL, or --launch), oracle (no server)."""
     workload: str = "chat"
-    """A generator name (chat, docqa, rag, random), mooncake:PATH or agentic:PATH (a
-    kv-cache-tester conversation file or directory)."""
+    """A generator name (chat, docqa, rag, random) or a trace, ``KIND:PATH`` (mooncake:PATH, or
+    agentic:PATH: a kv-cache-tester conversation file or directory): the path absolute once
+    parsed (:mod:`testbed.spec_inputs`), recorded, not part of the id."""
     requests: int | None = 200
     """How many requests (traces: the first N; None: all)."""
     seed: int = 0
@@ -98,8 +110,10 @@ class RunSpec:
     """Cache capacity in bytes (alternative to capacity_tokens)."""
     policy: str = "lru"
     """Eviction policy: lru, fifo, lfu (server); lru or belady (oracle)."""
-    engine_blocks: int = 8192
-    """vLLM's own KV pool, in blocks of block_size tokens."""
+    engine_blocks: int | None = None
+    """vLLM's own KV pool, in blocks of block_size tokens. None: sized from the workload, room
+    for its longest request twice over (``testbed.footprint.pool_blocks``), so that reuse beyond a
+    few requests needs the external cache; a number: that pool (longer requests are left out)."""
     block_size: int = 64
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
@@ -135,8 +149,17 @@ class RunSpec:
     """Replay: the model whose compute the clock charges; None: the KV profile if it has a
     compute shape (llama3-8b, deepseek-mla), else llama3-8b (the tiny profiles only keep the
     cache's bytes small)."""
+    trace_sampler: str = DEFAULT_SAMPLER
+    """The OpenTelemetry sampler of every process of the run (OTEL_TRACES_SAMPLER's names;
+    read from that variable when the spec is parsed). A sampled run records some requests
+    only: its summary says so and its token figures are estimates."""
+    trace_sampler_ratio: float | None = None
+    """The share of traces a ratio sampler keeps (OTEL_TRACES_SAMPLER_ARG); None otherwise."""
     workload_params: dict[str, Any] = field(default_factory=dict)
     """Generator parameters (see testbed.workloads)."""
+    workload_digest: str | None = None
+    """A trace workload's content hash (``sha256:...``), set when the spec is parsed: with the
+    trace's kind, what the run id hashes instead of its path (:mod:`testbed.spec_inputs`)."""
 
     def __post_init__(self) -> None:
         problems = out_of_bounds(self, BOUNDS)
@@ -204,6 +227,9 @@ class RunSpec:
                     f"arrival {self.arrival!r} sends every request at once; closed-loop users "
                     "(workload param users) need arrival 'trace'"
                 )
+        problems += sampling.check(self.trace_sampler, self.trace_sampler_ratio)
+        if self.workload_digest is not None and ":" not in self.workload:
+            problems.append("workload_digest applies to trace workloads (KIND:PATH) only")
         if problems:
             raise ValueError("invalid run spec: " + "; ".join(problems))
 
@@ -235,7 +261,7 @@ class RunSpec:
         """A short hash of :data:`SPEC_SCHEMA` and every field (see the module docstring)."""
         fields = {
             key: value
-            for key, value in _as_stored(self.to_dict()).items()
+            for key, value in identity(_as_stored(self.to_dict())).items()
             if not (key in SPEC_MIGRATIONS and value == _as_stored(SPEC_MIGRATIONS[key]))
         }
         canonical = json.dumps(
@@ -250,10 +276,11 @@ class RunSpec:
     def differences(self, stored: Mapping[str, Any]) -> list[str]:
         """How a run's ``spec.json`` differs from this spec, one line per field; empty when the
         run is a run of exactly this spec (after :data:`SPEC_MIGRATIONS`)."""
-        expected = _as_stored(self.to_dict())
+        expected = identity(_as_stored(self.to_dict()))
         found = {k: v for k, v in stored.items() if k not in DOCUMENT_ONLY_KEYS}
         for key, value in SPEC_MIGRATIONS.items():
             found.setdefault(key, _as_stored(value))
+        found = identity(found)
         lines = []
         schema = stored.get("spec_schema", 1)
         if schema != SPEC_SCHEMA:
@@ -302,6 +329,16 @@ def _closed_loop(workload: str, params: Mapping[str, Any]) -> bool:
     from testbed.workloads import closed_loop
 
     return closed_loop(workload, params)
+
+
+def identity(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields as a run's identity: a trace workload with a digest by its kind and content
+    (``mooncake:`` and ``workload_digest``), its path left out, so that a moved checkout or
+    data directory keeps the run ids."""
+    result = dict(fields)
+    if result.get("workload_digest") and isinstance(result.get("workload"), str):
+        result["workload"] = result["workload"].partition(":")[0] + ":"
+    return result
 
 
 def _as_stored(value: Any) -> Any:

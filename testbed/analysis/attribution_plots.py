@@ -3,7 +3,8 @@
 The figure stacks the categories of :mod:`testbed.analysis.attribution` (shares of the
 prompt tokens); the table is the 3C table of cache studies, for KV reuse: ``cold`` is the
 compulsory miss, ``capacity`` the capacity miss, there are no conflict misses (the cache is
-fully associative), and the other causes are particular to a KV cache behind an engine.
+fully associative), and the other causes are particular to a KV cache behind an engine. The
+colours are :mod:`testbed.analysis.palette`'s, as in every other figure.
 """
 
 from __future__ import annotations
@@ -18,34 +19,8 @@ from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
 from testbed.analysis.attribution import CATEGORIES, MISS_CAUSES, attribution, token_causes
+from testbed.analysis.palette import CATEGORY_COLOURS, CATEGORY_LABELS
 from testbed.analysis.tables import Run
-
-COLORS = {
-    "engine": "tab:blue",
-    "external": "tab:green",
-    "cold": "tab:gray",
-    "capacity": "tab:red",
-    "partial_chunk": "tab:olive",
-    "last_token": "black",
-    "load_failed": "tab:purple",
-    "in_flight": "tab:orange",
-    "unavailable": "tab:brown",
-    "refused": "tab:pink",
-    "engine_only": "tab:cyan",
-}
-LABELS = {
-    "engine": "engine (vLLM prefix cache)",
-    "external": "external (cache server)",
-    "cold": "cold",
-    "capacity": "capacity",
-    "partial_chunk": "partial chunk",
-    "last_token": "last token",
-    "load_failed": "load failed",
-    "in_flight": "in flight",
-    "unavailable": "unavailable",
-    "refused": "refused (server limit)",
-    "engine_only": "engine only",
-}
 
 
 def tokens_by_run(run_dirs: Mapping[str, Path]) -> pd.DataFrame:
@@ -71,7 +46,13 @@ def where_tokens_went(table: pd.DataFrame, label: str, title: str) -> Figure:
     shares = 100 * values / np.maximum(values.sum(axis=1, keepdims=True), 1)
     bottom = np.zeros(len(table))
     for index, name in enumerate(CATEGORIES):  # all of them in the legend, also those that are 0
-        axes.bar(positions, shares[:, index], bottom=bottom, color=COLORS[name], label=LABELS[name])
+        axes.bar(
+            positions,
+            shares[:, index],
+            bottom=bottom,
+            color=CATEGORY_COLOURS[name],
+            label=CATEGORY_LABELS[name],
+        )
         bottom += shares[:, index]
     axes.set_xticks(positions, table[label].astype(str), rotation=30, ha="right")
     axes.set_ylabel("share of prompt tokens (%)")

@@ -24,6 +24,7 @@ from testbed.analysis import metrics, plots
 from testbed.analysis.plots import axis_label
 from testbed.analysis.source import ORACLE, Source, value_text
 from testbed.analysis.tables import compare_to_oracle
+from testbed.analysis.ttft import ttft_clock
 from testbed.sizes import format_bytes
 from testbed.telemetry import attributes as a
 
@@ -34,12 +35,14 @@ PANELS: dict[str, tuple[str, float]] = {
     "stored_bytes": ("bytes stored (MiB)", MIB),
     "retrieved_bytes": ("bytes retrieved (MiB)", MIB),
     "evicted_bytes": ("bytes evicted (MiB)", MIB),
-    "lookup_p50_ms": ("lookup p50 (ms)", 1.0),
-    "store_p50_ms": ("store p50 (ms)", 1.0),
-    "retrieve_p50_ms": ("retrieve p50 (ms)", 1.0),
-    "ttft_p50_ms": ("TTFT p50 (ms)", 1.0),
+    "lookup_p50_ms": ("lookup (ms of wall clock): p50, bar to p99", 1.0),
+    "store_p50_ms": ("store (ms of wall clock): p50, bar to p99", 1.0),
+    "retrieve_p50_ms": ("retrieve (ms of wall clock): p50, bar to p99", 1.0),
+    "ttft_p50_ms": ("TTFT (ms): p50, bar to p99", 1.0),
 }
-"""Column → (axis label, divisor) of the default panels."""
+"""Column → (axis label, divisor) of the default panels. A ``*_p50_ms`` panel draws each
+point's spread up to its ``*_p99_ms`` and its sample count (``*_count``); every panel's
+y-axis starts at 0, rates run to 100 %."""
 _STYLES = ("-", "--", ":", "-.")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -77,7 +80,9 @@ def sweep_figure(
             _line(panel, _measured(members), x, column, scale, positions, name, number)
         for name, members in _series_groups(runs[runs["engine"] == ORACLE], series):
             _line(panel, members, x, column, scale, positions, f"oracle{name}", None)
-        panel.set_ylabel(ylabel)
+        if column == "ttft_p50_ms":
+            ylabel = ylabel.replace("(ms)", f"(ms, {ttft_clock(_measured(runs)['engine'])})")
+        panel.set_ylabel(textwrap.fill(ylabel, 40))
         panel.set_xlabel(axis_label(x))
         panel.grid(True, alpha=0.3)
         if ticks is not None:
@@ -89,7 +94,9 @@ def sweep_figure(
             panel.set_xticks(xs, [f"{v:g}" for v in xs])
             panel.minorticks_off()
         if column.endswith("_rate"):
-            panel.set_ylim(0, 105)
+            panel.set_ylim(0, 100)
+        else:
+            panel.set_ylim(bottom=0)
     for panel in list(grid.flat)[len(shown) :]:
         panel.axis("off")
     if not shown:
@@ -118,6 +125,7 @@ RUN_COLUMNS: dict[str, str] = {
     "lookup_p50_ms": "lookup p50 ms",
     "ttft_p50_ms": "TTFT p50 ms",
     "integrity_errors": "integrity errors",
+    "sampling_text": "traces",
 }
 """Column → heading of :func:`runs_table`."""
 
@@ -250,3 +258,23 @@ def _line(
         marker=_MARKERS[number % len(_MARKERS)],
         label=f"measured{name}",
     )
+    if column.endswith("_p50_ms"):
+        _spread(axes, runs[keep], column, xs, ys, colour)
+
+
+def _spread(
+    axes: plt.Axes, runs: pd.DataFrame, column: str, xs: np.ndarray, ys: np.ndarray, colour: str
+) -> None:
+    """A latency point's spread (a bar up to its p99) and its sample count."""
+    operation = column.removesuffix("_p50_ms")
+    if f"{operation}_p99_ms" in runs:
+        upper = pd.to_numeric(runs[f"{operation}_p99_ms"], errors="coerce").to_numpy(dtype=float)
+        above = np.nan_to_num(np.maximum(upper - ys, 0.0))
+        axes.errorbar(xs, ys, yerr=np.vstack([np.zeros(len(ys)), above]), fmt="none", ecolor=colour,
+                      capsize=3, lw=1)  # fmt: skip
+    if f"{operation}_count" in runs:
+        counts = pd.to_numeric(runs[f"{operation}_count"], errors="coerce").to_numpy(dtype=float)
+        for x, y, count in zip(xs, ys, counts, strict=True):
+            if not np.isnan(count):
+                axes.annotate(f"n={int(count)}", (x, y), xytext=(3, -10), fontsize="xx-small",
+                              textcoords="offset points", color=colour)  # fmt: skip

@@ -27,6 +27,8 @@ import numpy as np
 import pandas as pd
 
 from testbed.analysis import attribution as acc
+from testbed.analysis.request_ids import examples, find_rows
+from testbed.analysis.spans import is_run_dir
 from testbed.analysis.tables import Run
 from testbed.telemetry import attributes as a
 
@@ -155,8 +157,9 @@ class RequestStory:
 
 
 def explain(run: Run | Path | str, request_id: str) -> RequestStory:
-    """The story of one request: ``request_id`` is vLLM's (the connector span's), the
-    workload's (the engine span's) or the session id."""
+    """The story of one request of one run: ``request_id`` is vLLM's (the connector span's),
+    the workload's (the engine span's), the session id or the id a client of vLLM's OpenAI
+    server saw. A sweep holds many runs: :func:`testbed.analysis.explain_runs.explain_runs`."""
     return Explainer(run).explain(request_id)
 
 
@@ -165,6 +168,11 @@ class Explainer:
 
     def __init__(self, run: Run | Path | str) -> None:
         self.run = acc.as_run(run)
+        if not is_run_dir(self.run.path):
+            raise LookupError(
+                f"{self.run.path} is not a run directory (no spans/): for a sweep, "
+                "explain_runs(SWEEP, REQUEST_ID), or kvtb explain SWEEP REQUEST_ID [--run RUN]"
+            )
 
     @cached_property
     def attribution(self) -> pd.DataFrame:
@@ -189,15 +197,16 @@ class Explainer:
         return acc.object_keys(chunks) if chunks is not None else np.empty(0, dtype=np.int64)
 
     def find(self, request_id: str) -> int:
-        """The row of ``request_id`` (vLLM's id, the workload's id or the session id)."""
+        """The row of ``request_id``: vLLM's id, the workload's, the session id, or the id a
+        client of vLLM's OpenAI server saw (its first choice; :mod:`.request_ids`)."""
         table = self.attribution
-        for column in ("request_id", "workload_request_id", "session_id"):
-            matches = np.flatnonzero((table[column].astype(str) == str(request_id)).to_numpy())
-            if len(matches):
-                return int(matches[0])
+        rows = find_rows(table, request_id)
+        if rows:
+            return rows[0]
         raise LookupError(
             f"no request {request_id!r} in {self.run.path}: give vLLM's request id, the "
-            f"workload's or the session id ({len(table)} requests have connector spans)"
+            f"workload's, the session id or the id a client saw ({len(table)} requests have "
+            f"connector spans: {examples(table)})"
         )
 
     def explain(self, request_id: str) -> RequestStory:

@@ -40,6 +40,11 @@ OPERATIONS = {
     "retrieve": a.CONNECTOR_RETRIEVE,
 }
 OTHER, TOTAL = "other", "total"
+SPREAD = (0.1, 0.5, 0.9)
+"""Quantiles of an operation's duration the table carries (its spread)."""
+COLUMNS = [
+    "operation", "part", "count", "mean_ms", "share", "operations", "p10_ms", "p50_ms", "p90_ms",
+]  # fmt: skip
 COLOURS = {
     "waiting": "tab:orange",
     "server": "tab:blue",
@@ -87,10 +92,11 @@ def operation_parts(spans: pd.DataFrame) -> pd.DataFrame:
 def latency_split(spans: pd.DataFrame) -> pd.DataFrame:
     """The mean time of each operation, by part: one row per (``operation``, ``part``) with
     ``count`` (spans that carry it), ``mean_ms`` (its contribution to the operation's mean
-    duration) and ``share`` (of that mean). The parts come from the spans that carry any
-    (``other`` is their rest); spans that carry none add one row ``total``. A part no span of
-    the operation carries has no row (nothing is made up), and the rows of an operation sum
-    to its mean duration (up to ``overlap_ms``)."""
+    duration) and ``share`` (of that mean), and the operation's ``operations`` (spans) and
+    the spread of their durations, ``p10_ms``, ``p50_ms``, ``p90_ms``. The parts come from
+    the spans that carry any (``other`` is their rest); spans that carry none add one row
+    ``total``. A part no span of the operation carries has no row (nothing is made up), and
+    the rows of an operation sum to its mean duration (up to ``overlap_ms``)."""
     parts = operation_parts(spans)
     rows = []
     for operation in OPERATIONS:
@@ -108,11 +114,12 @@ def latency_split(spans: pd.DataFrame) -> pd.DataFrame:
         if len(unsplit):
             entries.append((TOTAL, len(unsplit), unsplit["duration_ms"].sum()))
         mean_duration = float(ops["duration_ms"].mean())
+        spread = np.quantile(ops["duration_ms"].to_numpy(), SPREAD).tolist()
         for part, count, total_ms in entries:
             mean_ms = float(total_ms) / len(ops)  # summed over the op's spans, per span
             share = mean_ms / mean_duration if mean_duration > 0 else 0.0
-            rows.append((operation, part, count, mean_ms, share))
-    return pd.DataFrame(rows, columns=["operation", "part", "count", "mean_ms", "share"])
+            rows.append((operation, part, count, mean_ms, share, len(ops), *spread))
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def run_latency_split(run: Run) -> pd.DataFrame:
@@ -123,7 +130,7 @@ def run_latency_split(run: Run) -> pd.DataFrame:
 def split_table(splits: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     """The :func:`latency_split` tables of several runs, one under the other, with ``run``."""
     frames = [table.assign(run=label) for label, table in splits.items()]
-    columns = ["run", "operation", "part", "count", "mean_ms", "share"]
+    columns = ["run", *COLUMNS]
     if not frames:
         return pd.DataFrame(columns=columns)
     return pd.concat(frames, ignore_index=True)[columns]
@@ -132,7 +139,8 @@ def split_table(splits: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
 def latency_split_figure(splits: Mapping[str, pd.DataFrame], title: str) -> Figure:
     """Stacked horizontal bars, one per operation and run (``splits``: label →
     :func:`latency_split`): the mean time by part; an operation whose spans carry no part
-    is one light bar, its total."""
+    is one light bar, its total. Over each bar its spread (the median and p10 to p90 of the
+    durations) and its number of operations."""
     bars = [
         (operation, label, table[table["operation"] == operation])
         for operation in OPERATIONS
@@ -162,9 +170,19 @@ def latency_split_figure(splits: Mapping[str, pd.DataFrame], title: str) -> Figu
             va="center",
             transform=axes.transAxes,
         )
+    for position, (_, _, rows) in enumerate(bars):
+        low, median, high = (float(rows[c].iloc[0]) for c in ("p10_ms", "p50_ms", "p90_ms"))
+        axes.errorbar(median, position, xerr=[[median - low], [high - median]], fmt="o",
+                      color="black", markersize=3, capsize=3, lw=1)  # fmt: skip
+        count = f"n={int(rows['operations'].iloc[0])}"
+        axes.annotate(count, (high, position), xytext=(4, 0), textcoords="offset points",
+                      va="center", fontsize="x-small")  # fmt: skip
     axes.set_yticks(range(len(bars)), [f"{op} — {label}" for op, label, _ in bars])
     axes.invert_yaxis()
-    axes.set_xlabel("mean time per operation (ms)")
+    axes.set_xlabel(
+        "mean time per operation (ms of wall clock), by part; black: median and p10-p90"
+    )
+    axes.set_xlim(left=0)
     order = [part for part in (*PARTS, OTHER, TOTAL) if part in handles]  # stacking order
     if order:
         names = ["total (the spans carry no parts)" if p == TOTAL else p for p in order]

@@ -21,7 +21,7 @@ import pandas as pd
 from testbed.analysis.attribution import CATEGORIES
 
 NO_GROUP = "(no group)"
-SERVED_BY = ("external cache", "engine only", "no hit")
+SERVED_BY = ("external cache", "vLLM prefix cache only", "no hit")
 """What served a request's hits (:func:`hit_shares`): the cache server loaded some of its
 tokens; only vLLM's own prefix cache hit; nothing hit."""
 EXPLAIN_PREFERENCE = (

@@ -2,7 +2,7 @@
 
 Each function takes DataFrames and returns a ``Figure``; :mod:`testbed.report` saves them as
 PNG, notebooks show them inline. Oracle runs are drawn dashed: they are bounds, not
-measurements.
+measurements. Token categories take :mod:`testbed.analysis.palette`'s colours.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
+
+from testbed.analysis.palette import CATEGORY_LABELS, RECOMPUTED, colour
 
 AXIS_LABELS = {
     "chunk_size": "chunk size (tokens)",
@@ -120,15 +122,15 @@ def token_breakdown(table: pd.DataFrame, label: str, title: str) -> Figure:
     figure, axes = _new(title, (max(6, 0.9 * len(table) + 3), 5))
     positions = np.arange(len(table))
     columns = {
-        "engine_hit_tokens": "engine prefix cache",
-        "external_hit_tokens": "external cache",
-        "recomputed_tokens": "recomputed",
+        "engine_hit_tokens": ("engine", CATEGORY_LABELS["engine"]),
+        "external_hit_tokens": ("external", CATEGORY_LABELS["external"]),
+        "recomputed_tokens": (RECOMPUTED, "recomputed (every cause of a miss)"),
     }
     totals = table[list(columns)].astype(float).sum(axis=1).to_numpy()
     bottom = np.zeros(len(table))
-    for column, name in columns.items():
+    for column, (key, name) in columns.items():
         values = 100 * table[column].astype(float).to_numpy() / np.maximum(totals, 1)
-        axes.bar(positions, values, bottom=bottom, label=name)
+        axes.bar(positions, values, bottom=bottom, label=name, color=colour(key))
         bottom += values
     axes.set_xticks(positions, table[label].astype(str), rotation=30, ha="right")
     axes.set_ylabel("share of prompt tokens (%)")
@@ -138,7 +140,8 @@ def token_breakdown(table: pd.DataFrame, label: str, title: str) -> Figure:
 
 
 def latency_cdf(durations: Mapping[str, Mapping[str, Sequence[float]]], title: str) -> Figure:
-    """CDFs of operation latency: ``durations[operation][run label]`` in ms, one panel per op."""
+    """CDFs of operation latency: ``durations[operation][run label]`` in ms, one panel per op
+    (the whole spread; each run's number of operations in the legend)."""
     operations = list(durations)
     figure, panels = plt.subplots(
         1, len(operations), figsize=(5 * len(operations), 4.5), layout="constrained", squeeze=False
@@ -149,10 +152,14 @@ def latency_cdf(durations: Mapping[str, Mapping[str, Sequence[float]]], title: s
             if len(values) == 0:
                 continue
             ordered = np.sort(np.asarray(values, dtype=float))
-            axes.plot(ordered, np.arange(1, len(ordered) + 1) / len(ordered), label=label)
+            axes.plot(
+                ordered,
+                np.arange(1, len(ordered) + 1) / len(ordered),
+                label=f"{label} (n={len(ordered)})",
+            )
         axes.set_xscale("log")
         axes.set_title(operation)
-        axes.set_xlabel("latency (ms, log scale)")
+        axes.set_xlabel("latency (ms of wall clock, log scale)")
         axes.set_ylabel("fraction of operations")
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize="x-small")

@@ -10,7 +10,7 @@ prompt, only vLLM's own prefix cache hit, nothing hit); across runs, by the runs
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -19,11 +19,11 @@ from matplotlib import ticker
 from matplotlib.axis import Axis
 from matplotlib.figure import Figure
 
+from testbed.analysis.palette import SERVED_BY_COLOURS
 from testbed.analysis.per_request import SERVED_BY, hit_shares
 
 ALL = "all"
 QUANTILES = (0.5, 0.9, 0.99)
-COLOURS = {"external cache": "tab:green", "engine only": "tab:blue", "no hit": "tab:red"}
 
 
 def ttft_table(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
@@ -60,40 +60,67 @@ def ttft_table(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=[*columns, *(f"p{round(q * 100)}_ms" for q in QUANTILES)])
 
 
-def ttft_by_hit_figure(requests: pd.DataFrame, title: str) -> Figure:
-    """One dot per request: its TTFT (log scale) against its hit share, coloured by what
-    served the hits; a horizontal tick at each class's median."""
+def ttft_by_hit_figure(requests: pd.DataFrame, title: str, clock: str = "") -> Figure:
+    """One dot per request: its TTFT (log scale) against the prompt tokens vLLM computed for
+    it, coloured by what served its hits, a dashed line at each class's median TTFT, and a box
+    that says what the classes pay: a request the external cache served computed fewer tokens
+    but first loaded its hit; one whose hits came from vLLM's own prefix cache paid nothing for
+    them. ``clock``: which clock the TTFTs are on (:func:`ttft_clock`)."""
     figure, axes = _new(title)
     shares = hit_shares(requests)
+    loaded = pd.to_numeric(requests["external_hit_tokens"], errors="coerce").reset_index(drop=True)
+    shares = shares.assign(loaded_tokens=loaded.to_numpy())
     shares = shares[shares["ttft_ms"].notna() & (shares["ttft_ms"] > 0)]
+    notes = []
     for name in SERVED_BY:
         rows = shares[shares["served_by"] == name]
         if rows.empty:
             continue
         median = float(rows["ttft_ms"].median())
         axes.scatter(
-            rows["hit_share"] * 100,
+            rows["recomputed_tokens"].clip(lower=1),
             rows["ttft_ms"],
             s=16,
             alpha=0.7,
-            color=COLOURS[name],
-            label=f"{name}: {len(rows)} requests, median {median:.3g} ms",
+            color=SERVED_BY_COLOURS[name],
+            label=f"{name}: {len(rows)} requests, median TTFT {median:.3g} ms",
         )
-        axes.axhline(median, color=COLOURS[name], lw=1, linestyle="--")
+        axes.axhline(median, color=SERVED_BY_COLOURS[name], lw=1, linestyle="--")
+        notes.append(_class_note(name, rows, median))
     if shares.empty:
         _no_data(axes, "no request has a time to first token")
     else:
         _log_scale(axes.yaxis, axes.set_yscale)
-        axes.legend(fontsize="small")
-    axes.set_xlabel("hit share: (engine + external) / prompt tokens (%)")
-    axes.set_ylabel("time to first token (ms, log scale)")
-    axes.set_xlim(-2, 102)
+        _log_scale(axes.xaxis, axes.set_xscale)
+        axes.legend(fontsize="small", loc="upper left")
+        text = "\n".join(
+            [*notes, "TTFT grows with the tokens computed; an external hit adds its load."]
+        )
+        axes.text(0.99, 0.02, text, transform=axes.transAxes, ha="right", va="bottom",
+                  fontsize="x-small", bbox={"facecolor": "white", "alpha": 0.85})  # fmt: skip
+    axes.set_xlabel("prompt tokens vLLM computed (recomputed, log scale)")
+    axes.set_ylabel(f"time to first token (ms{', ' + clock if clock else ''}, log scale)")
     return figure
 
 
-def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str) -> Figure:
+def ttft_clock(engines: Iterable[str]) -> str:
+    """Which clock the TTFTs of runs of these engines are on: the replay's projected clock
+    (METRICS.md), or the wall clock (vllm, serve)."""
+    kinds = {"projected replay clock" if e == "replay" else "wall clock" for e in engines}
+    return " / ".join(sorted(kinds))
+
+
+def _class_note(name: str, rows: pd.DataFrame, median: float) -> str:
+    computed = int(rows["recomputed_tokens"].median())
+    note = f"{name}: median {median:.3g} ms, {computed} tokens computed"
+    if name == SERVED_BY[0]:
+        note += f", {int(rows['loaded_tokens'].median())} loaded"
+    return note
+
+
+def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str, clock: str = "") -> Figure:
     """CDFs of TTFT, one per run (``tables``: label → per-request table), each labelled
-    with its external token hit rate."""
+    with its external token hit rate and its number of requests."""
     figure, axes = _new(title)
     drawn = 0
     for label, requests in tables.items():
@@ -108,7 +135,7 @@ def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str) -> Figure:
         axes.plot(
             values,
             np.arange(1, len(values) + 1) / len(values),
-            label=f"{label} (external hits {external:.0%})",
+            label=f"{label} (external hits {external:.0%}, n={len(values)})",
         )
         drawn += 1
     if drawn:
@@ -116,7 +143,7 @@ def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str) -> Figure:
         axes.legend(fontsize="x-small")
     else:
         _no_data(axes, "no run has a time to first token")
-    axes.set_xlabel("time to first token (ms, log scale)")
+    axes.set_xlabel(f"time to first token (ms{', ' + clock if clock else ''}, log scale)")
     axes.set_ylabel("fraction of requests")
     return figure
 

@@ -43,7 +43,7 @@ def section(config: BenchConfig) -> SectionResult:
                     "--chunk-size",
                     str(CHUNK),
                     "--capacity",
-                    "4GiB",
+                    "1GiB" if config.quick else "4GiB",  # reserved at start: fits a small /dev/shm
                     "--prefault",
                     "0",
                     "--run-dir",

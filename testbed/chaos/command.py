@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from testbed.bounds import Bound, check
 from testbed.chaos import attacks, client_faults, crowds, exhaustion, server_faults, sharing
 from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports
+from testbed.spec_inputs import absolute_path
 
 TIMEOUT_BOUND = Bound(1e-3, 3600.0, "s")
 """The range of ``--timeout`` (the engines' connector timeout; finite)."""
@@ -69,7 +69,7 @@ def add_chaos_parser(commands: Any) -> None:
     chaos = commands.add_parser(
         "chaos", help="reliability scenarios (kills, restarts, fuzzing, intruders) → a report"
     )
-    chaos.add_argument("--out", type=Path, required=True, help="where the report goes")
+    chaos.add_argument("--out", type=absolute_path, required=True, help="where the report goes")
     chaos.add_argument(
         "--quick", action="store_true", help="smaller runs (well under two minutes; the tests)"
     )

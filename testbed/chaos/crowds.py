@@ -84,8 +84,11 @@ def lock_hog(lab: Lab) -> ScenarioResult:
         "one client locks all its lookups can until it is refused for its quota (typed "
         "`quota` errors); another client on the same server meanwhile is never refused and "
         "reads every byte right"
-        + (f", and neither is a replay of {n} requests, which stores what it computes"
-           if engine else ""),  # fmt: skip
+        + (
+            f", and neither is a replay of {n} requests, which stores what it computes"
+            if engine
+            else ""
+        ),  # fmt: skip
     )
     server = lab.server(
         "--chunk-size", str(CHUNK_SIZE), "--capacity", "64MiB", "--max-tracked-chunks", "4096",

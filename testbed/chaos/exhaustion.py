@@ -73,8 +73,11 @@ def disk_full(lab: Lab) -> ScenarioResult:
         "disk_full",
         f"a server whose span and chunk log directory is full serves a {n}-request replay, "
         "counts and logs (once) what it could not write, and stops cleanly"
-        + ("; a run whose own disk fills mid-run ends with a summary saying what is missing"
-           if not lab.config.quick else ""),  # fmt: skip
+        + (
+            "; a run whose own disk fills mid-run ends with a summary saying what is missing"
+            if not lab.config.quick
+            else ""
+        ),  # fmt: skip
     )
     if _skipped(lab, result):
         return result

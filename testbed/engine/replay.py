@@ -101,13 +101,15 @@ class ReplaySpec:
         self.profile.heads_per_rank(self.tp)  # raises if TP cannot split the heads
 
     @classmethod
-    def from_run_spec(cls, spec: RunSpec, max_model_len: int) -> ReplaySpec:
+    def from_run_spec(cls, spec: RunSpec, max_model_len: int, engine_blocks: int) -> ReplaySpec:
+        """The engine's spec for a run; ``engine_blocks``: its KV pool, resolved
+        (``testbed.footprint.pool_blocks``)."""
         return cls(
             profile=spec.kv_profile,
             chunk_size=spec.chunk_size,
             tp=spec.tp,
             block_size=spec.block_size,
-            engine_blocks=spec.engine_blocks,
+            engine_blocks=engine_blocks,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             max_num_seqs=spec.max_num_seqs,
             max_model_len=max_model_len,

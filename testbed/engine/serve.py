@@ -115,6 +115,7 @@ class ServeEngine:
             "stream_options": {"include_usage": True},
         }
         usage: dict[str, Any] = {}
+        client_id: str | None = None
         try:
             async with http.post("/v1/completions", json=body, headers=headers) as response:
                 if response.status != 200:
@@ -125,6 +126,9 @@ class ServeEngine:
                     if not line.startswith("data:") or line == "data: [DONE]":
                         continue
                     event = json.loads(line.removeprefix("data:"))
+                    if client_id is None and event.get("id"):
+                        client_id = str(event["id"])  # the id a client sees (cmpl-...)
+                        span.set_attribute(a.CLIENT_REQUEST_ID, client_id)
                     if event.get("choices") and record.first_token_s is None:
                         record.first_token_s = time.perf_counter() - started
                     if event.get("usage"):

@@ -6,7 +6,8 @@
 with the connector named only by ``kv_connector`` (the plugin registers it), pointed at the
 run's ``kvtb server`` and writing its spans into the run directory (``KVTB_SPAN_DIR``), and
 vLLM's own tracing exporting to a collector of the run (so requests' trace context reaches the
-connector), waits for ``/health``, and on close stops it (SIGTERM, then SIGKILL).
+connector), waits for ``/health`` (saying what it waits for, ``on_wait``), and on close stops
+it (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,12 +53,23 @@ class LaunchSpec:
 class VllmServerProcess:
     """vLLM's OpenAI server on a free loopback port. Context manager."""
 
-    def __init__(self, spec: LaunchSpec, run_dir: Path, otlp_endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        run_dir: Path,
+        otlp_endpoint: str | None = None,
+        env: Mapping[str, str] | None = None,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.run_dir = run_dir
         self.otlp_endpoint = otlp_endpoint
         """Where vLLM exports its own spans (OTLP/HTTP). vLLM forwards a request's trace
         context to the engine, and so to the connector, only when its tracing is on."""
+        self.env = dict(env or {})
+        """More environment variables for vLLM's processes (the run's trace sampler)."""
+        self.on_wait = on_wait
+        """Called about once a second while the server starts, with what it waits for."""
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -97,6 +110,7 @@ class VllmServerProcess:
             SPAN_DIR_ENV: str(self.run_dir),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **self.env,
         }
         if self.otlp_endpoint is not None:
             command += ["--otlp-traces-endpoint", self.otlp_endpoint]
@@ -112,8 +126,14 @@ class VllmServerProcess:
 
     def _wait_healthy(self) -> None:
         assert self.process is not None
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        started = time.monotonic()
+        deadline = started + _STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self.on_wait is not None:
+                self.on_wait(
+                    f"starting vLLM, {time.monotonic() - started:.0f} s: "
+                    f"waiting for {self.url}/health ({self._last_log_line()})"
+                )
             if self.process.poll() is not None:
                 tail = (self.run_dir / "vllm.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"vLLM's server exited ({self.process.returncode}):\n{tail}")
@@ -125,6 +145,17 @@ class VllmServerProcess:
                 time.sleep(1.0)
         self.close()
         raise RuntimeError(f"vLLM's server did not answer /health within {_STARTUP_TIMEOUT_S:.0f}s")
+
+    def _last_log_line(self) -> str:
+        """The newest line of ``vllm.log``, shortened: what vLLM says it is doing."""
+        try:
+            with open(self.run_dir / "vllm.log", "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 2048))
+                lines = log.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return "no log yet"
+        last = lines[-1].strip() if lines else "no log yet"
+        return last if len(last) <= 80 else last[:77] + "..."
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stops the server; vLLM's graceful shutdown closes the connectors (their spans)."""

@@ -67,12 +67,14 @@ class VllmEngineSpec:
     """Fault injection (the connector's ``kvtb.fault_drop_fraction``; needs the admin token)."""
 
     @classmethod
-    def from_run_spec(cls, spec: RunSpec, max_model_len: int) -> VllmEngineSpec:
+    def from_run_spec(cls, spec: RunSpec, max_model_len: int, engine_blocks: int) -> VllmEngineSpec:
+        """The engine's spec for a run; ``engine_blocks``: its KV pool, resolved
+        (``testbed.footprint.pool_blocks``)."""
         return cls(
             chunk_size=spec.chunk_size,
             model=spec.model,
             block_size=spec.block_size,
-            engine_blocks=spec.engine_blocks,
+            engine_blocks=engine_blocks,
             max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             max_model_len=max_model_len,

@@ -5,8 +5,9 @@ already complete (a finished run of exactly its spec: ``testbed.run.is_reusable`
 from another spec is redone, with a log line saying which fields differ), executes the
 others (local processes or Ray tasks, see :mod:`testbed.sweep.executors`), then builds
 ``index.parquet``. Running it again does nothing new; after a crash or Ctrl-C it finishes only
-the runs that are missing (a half-written run is redone by ``execute_run``). Failed runs are
-recorded (and retried by the next invocation); they never stop the sweep.
+the runs that are missing (a half-written run is redone by ``execute_run``). Failed runs (an
+error, or a summary that lists failures: ``testbed.run.failure``) are recorded and retried by
+the next invocation, never reused; they never stop the sweep.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from testbed.extras import require_engines
 from testbed.run import is_reusable, reuse_differences
+from testbed.run_flags import assignments
 from testbed.runspec import RunSpec
+from testbed.spec_inputs import data_dir
 from testbed.sweep.executors import RayMissing, RunOutcome, require_ray, run_local, run_ray
 from testbed.sweep.experiments import experiment_path, resolve_sweep_file
 from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
@@ -96,7 +100,7 @@ def _run_sweep(sweep: SweepSpec, sweep_dir: Path, options: SweepOptions) -> Swee
             continue  # finished, and a run of exactly this spec
         if differences:
             log.warning(
-                "sweep %s: run %s was finished from another spec (%s); it will be redone",
+                "sweep %s: run %s is finished but not reused (%s); it will be redone",
                 sweep.name,
                 run.run_id,
                 "; ".join(differences),
@@ -144,7 +148,9 @@ def _exclusive(sweep_dir: Path) -> Iterator[None]:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     """``kvtb sweep FILE``: 0 when every run is complete, 1 if any failed, 130 when interrupted."""
-    sweep = load_sweep(resolve_sweep_file(args.file))
+    sweep = load_sweep(
+        resolve_sweep_file(args.file), data_dir(args.data_dir), assignments(args.set)
+    )
     jobs = args.jobs or ((os.cpu_count() or 1) if args.executor == "ray" else 1)
     options = SweepOptions(
         executor=args.executor, jobs=jobs, address=args.address, progress=not args.no_progress
@@ -175,16 +181,22 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def demo(out_dir: Path) -> int:
-    """``kvtb demo``: the quickstart sweep on this machine, then its report."""
-    sweep = load_sweep(QUICKSTART)
+def demo(out_dir: Path, overrides: Mapping[str, Any] | None = None) -> int:
+    """``kvtb demo``: the quickstart sweep on this machine (``overrides``: ``--set``), then its
+    report and its headline (what the external cache served in the headline run)."""
+    sweep = load_sweep(QUICKSTART, overrides=overrides)
     result = run_sweep(sweep, out_dir, SweepOptions(jobs=DEMO_JOBS))
     _print_result(sweep, result)
     if result.failed:
         return 1
+    from testbed.analysis.headline import headline
+    from testbed.analysis.source import open_source
     from testbed.report import write_report
 
     print(f"report: {write_report(result.sweep_dir)}")
+    sentence = headline(open_source(result.sweep_dir).runs)
+    if sentence:
+        print(sentence.replace("`", ""))
     return 0
 
 
@@ -202,7 +214,7 @@ class _Display:
 
     def __init__(self, sweep: SweepSpec, num_skipped: int, *, enabled: bool) -> None:
         self._enabled = enabled
-        self._labels = {run.run_id: _label(run, sweep.swept) for run in sweep.runs}
+        self._labels = {run.run_id: _label(run, sweep.label_keys) for run in sweep.runs}
         self._overall = tqdm(
             total=len(sweep.runs),
             initial=num_skipped,
@@ -240,5 +252,10 @@ class _Display:
         self._overall.close()
 
 
-def _label(run: RunSpec, swept: tuple[str, ...]) -> str:
-    return " ".join(f"{key}={getattr(run, key)}" for key in swept) or run.engine
+def _label(run: RunSpec, keys: tuple[str, ...]) -> str:
+    """``key=value`` of each key; a trace workload by its kind and file name."""
+    values = {key: getattr(run, key) for key in keys}
+    if run.workload_digest is not None and "workload" in values:
+        kind, _, path = run.workload.partition(":")
+        values["workload"] = f"{kind}:{Path(path).stem}"
+    return " ".join(f"{key}={value}" for key, value in values.items()) or run.engine

@@ -1,11 +1,12 @@
 """Executing a sweep's runs: each run in its own process, on this machine or as Ray tasks.
 
-Every run executes in a spawned child process (:class:`RunProcess`) that leads its own process
+Every run executes in a child process (:class:`RunProcess`) that leads its own process
 group, so the run and the cache server it starts can be stopped together: SIGTERM to the
 group (the run unwinds and closes its server), then SIGKILL to whatever is left. The child
 also gets SIGTERM if its parent dies (Linux ``PR_SET_PDEATHSIG``), so killing a sweep leaves
-no run or server behind. A run that raises, or a child that dies, is a failed
-:class:`RunOutcome`; it never stops the other runs.
+no run or server behind. Children fork from a fork server that imported the run's code once
+(:func:`fork_context`): no run pays vLLM's import. A run that raises, or a child that dies, is
+a failed :class:`RunOutcome`; it never stops the other runs.
 
 - :func:`run_local`: at most ``jobs`` children at once, multiplexed in the calling thread.
 - :func:`run_ray`: one Ray task per run (``ray.remote``), each running a :class:`RunProcess`
@@ -14,9 +15,9 @@ no run or server behind. A run that raises, or a child that dies, is a failed
   ``kvtestbed`` must be importable on every node.
 
 Both are generators: closing one (``contextlib.closing``), or an exception raised while it
-waits (KeyboardInterrupt), stops every run still going. Children are started with the
-``spawn`` method (no forked vLLM, torch or ZeroMQ state), so a script calling them needs the
-usual ``if __name__ == "__main__":`` guard.
+waits (KeyboardInterrupt), stops every run still going. The fork server starts fresh (it is
+not forked from the caller: no ZeroMQ or thread state of the caller is inherited), so a script
+calling them needs the usual ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import traceback
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ _STOP_GRACE_S = 10.0
 _PROGRESS_INTERVAL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+_PRELOAD = ["testbed.run", "testbed.summary", "testbed.engine.replay"]
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,17 @@ class RunOutcome:
 
 
 class RunProcess:
-    """One run in a spawned child process that leads its own process group."""
+    """One run in a child process (forked by :func:`fork_context`'s server) that leads its own
+    process group."""
 
     def __init__(self, spec: RunSpec, out_dir: Path) -> None:
         self.spec = spec
         self.out_dir = Path(out_dir)
-        context = multiprocessing.get_context("spawn")  # no forked vLLM/torch/ZeroMQ state
+        context = fork_context()
         self._conn, child_conn = context.Pipe(duplex=False)
         self.process = context.Process(
             target=_child_main,
-            args=(spec, self.out_dir, child_conn, os.getpid()),
+            args=(spec, self.out_dir, child_conn),
             name=f"kvtb-run-{spec.run_id}",
         )
         self.process.start()
@@ -157,11 +161,20 @@ class RunProcess:
                     os.kill(pid, signum)
 
 
-def _child_main(spec: RunSpec, out_dir: Path, conn: Connection, parent_pid: int) -> None:
+def fork_context() -> ForkServerContext:
+    """Run processes fork from a server that imported the run's code once (vLLM and torch
+    with the replay engine, when installed): a run starts in about a second instead of paying
+    that import each time. Importing starts no ZeroMQ context, so none is forked."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+def _child_main(spec: RunSpec, out_dir: Path, conn: Connection) -> None:
     """Entry point of a run's child process: run, then report ``("done", error, traceback)``."""
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _terminate_with_parent(parent_pid)
+    _terminate_with_parent()
     last_sent = 0.0
 
     def progress(done: int, total: int) -> None:
@@ -172,14 +185,15 @@ def _child_main(spec: RunSpec, out_dir: Path, conn: Connection, parent_pid: int)
             conn.send(("progress", done, total))
 
     try:
-        execute_run(spec, out_dir, RunOptions(progress=False, on_progress=progress))
+        summary = execute_run(spec, out_dir, RunOptions(progress=False, on_progress=progress))
     except BaseException as exc:  # SystemExit from SIGTERM too: the parent is waiting for a word
         with contextlib.suppress(OSError):
             conn.send(("done", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         if not isinstance(exc, Exception):
             raise
         return
-    conn.send(("done", None, ""))
+    failed = summary.get("failures")
+    conn.send(("done", f"the run failed: {'; '.join(failed)}" if failed else None, ""))
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -187,13 +201,15 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _terminate_with_parent(parent_pid: int) -> None:
-    """Asks Linux to SIGTERM this process when its parent dies (a killed sweep strands nothing)."""
+def _terminate_with_parent() -> None:
+    """Asks Linux to SIGTERM this process when its parent, the fork server, dies (it exits
+    with the sweep that started it: a killed sweep strands nothing)."""
     if not sys.platform.startswith("linux"):
         return
+    parent_pid = os.getppid()
     with contextlib.suppress(OSError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent_pid or parent_pid == 1:  # the parent died before prctl took effect
         raise SystemExit(1)
 
 

@@ -3,7 +3,7 @@
 ``OUT/<name>/`` holds ``sweep.toml`` (the sweep file as run), ``sweep.json`` (name,
 description, the swept keys in x-axis order, and the run ids in sweep order), one directory
 per run (``testbed.run``'s layout; a failed run also holds ``error.txt``: the error on its first
-line, then the traceback) and ``index.parquet``.
+line, then the traceback, or a summary that lists its failures) and ``index.parquet``.
 
 The index has the columns ``run_id``, ``status`` (``complete`` | ``failed``), ``error``
 (``None`` unless failed), every :class:`RunSpec` field (typed from its annotation, nullable;
@@ -26,14 +26,14 @@ from typing import Any
 
 import pandas as pd
 
-from testbed.run import SUMMARY, is_complete
+from testbed.run import ERROR, SUMMARY, failure, is_complete
 from testbed.runspec import RunSpec
 from testbed.sweep.spec import SweepSpec
 
 SWEEP_FILE = "sweep.json"
 SWEEP_TOML = "sweep.toml"
 INDEX_FILE = "index.parquet"
-ERROR_FILE = "error.txt"
+ERROR_FILE = ERROR
 SPEC_FILE = "spec.json"  # written by testbed.run.execute_run
 COMPLETE = "complete"
 FAILED = "failed"
@@ -95,11 +95,9 @@ def record_failure(run_dir: Path, spec: RunSpec, error: str, details: str = "") 
 
 
 def read_failure(run_dir: Path) -> str | None:
-    """The error of a failed run, ``None`` if the run has not failed (complete or not yet run)."""
-    path = run_dir / ERROR_FILE
-    if is_complete(run_dir) or not path.is_file():
-        return None
-    return path.read_text().split("\n", 1)[0]
+    """The error of a failed run, ``None`` if the run has not failed (complete or not yet run):
+    :func:`testbed.run.failure`."""
+    return failure(run_dir)
 
 
 def build_index(sweep_dir: Path) -> pd.DataFrame:
@@ -124,11 +122,12 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
     if not (run_dir / SPEC_FILE).is_file():
         return None
     spec = json.loads((run_dir / SPEC_FILE).read_text())
-    if is_complete(run_dir):
-        status, error = COMPLETE, None
-        summary = json.loads((run_dir / SUMMARY).read_text())
-    elif (error := read_failure(run_dir)) is not None:
-        status, summary = FAILED, {}
+    error = read_failure(run_dir)
+    summary = json.loads((run_dir / SUMMARY).read_text()) if is_complete(run_dir) else {}
+    if error is not None:
+        status = FAILED  # with what its summary recorded, if it wrote one
+    elif is_complete(run_dir):
+        status = COMPLETE
     else:
         return None  # never finished: not part of the index until it is run again
     row: dict[str, Any] = {"run_id": run_dir.name, "status": status, "error": error}
@@ -136,7 +135,7 @@ def _row(run_dir: Path) -> dict[str, Any] | None:
         value = spec.get(key)
         row[key] = json.dumps(value, sort_keys=True) if key == "workload_params" else value
     for key, value in _flat(summary).items():
-        if key in _REPEATS_SPEC:
+        if key in _REPEATS_SPEC or key == "failures":  # failures: the error column
             continue
         # A summary field named like a spec field (``requests``: served vs. asked for) keeps
         # both, the summary's as ``summary_<name>``.
@@ -178,6 +177,10 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
                 t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)
             ]
             dtypes[key] = _DTYPES[options[0]]
+    for key in summary_columns:  # flags missing for some runs: nullable, as parquet keeps them
+        values = frame[key].dropna()
+        if len(values) and values.map(lambda v: isinstance(v, bool)).all():
+            dtypes[key] = "boolean"
     return frame.astype(dtypes)
 
 

@@ -11,6 +11,10 @@ A grid entry whose values are tables varies several run keys *together* (one dim
 grid; its name is free): ``setup = [{workload = "chat", engine_blocks = 64}, {workload =
 "mooncake:...", engine_blocks = 512}]`` gives each workload its own engine size.
 
+Paths in a sweep file are relative to the file's directory (``$KVTB_DATA_DIR`` names the data
+directory), made absolute and their traces hashed as the file is read
+(:mod:`testbed.spec_inputs`): a missing trace fails here, before any run.
+
 Every mistake is found before any run starts: unknown top-level keys, unknown run keys (the
 message names the key, the file and section, and lists the valid keys, from
 :meth:`RunSpec.from_mapping`), empty grid lists, excludes that match nothing (a misspelt
@@ -29,7 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.runspec import RunSpec
+from testbed.runspec import DERIVED_KEYS, RunSpec
+from testbed.spec_inputs import (
+    DataDir,
+    InputContext,
+    resolve_values,
+    with_sampling_from_environment,
+)
 
 TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "include", "exclude")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -65,22 +75,58 @@ class SweepSpec:
     def run_ids(self) -> list[str]:
         return [run.run_id for run in self.runs]
 
+    @property
+    def label_keys(self) -> tuple[str, ...]:
+        """The swept keys that tell runs apart, without those an earlier one determines (the
+        other keys of a linked grid dimension): what a run's label needs."""
+        kept: list[str] = []
+        for key in self.swept:
+            groups: dict[tuple[str, ...], set[str]] = {}
+            for run in self.runs:
+                groups.setdefault(tuple(repr(getattr(run, k)) for k in kept), set()).add(
+                    repr(getattr(run, key))
+                )
+            if any(len(values) > 1 for values in groups.values()):
+                kept.append(key)
+        return tuple(kept)
 
-def load_sweep(path: Path) -> SweepSpec:
-    """Reads and expands a sweep file; every error message starts with the file's path."""
+
+def load_sweep(
+    path: Path, data: DataDir | None = None, overrides: Mapping[str, Any] | None = None
+) -> SweepSpec:
+    """Reads and expands a sweep file; every error message starts with the file's path.
+    ``data``: the data directory (default: :func:`testbed.spec_inputs.data_dir`);
+    ``overrides``: run keys set in every run, over the file's values (``kvtb sweep --set``)."""
     path = Path(path)
     text = path.read_text()
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
-    return expand_sweep(document, source=str(path), default_name=path.stem, source_text=text)
+    return expand_sweep(
+        document,
+        source=str(path),
+        default_name=path.stem,
+        source_text=text,
+        base_dir=path.absolute().parent,
+        data=data,
+        overrides=overrides,
+    )
 
 
 def expand_sweep(
-    document: Mapping[str, Any], *, source: str, default_name: str, source_text: str = ""
+    document: Mapping[str, Any],
+    *,
+    source: str,
+    default_name: str,
+    source_text: str = "",
+    base_dir: Path | None = None,
+    data: DataDir | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> SweepSpec:
-    """Expands a parsed sweep document (see the module docstring) into its runs."""
+    """Expands a parsed sweep document (see the module docstring) into its runs; relative
+    paths in it are relative to ``base_dir`` (default: the working directory); ``overrides``
+    are set in every run (relative paths in them: to the working directory)."""
     unknown = sorted(set(document) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise ValueError(
@@ -115,8 +161,16 @@ def expand_sweep(
         combinations.append((f"{source} [[include]] #{number}", _merge(base, include)))
 
     runs: dict[str, RunSpec] = {}
+    root = Path.cwd() if base_dir is None else base_dir
+    extra = _table(dict(overrides or {}), "--set")
+    if extra:
+        combinations = [
+            (f"{where} with --set", _merge(mapping, extra)) for where, mapping in combinations
+        ]
     for where, mapping in combinations:
-        spec = RunSpec.from_mapping(mapping, source=where)
+        context = InputContext(root, where) if data is None else InputContext(root, where, data)
+        values = with_sampling_from_environment(resolve_values(mapping, context))
+        spec = RunSpec.from_mapping(values, source=where)
         runs.setdefault(spec.run_id, spec)
     ordered = tuple(runs.values())
     try:
@@ -215,7 +269,8 @@ def _swept(runs: tuple[RunSpec, ...], grid_keys: list[str]) -> tuple[str, ...]:
     varying = [
         field.name
         for field in dataclasses.fields(RunSpec)
-        if len({repr(getattr(run, field.name)) for run in runs}) > 1
+        if field.name not in DERIVED_KEYS
+        and len({repr(getattr(run, field.name)) for run in runs}) > 1
     ]
     return tuple(
         [key for key in grid_keys if key in varying]

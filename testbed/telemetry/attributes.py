@@ -104,6 +104,7 @@ REQUEST_ATTEMPT = "kvcache.request.attempt"  # which admission planned an op (0:
 INTEGRITY_ERRORS = "kvcache.request.integrity_errors"
 ARRIVAL_S = "kvcache.request.arrival_s"
 VLLM_CACHED_TOKENS = "kvcache.request.vllm_cached_tokens"  # serve: usage.cached_tokens
+CLIENT_REQUEST_ID = "kvcache.request.client_id"  # serve: the response's id, as a client sees it
 PROMISED_TOKENS = "kvcache.load.promised_tokens"  # L: tokens vLLM agreed to load
 FIRST_FAILED_TOKEN = "kvcache.load.first_failed_token"  # first token of the first failed block
 LOOKUP_STATUS = "kvcache.lookup.status"  # ok | unavailable | none

@@ -44,6 +44,7 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 from testbed import telemetry
 from testbed.telemetry import attributes as a
 from testbed.telemetry.otlp_json import JsonLinesSpanExporter
+from testbed.telemetry.sampling import make_sampler, sampler_from_environment
 
 SPANS_DIR = "spans"
 COUNTS_SUFFIX = ".counts.json"
@@ -79,6 +80,9 @@ class TracingConfig:
     synchronous: bool = False
     """Write every span to its file as it ends and keep the counts file current, for processes
     that may be stopped without a shutdown (vLLM's engine and worker processes)."""
+    sampling: tuple[str, float | None] | None = None
+    """The trace sampler, ``(name, ratio)`` as :mod:`testbed.telemetry.sampling` names it;
+    ``None``: what the ``OTEL_TRACES_SAMPLER*`` variables say, read as that module reads them."""
 
 
 class SystemIdGenerator(IdGenerator):
@@ -175,7 +179,11 @@ class Tracing:
             resource_attributes[a.SERVICE_INSTANCE_ID] = str(config.rank)
             resource_attributes[a.RANK] = config.rank
         self.provider = TracerProvider(
-            resource=Resource.create(resource_attributes), id_generator=SystemIdGenerator()
+            resource=Resource.create(resource_attributes),
+            id_generator=SystemIdGenerator(),
+            sampler=make_sampler(*config.sampling)
+            if config.sampling is not None
+            else sampler_from_environment(),
         )
         self._ends = _EndCounter()
         self.provider.add_span_processor(self._ends)

@@ -6,6 +6,7 @@ import json
 
 from testbed.analysis import attribution_plots as ap
 from testbed.analysis.attribution import CATEGORIES
+from testbed.analysis.palette import CATEGORY_LABELS
 from tests.analysis.synthetic import Prompt, SyntheticRun
 
 ABC = Prompt(("a", "b", "c"), tail=2)
@@ -50,7 +51,7 @@ def test_tokens_by_run_reads_summaries_or_computes_them_and_skips_runs_without_r
     figure = ap.where_tokens_went(table, "label", "Where every prompt token went")
     axes = figure.axes[0]
     assert [t.get_text() for t in axes.get_legend().get_texts()] == [
-        ap.LABELS[name] for name in CATEGORIES
+        CATEGORY_LABELS[name] for name in CATEGORIES
     ]
     tops = [p.get_y() + p.get_height() for p in axes.patches if p.get_height() > 0]
     assert max(tops) == 100.0

@@ -39,10 +39,10 @@ def test_both_swept_keys_are_visible_and_missing_values_are_not_drawn(tmp_path):
     source = tp_mla_source(tmp_path)
     figure = compare.sweep_figure(source.runs, source.x, source.series, title="TP x MLA")
     panels = [axes for axes in figure.axes if axes.axison]
-    assert [axes.get_ylabel() for axes in panels] == [
+    assert [" ".join(axes.get_ylabel().split()) for axes in panels] == [
         "token hit rate (%)",
         "bytes stored (MiB)",
-        "lookup p50 (ms)",
+        "lookup (ms of wall clock): p50, bar to p99",
     ]
     hit_rate, stored, lookup = panels
     lines = {line.get_label(): line for line in hit_rate.get_lines()}

@@ -40,7 +40,7 @@ def test_hit_shares_say_what_served_each_request():
         ]
     )
     shares = pr.hit_shares(table)
-    assert list(shares["served_by"]) == ["external cache", "engine only", "no hit"]
+    assert list(shares["served_by"]) == ["external cache", "vLLM prefix cache only", "no hit"]
     assert list(shares["hit_share"]) == [0.8, 0.6, 0.0]
     assert list(shares["external_share"]) == [0.5, 0.0, 0.0]
     assert shares["ttft_ms"].isna().tolist() == [False, False, True]

@@ -211,3 +211,20 @@ def test_metadata_only_runs_the_same_paths_without_bytes(tmp_path):
     object_bytes = C * get_profile("tiny").bytes_per_token()
     assert run.stats.stored_bytes == run.stats.num_objects * object_bytes  # ...and sizes too
     assert run.stats.num_locks == 0
+
+
+def test_the_default_pool_fits_the_workload_and_leaves_reuse_to_the_external_cache(tmp_path):
+    import json
+
+    from testbed.run import RunOptions, execute_run, pool_blocks
+    from testbed.runspec import RunSpec
+    from testbed.workloads import make_workload
+
+    spec = RunSpec()  # every default: chat, 200 requests, vLLM's pool sized from the workload
+    summary = execute_run(spec, tmp_path, RunOptions(progress=False))
+    effective = json.loads((tmp_path / spec.run_id / "spec.json").read_text())["effective"]
+    requests = list(make_workload("chat", num_requests=200, max_output_tokens=16))
+    longest = max(len(r.prompt_token_ids) + r.max_output_tokens for r in requests)
+    assert effective["engine_blocks"] == pool_blocks(spec, requests) == 2 * -(-longest // 64) + 1
+    assert summary["requests_rejected"] == 0 and summary["failures"] == []
+    assert summary["external_hit_tokens"] > 0  # reuse beyond vLLM's pool comes from the cache

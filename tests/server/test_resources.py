@@ -33,6 +33,7 @@ SHM = Path("/dev/shm")
 # Shared memory: promised when the pool is made, refused when it is not there
 # ---------------------------------------------------------------------------------------------
 
+
 def test_a_pool_keeps_its_memory_when_another_process_fills_dev_shm(private_mounts):
     """Used to die of SIGBUS (rc 135) on the first store once /dev/shm was full: the pool's
     pages were only allocated as they were first touched."""

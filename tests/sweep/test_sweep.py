@@ -61,17 +61,18 @@ def cache_servers(under: Path) -> list[int]:
 
 
 def run_processes_of(pid: int) -> list[int]:
-    """Pids of the run processes a sweep spawned (not, e.g., multiprocessing's resource tracker)."""
-    found = []
+    """Pids of the run processes a sweep started: the children of its fork server (not the
+    fork server itself, nor multiprocessing's resource tracker)."""
+    processes = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if parent == pid and b"spawn_main" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
+        processes.append((int(stat.parent.name), parent, cmdline))
+    servers = {p for p, parent, cmdline in processes if parent == pid and b"forkserver" in cmdline}
+    return [p for p, parent, _ in processes if parent in servers]
 
 
 def alive(pid: int) -> bool:
@@ -246,10 +247,11 @@ def test_rerun_skips_complete_runs_and_redoes_only_a_crashed_one(tmp_path):
 
 
 def test_failed_run_is_recorded_and_the_others_complete(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")  # there, so the file parses; no requests in it
     path = write(
         tmp_path,
         ORACLE_BASE
-        + "[grid]\nworkload = ['chat', 'mooncake:/nonexistent.jsonl']\nchunk_size = [128, 256]\n",
+        + "[grid]\nworkload = ['chat', 'mooncake:empty.jsonl']\nchunk_size = [128, 256]\n",
         name="failing",
     )
     sweep = load_sweep(path)
@@ -262,9 +264,7 @@ def test_failed_run_is_recorded_and_the_others_complete(tmp_path):
     assert list(index["run_id"]) == sweep.run_ids
     assert list(index["status"]) == ["complete", "complete", "failed", "failed"]
     assert index["error"][:2].isna().all()
-    assert all(
-        "mooncake trace not found: /nonexistent.jsonl" in error for error in index["error"][2:]
-    )
+    assert all("has no requests" in error for error in index["error"][2:])
     assert index["token_hit_rate"][:2].notna().all() and index["token_hit_rate"][2:].isna().all()
     failed = list(index["run_id"][2:])
     assert "Traceback" in (sweep_dir / failed[0] / ERROR_FILE).read_text()
@@ -380,7 +380,11 @@ def test_quickstart_is_a_small_sweep_of_both_engines():
     sweep = load_sweep(QUICKSTART)
     assert sweep.name == "quickstart"
     assert {run.engine for run in sweep.runs} == {"replay", "oracle"}
-    assert len(sweep.runs) <= 8 and all(run.requests <= 100 for run in sweep.runs)
+    assert {run.workload for run in sweep.runs} == {"chat", "rag"}
+    assert None in {run.capacity_tokens for run in sweep.runs} and "capacity_tokens" in sweep.swept
+    assert len(sweep.runs) <= 12 and all(run.requests <= 200 for run in sweep.runs)
+    # Keys linked to the workload (its size and parameters) stay out of run labels.
+    assert sweep.label_keys == ("workload", "capacity_tokens", "engine")
 
 
 def test_demo_runs_its_sweep_and_writes_the_report(tmp_path, monkeypatch, capsys):
@@ -392,7 +396,9 @@ def test_demo_runs_its_sweep_and_writes_the_report(tmp_path, monkeypatch, capsys
 
     assert sweep_cli.demo(tmp_path / "runs") == 0
 
-    report = Path(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("report: "))
+    printed = capsys.readouterr().out.strip().splitlines()
+    (line,) = [line for line in printed if line.startswith("report: ")]
+    report = Path(line.removeprefix("report: "))
     assert report.is_file() and report.is_relative_to(tmp_path / "runs" / "quickstart")
     assert (load_index(tmp_path / "runs" / "quickstart")["status"] == "complete").all()
 
@@ -467,3 +473,16 @@ def test_report_takes_the_out_directory_of_plain_runs(tmp_path, capsys):
 def test_report_of_a_directory_without_runs_says_what_to_give(tmp_path, capsys):
     assert kvtb(["report", str(tmp_path)]) != 0
     assert "kvtb run" in capsys.readouterr().err
+
+
+def test_set_overrides_a_run_key_in_every_run_of_a_sweep(tmp_path, capsys):
+    sweep = load_sweep(QUICKSTART, overrides={"requests": 8})
+    assert {run.requests for run in sweep.runs} == {8}
+    assert len(sweep.runs) == len(load_sweep(QUICKSTART).runs)
+    with pytest.raises(ValueError, match="--set: unknown key 'reqests'"):
+        load_sweep(QUICKSTART, overrides={"reqests": 8})
+    path = write(tmp_path, ORACLE_BASE + "[grid]\nchunk_size = [128, 256]\n", name="small")
+    args = ["sweep", str(path), "--out", str(tmp_path / "runs"), "--no-progress"]
+    assert kvtb([*args, "--set", "requests=4", "--set", "workload=rag"]) == 0
+    index = load_index(tmp_path / "runs" / "small")
+    assert set(index["requests"]) == {4} and set(index["workload"]) == {"rag"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -44,3 +45,15 @@ def test_an_oracle_run_writes_a_complete_run_directory(tmp_path):
     again = kvtb("run", "--engine", "oracle", "--workload", "rag", "--requests", "30",
                  "--out", str(tmp_path), "--no-progress")  # fmt: skip
     assert again.returncode == 0 and again.stdout == done.stdout  # the finished run is reused
+
+
+def test_the_printed_summary_shows_the_requests_served_and_rejected(tmp_path):
+    # A vLLM pool of 24 blocks of 64 tokens fits some turns of each chat, not the longer ones.
+    done = kvtb("run", "--engine", "oracle", "--workload", "chat", "--requests", "30",
+                "--engine-blocks", "24", "--out", str(tmp_path), "--no-progress")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    served, rejected = summary["requests"], summary["requests_rejected"]
+    assert served + rejected == 30 and served > 0 and rejected > 0
+    assert f"{served} served, {rejected} rejected (too long for vLLM's KV pool" in done.stdout

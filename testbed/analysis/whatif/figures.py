@@ -2,14 +2,18 @@
 
 Each function takes a :class:`~.results.WhatIf` (computed or loaded) and returns a matplotlib
 ``Figure``. :func:`whatif_figures` lists them as ``(file name, figure, caption)`` for
-``kvtb whatif --figures``; :func:`sweep_figures` is the hook ``kvtb report`` calls for a sweep
-that varies capacity or policy (the sweep's workload curve with its measured runs on it).
+``kvtb whatif --figures``; :func:`curve_panels_figure` draws runs against curves of the
+quantity they measure, a panel per comparison (:mod:`testbed.analysis.capacity_whatif`, which
+``kvtb report`` and the notebooks call). Hit-rate axes run from 0 to 100 %; time axes name
+their clock.
 """
 
 from __future__ import annotations
 
 import logging
 import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ import pandas as pd
 from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
+from testbed.analysis.palette import CATEGORY_COLOURS
 from testbed.analysis.whatif.results import WhatIf
 from testbed.sizes import format_bytes
 
@@ -24,8 +29,28 @@ log = logging.getLogger(__name__)
 
 FigureEntry = tuple[str, Figure, str]
 POLICY_MARKERS = {"belady": "*", "fifo": "s", "lfu": "^", "lru": "o"}
+RUN_MARKERS = ("D", "o", "s", "^", "v", "P", "X", "h", "<", ">")
+RUN_COLOURS = ("white", "gold", "tab:pink", "lightskyblue", "tab:brown", "plum", "khaki", "coral")
+"""Runs as points: each its own marker and face colour, cycling independently."""
 _CURVE_SAMPLES = 400  # points drawn per LRU curve (the exact curve can have millions of steps)
 _MAX_GROUP_LINES = 6
+
+
+@dataclass(frozen=True, eq=False)
+class CurvePanel:
+    """Runs against a curve of the quantity they measure (one panel of a figure)."""
+
+    title: str
+    whatif: WhatIf
+    points: pd.DataFrame
+    """``label``, ``capacity_tokens``, ``token_hit_rate`` (optional ``chunk_size``)."""
+    quantity: str
+    """The y-axis: which hits the curve and the points count."""
+    floor: float | None = None
+    """A share the curve starts from, drawn dashed (vLLM's own hits, ``E / P``)."""
+
+    def retitled(self, title: str) -> CurvePanel:
+        return CurvePanel(title, self.whatif, self.points, self.quantity, self.floor)
 
 
 def hit_rate_figure(
@@ -37,8 +62,57 @@ def hit_rate_figure(
 ) -> Figure:
     """Per chunk size: the exact LRU curve (solid), the simulated policies' points (markers),
     the unlimited cache (dotted); ``measured`` runs (``capacity_tokens``, ``metric``,
-    ``label``, optional ``chunk_size``) as black-edged points."""
+    ``label``) as points, each its own marker and colour."""
     figure, axes = _new(title)
+    _draw_curves(axes, whatif, metric)
+    if measured is not None:
+        _draw_points(axes, measured, metric)
+    _capacity_axes(axes, f"{metric.replace('_', ' ')} (%)")
+    return figure
+
+
+def curve_panels_figure(rows: Sequence[tuple[str, Sequence[CurvePanel]]], title: str) -> Figure:
+    """One row per workload, one panel per comparison: each panel's runs against the curve of
+    the same quantity, the y-axis naming it (0 to 100 %)."""
+    columns = max(len(panels) for _, panels in rows)
+    figure, grid = plt.subplots(
+        len(rows), columns, figsize=(7.5 * columns, 5.2 * len(rows)),
+        layout="constrained", squeeze=False,
+    )  # fmt: skip
+    figure.suptitle(textwrap.fill(title, 60 * columns))
+    for axes_row, (_, panels) in zip(grid, rows, strict=True):
+        for axes, panel in zip(axes_row, panels, strict=False):
+            axes.set_title(textwrap.fill(panel.title, 70), fontsize="medium")
+            axes.grid(True, alpha=0.3)
+            _draw_curves(axes, panel.whatif, "token_hit_rate")
+            if panel.floor is not None:
+                label = f"vLLM's prefix cache alone: {panel.floor:.1%}"
+                axes.axhline(panel.floor * 100, color=CATEGORY_COLOURS["engine"], linestyle="--",
+                             lw=1.2, label=label)  # fmt: skip
+            _draw_points(axes, panel.points, "token_hit_rate")
+            _capacity_axes(axes, panel.quantity)
+        for axes in list(axes_row)[len(panels) :]:
+            axes.axis("off")
+    return figure
+
+
+def not_applicable(title: str, reason: str) -> Figure:
+    """A figure that says why there is nothing to draw."""
+    figure, axes = plt.subplots(figsize=(9, 2.5), layout="constrained")
+    axes.set_title(textwrap.fill(title, 90))
+    axes.axis("off")
+    axes.text(0.5, 0.5, textwrap.fill(f"No what-if for this source: {reason}", 90),
+              ha="center", va="center", transform=axes.transAxes)  # fmt: skip
+    return figure
+
+
+def short_workload(workload: str) -> str:
+    """A workload as a label: a trace by its kind and file stem (``mooncake:conversation``)."""
+    kind, colon, path = workload.partition(":")
+    return f"{kind}:{Path(path).stem}" if colon and path else workload
+
+
+def _draw_curves(axes: plt.Axes, whatif: WhatIf, metric: str) -> None:
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for number, size in enumerate(sorted(whatif.points["chunk_size"].unique())):
         colour = colours[number % len(colours)]
@@ -47,7 +121,9 @@ def hit_rate_figure(
         points = whatif.points[whatif.points["chunk_size"] == size]
         unlimited = points[points["capacity_tokens"].isna()][metric]
         if len(unlimited):
-            axes.axhline(float(unlimited.iloc[0]) * 100, color=colour, linestyle=":", lw=1)
+            rate = float(unlimited.iloc[0])
+            axes.axhline(rate * 100, color=colour, linestyle=":", lw=1,
+                         label=f"unlimited, chunk {size}: {rate:.1%}")  # fmt: skip
         for policy, group in points[points["capacity_tokens"].notna()].groupby("policy"):
             if policy == "lru":
                 continue
@@ -60,24 +136,32 @@ def hit_rate_figure(
                 markersize=9 if policy == "belady" else 6,
                 label=f"{policy}, chunk {size}",
             )
-    if measured is not None and len(measured):
-        shown = measured[measured["capacity_tokens"].notna()]
-        for label, group in shown.groupby("label"):
-            axes.plot(
-                group["capacity_tokens"].astype(float),
-                group[metric] * 100,
-                linestyle="none",
-                marker="D",
-                markerfacecolor="none",
-                markeredgecolor="black",
-                label=f"measured: {label}",
-            )
+
+
+def _draw_points(axes: plt.Axes, points: pd.DataFrame, metric: str) -> None:
+    """Each run its own marker and colour (distinct from the curves' solid colours), black
+    edged, so that no two runs look alike even where they overlap."""
+    shown = points[points["capacity_tokens"].notna()]
+    for number, (label, group) in enumerate(shown.groupby("label", sort=False)):
+        axes.plot(
+            group["capacity_tokens"].astype(float),
+            group[metric] * 100,
+            linestyle="none",
+            marker=RUN_MARKERS[number % len(RUN_MARKERS)],
+            markersize=9,
+            markerfacecolor=RUN_COLOURS[number % len(RUN_COLOURS)],
+            markeredgecolor="black",
+            alpha=0.85,
+            label=f"run: {label}",
+        )
+
+
+def _capacity_axes(axes: plt.Axes, ylabel: str) -> None:
     axes.set_xscale("log")
-    axes.set_xlabel("cache capacity (tokens of KV, log scale)")
-    axes.set_ylabel(f"{metric.replace('_', ' ')} (%)")
+    axes.set_xlabel("external cache capacity (tokens of KV, log scale)")
+    axes.set_ylabel(ylabel)
     axes.set_ylim(0, 100)
-    axes.legend(fontsize="x-small", ncols=2)
-    return figure
+    axes.legend(fontsize="x-small", ncols=2, loc="upper left")  # curves rise to the right
 
 
 def min_capacity_figure(whatif: WhatIf, title: str = "Minimum LRU capacity") -> Figure:
@@ -98,7 +182,11 @@ def min_capacity_figure(whatif: WhatIf, title: str = "Minimum LRU capacity") -> 
                       fontsize="xx-small", rotation=90)  # fmt: skip
     axes.set_xticks(range(len(fractions)), [f"{f:.0%}" for f in fractions])
     axes.set_yscale("log")
-    axes.set_xlabel("share of the unlimited cache's hits kept")
+    axes.set_xlabel(
+        "share of the unlimited cache's external hits kept"
+        if _is_run(whatif)
+        else "share of the unlimited cache's hits kept"
+    )
     axes.set_ylabel("minimum capacity (tokens, log scale)")
     axes.legend(fontsize="small")
     return figure
@@ -111,9 +199,10 @@ def reuse_cdf_figure(whatif: WhatIf, title: str = "Reuse distance and interval")
     figure.suptitle(textwrap.fill(title, 110))
     reuse = whatif.reuse
     sizes = sorted(reuse["chunk_size"].unique())
+    clock = "the cache server's clock" if _is_run(whatif) else "the workload's arrival clock"
     for axes, column, label in (
         (panels[0], "reuse_distance_bytes", "reuse distance (bytes, log scale)"),
-        (panels[1], "reuse_interval_s", "reuse interval (s, log scale)"),
+        (panels[1], "reuse_interval_s", f"reuse interval (s of {clock}, log scale)"),
     ):
         for size in sizes:
             rows = reuse[(reuse["chunk_size"] == size) & (reuse["group"] == "all")]
@@ -160,56 +249,6 @@ def whatif_figures(
             "hold the chunk) and time since its last use.",
         ),
     ]
-
-
-def sweep_figures(
-    sweep_dir: Path, runs: pd.DataFrame, swept: list[str], context: str
-) -> list[FigureEntry]:
-    """``kvtb report``'s what-if figures: when the sweep varies capacity or policy, the
-    curves of the sweep's workload with every measured run as a point. ``[]`` otherwise, or
-    when the runs do not share one workload."""
-    if not {"capacity_tokens", "capacity_bytes", "policy"} & set(swept):
-        return []
-    from testbed.analysis.whatif.analyze import WhatIfOptions, what_if_workload
-    from testbed.analysis.whatif.runlog import run_spec
-
-    try:
-        specs = [run_spec(Path(sweep_dir) / run_id) for run_id in runs["run_id"]]
-        identity = {(s.workload, s.requests, s.seed, str(s.workload_params)) for s in specs}
-        if len(identity) != 1:
-            log.info("no what-if figures for %s: its runs differ in workload", sweep_dir)
-            return []
-        measured = _measured_points(runs, specs)
-        policies = sorted({"belady", *(s.policy for s in specs)} & {"belady", "fifo", "lfu"})
-        options = WhatIfOptions(
-            chunk_sizes=tuple(sorted({s.chunk_size for s in specs})),
-            policies=("lru", *policies),
-            at_tokens=tuple(sorted({int(c) for c in measured["capacity_tokens"].dropna()})),
-            policy_points=1,
-        )
-        whatif = what_if_workload(specs[0], options)
-    except (ValueError, FileNotFoundError) as exc:
-        # An optional figure: the rest of the report does not depend on it.
-        log.warning("no what-if figures for %s: %s", sweep_dir, exc)
-        return []
-    return whatif_figures(whatif, measured, context)
-
-
-def _measured_points(runs: pd.DataFrame, specs: list) -> pd.DataFrame:
-    rows = []
-    for (_, run), spec in zip(runs.iterrows(), specs, strict=True):
-        capacity = spec.capacity()
-        per_token = spec.kv_profile.stored_bytes_per_token(spec.tp)
-        rows.append(
-            {
-                "label": f"{run['engine']} {spec.policy}",
-                "chunk_size": spec.chunk_size,
-                "capacity_tokens": None if capacity is None else capacity // per_token,
-                "token_hit_rate": run.get("token_hit_rate"),
-                "mean_request_hit_rate": run.get("mean_request_hit_rate"),
-            }
-        )
-    return pd.DataFrame(rows)
 
 
 def _curve_samples(whatif: WhatIf, chunk_size: int, metric: str) -> tuple[np.ndarray, np.ndarray]:

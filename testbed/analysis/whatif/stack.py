@@ -19,7 +19,7 @@ hash-selected share of the keys enters the tree, so the count of distinct keys s
 keys so far). Recency positions stay exact for every key (one array write per reference), so
 the prefix rule is applied exactly; only the distance axis is estimated. Memory: O(keys +
 sampled references) instead of O(keys + references). The error is measured, not assumed
-(``python -m testbed.bench.whatif``; at 1% on the Mooncake conversation trace see the README).
+(``python -m testbed.bench.whatif``; at 1% on the Mooncake conversation trace see docs/analysis.md).
 
 The kernel is compiled with numba when it is importable (the ``lab`` extra installs it);
 without it the same code runs as plain Python, correct but roughly 100x slower, with a warning.
