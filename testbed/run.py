@@ -18,11 +18,11 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -36,13 +36,24 @@ from testbed.runspec import RunSpec
 from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import TracingConfig, configure_tracing, read_counts
 from testbed.version import package_version, source_commit
-from testbed.workloads import WorkloadRequest, make_workload
+from testbed.workloads import (
+    ArrivalProcess,
+    BlockRequest,
+    BlockTraceWorkload,
+    OpenLoop,
+    RequestShape,
+    Workload,
+    WorkloadRequest,
+    arrival_process,
+    make_workload,
+)
 
 log = logging.getLogger(__name__)
 
 SUMMARY = "summary.json"
 SPEC = "spec.json"
 REPLAY_VOCAB = 32_000
+R = TypeVar("R", bound=RequestShape)
 VLLM_VOCAB = 1024  # the tiny model's vocabulary
 
 
@@ -75,6 +86,22 @@ class RunPlan:
     """The external server's configuration (``None``: the run starts its own)."""
     bytes_per_token: int
     """KV bytes the cache stores per token for this spec's model (all TP ranks)."""
+    workload: Workload | None = None
+    """What the requests came from (it says how they arrive: :meth:`arrivals`)."""
+    blocks: list[BlockRequest] | None = None
+    """The oracle over a block-hash trace: the servable requests as block ids, no token
+    synthesised (``requests`` is then empty)."""
+
+    @property
+    def served(self) -> Sequence[WorkloadRequest] | Sequence[BlockRequest]:
+        """The servable requests, as tokens or as block ids."""
+        return self.blocks if self.blocks is not None else self.requests
+
+    def arrivals(self) -> ArrivalProcess[WorkloadRequest]:
+        """A fresh arrival process over ``requests`` (closed-loop users, or their times)."""
+        if self.workload is None:
+            return OpenLoop(self.requests)
+        return arrival_process(self.workload, self.requests)
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -145,9 +172,9 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
     capacity = plan.server_info.capacity_bytes if plan.server_info else plan.capacity_bytes
     try:
         if spec.engine == "oracle":
-            result = _run_oracle(spec, plan.requests)
+            result = _run_oracle(spec, plan.served)
             if options.on_progress is not None:
-                options.on_progress(len(plan.requests), len(plan.requests))
+                options.on_progress(len(plan.served), len(plan.served))
         elif spec.engine == "serve" and not options.launch:
             result = _run_engine(spec, plan.requests, None, run_dir, options)
             if options.server is not None:
@@ -181,42 +208,57 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
         _check_serve(options)
     elif options.endpoint is not None or options.launch:
         raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
-    loaded = _load_requests(spec)
-    requests, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
-    if not requests:
-        shortest = min(len(r.prompt_token_ids) + r.max_output_tokens for r in loaded)
-        needed = -(-shortest // spec.block_size) + 1
-        raise ValueError(
-            f"no request of {spec.workload!r} fits vLLM's KV pool of {spec.engine_blocks} blocks "
-            f"of {spec.block_size} tokens (the shortest needs {needed}); raise engine_blocks"
-        )
+    workload = _make_workload(spec)
+    requests: list[WorkloadRequest] = []
+    blocks = None  # the oracle keys a block-hash trace from its ids: no token synthesised
+    if spec.engine == "oracle" and isinstance(workload, BlockTraceWorkload):
+        blocks, rejected = _servable(spec, _loaded(spec, workload.block_requests()))
+    else:
+        requests, rejected = _servable(spec, _loaded(spec, workload))
     bytes_per_token = _bytes_per_token(spec)
     server_info = None
     if options.server is not None and spec.engine != "oracle":
         asked = RunPlan(spec, [], [], None, bytes_per_token).capacity_bytes
         server_info = _check_external_server(spec, options.server, asked)
-    return RunPlan(spec, requests, rejected, server_info, bytes_per_token)
+    return RunPlan(spec, requests, rejected, server_info, bytes_per_token, workload, blocks)
 
 
-def _load_requests(spec: RunSpec) -> list[WorkloadRequest]:
+def _make_workload(spec: RunSpec) -> Workload:
     try:
-        requests = list(
-            make_workload(
-                spec.workload,
-                num_requests=spec.requests,
-                seed=spec.seed,
-                vocab_size=VLLM_VOCAB
-                if spec.engine in ("vllm", "serve") and spec.model is None
-                else REPLAY_VOCAB,
-                max_output_tokens=spec.max_output_tokens,
-                params=spec.workload_params,
-            )
+        return make_workload(
+            spec.workload,
+            num_requests=spec.requests,
+            seed=spec.seed,
+            vocab_size=VLLM_VOCAB
+            if spec.engine in ("vllm", "serve") and spec.model is None
+            else REPLAY_VOCAB,
+            max_output_tokens=spec.max_output_tokens,
+            params=spec.workload_params,
         )
     except FileNotFoundError as exc:
         raise ValueError(f"workload {spec.workload!r}: {exc}") from None
-    if not requests:
+
+
+def _loaded(spec: RunSpec, requests: Iterable[R]) -> list[R]:
+    try:
+        loaded = list(requests)
+    except FileNotFoundError as exc:
+        raise ValueError(f"workload {spec.workload!r}: {exc}") from None
+    if not loaded:
         raise ValueError(f"workload {spec.workload!r} has no requests (is the trace empty?)")
-    return requests
+    return loaded
+
+
+def _servable(spec: RunSpec, loaded: list[R]) -> tuple[list[R], list[str]]:
+    requests, rejected = split_servable(loaded, spec.block_size, spec.engine_blocks)
+    if not requests:
+        shortest = min(r.num_prompt_tokens + r.max_output_tokens for r in loaded)
+        needed = -(-shortest // spec.block_size) + 1
+        raise ValueError(
+            f"no request of {spec.workload!r} fits vLLM's KV pool of {spec.engine_blocks} blocks "
+            f"of {spec.block_size} tokens (the shortest needs {needed}); raise engine_blocks"
+        )
+    return requests, rejected
 
 
 def _check_serve(options: RunOptions) -> None:
@@ -308,7 +350,9 @@ def _run_with_server(
         server = ServerProcess(args, log_path=run_dir / "server.log").start()
         endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
-        result = _run_engine(spec, plan.requests, endpoint, run_dir, options, server)
+        result = _run_engine(
+            spec, plan.requests, endpoint, run_dir, options, server, arrivals=plan.arrivals()
+        )
         return result, _server_state(endpoint), capacity
     finally:
         if server is not None:
@@ -337,7 +381,11 @@ def _run_engine(
     run_dir: Path,
     options: RunOptions,
     server: ServerProcess | None = None,
+    *,
+    arrivals: ArrivalProcess[WorkloadRequest] | None = None,
 ) -> EngineResult:
+    """``arrivals``: how the requests arrive (the replay engine takes closed-loop users;
+    ``None``: at their ``arrival_s``)."""
     total = len(requests)
     bar = tqdm(
         total=total,
@@ -364,7 +412,7 @@ def _run_engine(
 
             replay = ReplaySpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
             with ReplayEngine(replay, endpoint, work_dir=run_dir) as engine:
-                return engine.run(requests, on_finish=finished)
+                return engine.run(arrivals or OpenLoop(requests), on_finish=finished)
         from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
         vllm_spec = VllmEngineSpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
@@ -440,30 +488,31 @@ def _run_serve(
             collector.close()
 
 
-def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:
-    from testbed.engine.oracle import simulate
+def _run_oracle(
+    spec: RunSpec, requests: Sequence[WorkloadRequest] | Sequence[BlockRequest]
+) -> EngineResult:
+    from testbed.engine.oracle import KeyTrace, simulate_keys
 
     capacity = spec.capacity()
     chunk_bytes = spec.chunk_size * spec.kv_profile.stored_bytes_per_token(spec.tp)
     policy = "infinite" if capacity is None else spec.policy
-    oracle = simulate(
-        requests,
-        spec.chunk_size,
-        policy=policy,
-        capacity_chunks=None if capacity is None else capacity // chunk_bytes,
+    keys = KeyTrace.of(requests, spec.chunk_size)
+    oracle = simulate_keys(
+        keys, policy=policy, capacity_chunks=None if capacity is None else capacity // chunk_bytes
     )
     # An unlimited cache misses only what no earlier request had: its misses are the cold
     # ones, and what it would have hit beyond the limited cache is the capacity miss.
-    unlimited = oracle if capacity is None else simulate(requests, spec.chunk_size)
+    unlimited = oracle if capacity is None else simulate_keys(keys)
     result = EngineResult(engine="oracle")
+    shapes: Sequence[RequestShape] = requests
     for request, hit, unlimited_hit in zip(
-        requests, oracle.per_request_hit_tokens, unlimited.per_request_hit_tokens, strict=True
+        shapes, oracle.per_request_hit_tokens, unlimited.per_request_hit_tokens, strict=True
     ):
         result.records.append(
             RequestRecord(
                 request_id=request.request_id,
                 group=request.group,
-                prompt_tokens=len(request.prompt_token_ids),
+                prompt_tokens=request.num_prompt_tokens,
                 arrival_s=request.arrival_s,
                 hit_tokens=hit,
                 unlimited_hit_tokens=unlimited_hit,
@@ -473,14 +522,15 @@ def _run_oracle(spec: RunSpec, requests: list[WorkloadRequest]) -> EngineResult:
 
 
 def split_servable(
-    requests: list[WorkloadRequest], block_size: int, engine_blocks: int
-) -> tuple[list[WorkloadRequest], list[str]]:
+    requests: Iterable[R], block_size: int, engine_blocks: int
+) -> tuple[list[R], list[str]]:
     """The requests an engine with ``engine_blocks`` KV blocks can serve, and the ids of those
     it never could (vLLM would stall on them). Every engine, the oracle included, gets the same
     servable requests, so that measured runs and their bounds count the same traffic."""
-    servable, rejected = [], []
+    servable: list[R] = []
+    rejected: list[str] = []
     for request in requests:
-        tokens = len(request.prompt_token_ids) + request.max_output_tokens
+        tokens = request.num_prompt_tokens + request.max_output_tokens
         if -(-tokens // block_size) <= engine_blocks - 1:  # block 0 is vLLM's null block
             servable.append(request)
         else:
@@ -488,9 +538,9 @@ def split_servable(
     return servable, rejected
 
 
-def max_model_len(requests: list[WorkloadRequest], block_size: int) -> int:
+def max_model_len(requests: Sequence[RequestShape], block_size: int) -> int:
     """The engines' ``max_model_len``: the longest request, rounded up to whole blocks."""
-    longest = max(len(r.prompt_token_ids) + r.max_output_tokens for r in requests) + 1
+    longest = max(r.num_prompt_tokens + r.max_output_tokens for r in requests) + 1
     return max(1024, -(-longest // block_size) * block_size)
 
 

@@ -56,7 +56,8 @@ class RunSpec:
     """replay (vLLM's scheduler, no model), vllm (full engine), serve (a vLLM OpenAI server
     over HTTP: kvtb run --endpoint URL, or --launch), oracle (no server)."""
     workload: str = "chat"
-    """A generator name (chat, docqa, rag, random) or mooncake:PATH."""
+    """A generator name (chat, docqa, rag, random), mooncake:PATH or agentic:PATH (a
+    kv-cache-tester conversation file or directory)."""
     requests: int | None = 200
     """How many requests (traces: the first N; None: all)."""
     seed: int = 0
@@ -173,6 +174,18 @@ class RunSpec:
                 f"time_model {self.time_model!r} is not a profile with a compute shape; choose "
                 f"one of {', '.join(shaped)}"
             )
+        if ":" in self.workload and _closed_loop(self.workload, self.workload_params):
+            if self.engine in ("vllm", "serve"):
+                problems.append(
+                    f"closed-loop users (workload param users) need the replay or oracle engine: "
+                    f"the {self.engine} engine sends requests at times fixed in advance; leave "
+                    "users out to replay the trace's own timestamps"
+                )
+            if self.arrival != "trace":
+                problems.append(
+                    f"arrival {self.arrival!r} sends every request at once; closed-loop users "
+                    "(workload param users) need arrival 'trace'"
+                )
         if self.server_timeout_s <= 0:
             problems.append(f"server_timeout_s must be positive, got {self.server_timeout_s}")
         for name in ("capacity_tokens", "capacity_bytes"):
@@ -269,6 +282,14 @@ class RunSpec:
             return cls(**resolved)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+def _closed_loop(workload: str, params: Mapping[str, Any]) -> bool:
+    """Whether a trace workload has closed-loop arrivals (imported only for trace workloads:
+    the default spec, which ``kvtb server``'s flags build, stays clear of the lab packages)."""
+    from testbed.workloads import closed_loop
+
+    return closed_loop(workload, params)
 
 
 def _as_stored(value: Any) -> Any:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from testbed.keys import chunk_hashes
-from testbed.workloads import WorkloadRequest
+from testbed.workloads import BlockRequest, WorkloadRequest
+from testbed.workloads.block_keys import BlockKeys
 
 # -------------------------------------------------------------------------------------------
 # Public
@@ -88,6 +90,23 @@ class KeyTrace:
             keys.append([ids.setdefault(h, len(ids)) for h in hashes])
             prompt_tokens.append(len(request.prompt_token_ids))
         return cls(chunk_size, keys, prompt_tokens)
+
+    @classmethod
+    def from_blocks(cls, requests: Sequence[BlockRequest], chunk_size: int) -> KeyTrace:
+        """Block-hash trace requests keyed from their block ids, no token synthesised: the
+        keys their synthesised tokens' chunk hashes would give, up to renaming
+        (``testbed.workloads.block_keys``)."""
+        keys = BlockKeys(requests).at(chunk_size)
+        return cls(chunk_size, keys.per_request(), [r.num_prompt_tokens for r in requests])
+
+    @classmethod
+    def of(
+        cls, requests: Sequence[WorkloadRequest] | Sequence[BlockRequest], chunk_size: int
+    ) -> KeyTrace:
+        """:meth:`from_blocks` for block requests, :meth:`from_requests` (hashing) otherwise."""
+        if requests and isinstance(requests[0], BlockRequest):
+            return cls.from_blocks(cast(Sequence[BlockRequest], requests), chunk_size)
+        return cls.from_requests(cast(Sequence[WorkloadRequest], requests), chunk_size)
 
 
 def simulate(

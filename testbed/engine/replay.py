@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,7 @@ from testbed.engine.vllm_setup import (
 )
 from testbed.engine.worker_harness import StepOutcome, WorkerHarness
 from testbed.runspec import RunSpec
-from testbed.workloads import WorkloadRequest
+from testbed.workloads import ArrivalProcess, OpenLoop, WorkloadRequest
 
 SAMPLED_TOKEN = 7  # never a stop token: hand-made sampling params have no EOS
 _MAX_IDLE_STEPS = 100_000
@@ -66,7 +66,8 @@ class ReplaySpec:
     store_wait: bool = True
     """Each step's stores commit before the step reports (``kvtb.store_wait_s``)."""
     arrival: str = "trace"
-    """``trace``: requests enter at their arrival time on the virtual clock; ``all``: at once."""
+    """``trace``: requests enter as their arrival process releases them on the virtual clock
+    (their times, or closed-loop users); ``all``: at once."""
     time_profile: str = "flat"
     """The projected clock's hardware (``testbed.engine.time_model``): flat, h100, ..."""
     compute_profile: KVProfile | None = None
@@ -213,25 +214,33 @@ class ReplayEngine:
 
     def run(
         self,
-        workload: Iterable[WorkloadRequest],
+        workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
         on_finish: Callable[[RequestRecord], None] | None = None,
     ) -> EngineResult:
+        """Replays ``workload``: requests in arrival order, or an arrival process (closed-loop
+        users) that is told, on the virtual clock, when each request finished."""
         spec = self.spec
         result = EngineResult(engine="replay", metadata_only=spec.metadata_only)
         records: dict[str, RequestRecord] = {}
         spans: dict[str, telemetry.Span] = {}
-        arrivals = _Arrivals(iter(workload))
+        arrivals = workload if isinstance(workload, ArrivalProcess) else OpenLoop(workload)
         clock = 0.0
         idle_steps = 0
         started = time.perf_counter()
         while True:
-            for request in arrivals.due(clock if spec.arrival == "trace" else float("inf")):
-                self._add(request, records, spans, result, clock)
+            for request in arrivals.release(clock if spec.arrival == "trace" else float("inf")):
+                if not self._add(request, records, spans, result, clock):
+                    arrivals.complete(request.request_id, clock)
             if not self.scheduler.has_requests():
-                upcoming = arrivals.peek()
+                upcoming = arrivals.next_arrival_s()
                 if upcoming is None:
+                    if arrivals.waiting():
+                        raise RuntimeError(
+                            f"{arrivals.waiting()} requests wait for completions the replay "
+                            "never reported"
+                        )
                     break
-                clock = max(clock, upcoming.arrival_s)
+                clock = max(clock, upcoming)
                 continue
             step_started = time.perf_counter()
             so = self.scheduler.schedule()
@@ -261,6 +270,7 @@ class ReplayEngine:
                     record.finish_s = clock
                     close_request(record, spans.pop(output.request_id))
                     result.records.append(record)
+                    arrivals.complete(output.request_id, clock)
                     if on_finish is not None:
                         on_finish(record)
         result.wall_s = time.perf_counter() - started
@@ -274,14 +284,15 @@ class ReplayEngine:
         spans: dict[str, telemetry.Span],
         result: EngineResult,
         clock: float,
-    ) -> None:
+    ) -> bool:
+        """Adds ``request`` to the scheduler; ``False`` when the engine can never serve it."""
         spec = self.spec
         prompt = request.prompt_token_ids
         total_tokens = len(prompt) + request.max_output_tokens
         needed_blocks = -(-total_tokens // spec.block_size)
         if total_tokens > spec.max_model_len or needed_blocks > spec.engine_blocks - 1:
             result.rejected.append(request.request_id)
-            return
+            return False
         record, span = open_request(request, clock if spec.arrival == "all" else request.arrival_s)
         records[request.request_id] = record
         spans[request.request_id] = span
@@ -295,6 +306,7 @@ class ReplayEngine:
                 traceparent=telemetry.traceparent_of(span),
             )
         )
+        return True
 
     def _step_s(self, so) -> float:
         """The step's projected time: per scheduled request its new and context tokens, per
@@ -362,20 +374,3 @@ class ReplayEngine:
             for request_id in kv.finished_sending:
                 del order[request_id]
         return aggregated
-
-
-class _Arrivals:
-    """The workload's requests in order, released as the clock passes their arrival time."""
-
-    def __init__(self, requests: Iterator[WorkloadRequest]) -> None:
-        self._requests = requests
-        self._next: WorkloadRequest | None = next(requests, None)
-
-    def peek(self) -> WorkloadRequest | None:
-        return self._next
-
-    def due(self, clock: float) -> Iterator[WorkloadRequest]:
-        while self._next is not None and self._next.arrival_s <= clock:
-            request = self._next
-            self._next = next(self._requests, None)
-            yield request

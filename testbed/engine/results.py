@@ -49,6 +49,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "ttft_ms": self.ttft_ms,
+            "finish_s": self.finish_s,
         }
 
 

@@ -62,6 +62,22 @@ class WorkloadRequest:
         return int(self.prompt_token_ids.size)
 
 
+class RequestShape(Protocol):
+    """What a run needs of a request before its tokens: a :class:`WorkloadRequest`, or a
+    block-hash trace's request as block ids (``testbed.workloads.block_trace``)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def group(self) -> str: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def max_output_tokens(self) -> int: ...
+
+
 @runtime_checkable
 class Workload(Protocol):
     """A named, re-iterable, deterministic stream of requests in arrival order."""

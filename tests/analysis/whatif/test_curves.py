@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from testbed.analysis.whatif import WhatIfOptions, lru_curve, stack_distances, what_if_workload
-from testbed.analysis.whatif.sources import MooncakeBlocks, servable_requests, workload_traces
+from testbed.analysis.whatif.sources import servable_requests, workload_traces
 from testbed.analysis.whatif.stack import COLD
 from testbed.analysis.whatif.trace import workload_trace
 from testbed.engine.oracle import KeyTrace, simulate, simulate_keys
@@ -73,9 +73,10 @@ def test_lru_curve_equals_the_oracle_at_every_capacity(spec, params):
 def test_mooncake_keys_from_hash_ids_equal_the_oracles_and_so_does_the_curve():
     run = RunSpec(engine="oracle", workload=f"mooncake:{MOONCAKE_TRACE}", requests=400)
     requests = servable_requests(run)
-    blocks = MooncakeBlocks.read(MOONCAKE_TRACE, run)
-    for chunk_size in (64, 256, 512, 768):
-        fast = blocks.trace(chunk_size)
+    sizes = (64, 256, 512, 768)
+    traces = workload_traces(run, sizes)
+    for chunk_size in sizes:
+        fast = traces[chunk_size]
         hashed = KeyTrace.from_requests(requests, chunk_size)
         expected = np.array([k for keys in hashed.keys for k in keys])
         # Same sharing structure: the two keyings name the same partition of the chunks.
@@ -95,10 +96,10 @@ def test_mooncake_requests_too_long_for_the_engine_pool_are_left_out_as_a_run_le
         engine="oracle", workload=f"mooncake:{MOONCAKE_TRACE}", requests=300, engine_blocks=160
     )
     requests = servable_requests(run)
-    blocks = MooncakeBlocks.read(MOONCAKE_TRACE, run)
+    blocks = workload_traces(run, [512])[512]  # keyed from the hash ids
     assert 0 < len(requests) < 300
     assert blocks.prompt_tokens.tolist() == [len(r.prompt_token_ids) for r in requests]
-    assert blocks.arrival_s.tolist() == [r.arrival_s for r in requests]
+    assert blocks.step_time_s.tolist() == [r.arrival_s for r in requests]
 
 
 @pytest.mark.parametrize(("spec", "params"), WORKLOADS[:2])

@@ -1,0 +1,92 @@
+"""Chunk keys of block requests, from their block ids alone (no token is synthesised).
+
+The server keys a prompt's complete chunks of ``C`` tokens by a rolling prefix hash of their
+tokens (``testbed.keys``). For the tokens :class:`~testbed.workloads.block_trace.BlockTokens`
+synthesises, the first ``e`` tokens of two prompts are equal exactly when
+
+- the block covering token ``e - 1`` has an id in both and the two prompts' id prefixes up to
+  and including that block are equal (the block's tokens are a function of its id, and ids are
+  prefix-chained); or
+- never, when that block has no id (a kv-cache-tester tail is the request's own).
+
+So the chunk ending at token ``e`` is named by (the dense id of the id prefix up to block
+``b = (e - 1) // B``, ``e - b B``), or by a key of its own when block ``b`` has no id: equal
+for two chunks exactly when their chunk hashes are equal (a collision of random token blocks
+aside). :class:`BlockKeys` numbers the id prefixes once; :meth:`BlockKeys.at` keys every chunk
+size from them with array arithmetic, which is what lets the oracle and the what-if take a
+whole trace set in seconds. ``tests/workloads`` checks these keys against the hashed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.workloads.block_trace import BlockRequest
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkKeys:
+    """Every request's complete chunks at one chunk size, as dense int keys."""
+
+    chunk_size: int
+    keys: np.ndarray
+    """int64: request ``r``'s chunk keys are ``keys[offsets[r]:offsets[r + 1]]`` (equal ints:
+    equal chunk hashes)."""
+    offsets: np.ndarray
+    """int64 ``[num_requests + 1]``."""
+    num_keys: int
+    """Keys are ints in ``[0, num_keys)``."""
+
+    def per_request(self) -> list[list[int]]:
+        """The keys as one list per request."""
+        flat = self.keys.tolist()
+        bounds = self.offsets.tolist()
+        return [flat[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
+
+
+class BlockKeys:
+    """The id prefixes of ``requests`` numbered once; :meth:`at` keys any chunk size."""
+
+    def __init__(self, requests: Sequence[BlockRequest]) -> None:
+        prefixes: dict[tuple[int, int], int] = {}
+        roots: dict[int | None, int] = {}
+        ids: list[int] = []
+        counts = np.zeros(len(requests), dtype=np.int64)
+        for index, request in enumerate(requests):
+            parent = roots.setdefault(request.scope, -1 - len(roots))
+            for block_id in request.block_ids.tolist():
+                parent = prefixes.setdefault((parent, block_id), len(prefixes))
+                ids.append(parent)
+            counts[index] = len(request.block_ids)
+        self.prefix_ids = np.asarray(ids, dtype=np.int64)
+        """Per request and block, the dense id of the id prefix ending at that block."""
+        self.block_offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.block_offsets[1:])
+        self.num_blocks = counts
+        self.block_tokens = np.array([r.block_tokens for r in requests], dtype=np.int64)
+        self.prompt_tokens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
+
+    def at(self, chunk_size: int) -> ChunkKeys:
+        """Each request's complete chunks of ``chunk_size`` tokens, keyed (module docstring)."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        counts = self.prompt_tokens // chunk_size
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        end_token = (np.arange(offsets[-1], dtype=np.int64) - offsets[request] + 1) * chunk_size
+        size = self.block_tokens[request]
+        block = (end_token - 1) // size
+        within = end_token - block * size  # 1..size
+        named = block < self.num_blocks[request]
+        prefix = self.prefix_ids[self.block_offsets[request[named]] + block[named]]
+        codes = prefix * (int(self.block_tokens.max(initial=1)) + 1) + within[named]
+        unique, dense = np.unique(codes, return_inverse=True)
+        keys = np.empty(len(request), dtype=np.int64)
+        keys[named] = dense.reshape(-1)
+        own = int((~named).sum())  # chunks reaching into a tail: keys no other chunk has
+        keys[~named] = np.arange(len(unique), len(unique) + own, dtype=np.int64)
+        return ChunkKeys(chunk_size, keys, offsets, len(unique) + own)
