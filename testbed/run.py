@@ -206,6 +206,11 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
         check_spec(spec)
     if spec.engine == "serve":
         _check_serve(options)
+    elif spec.servers == "per-instance" and options.server is not None:
+        raise ValueError(
+            "--server gives one cache server; servers 'per-instance' starts one per instance "
+            "(leave out --server, or use servers 'shared')"
+        )
     elif options.endpoint is not None or options.launch:
         raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
     workload = _make_workload(spec)
@@ -328,35 +333,59 @@ def _check_external_server(
 def _run_with_server(
     spec: RunSpec, plan: RunPlan, run_dir: Path, options: RunOptions
 ) -> tuple[EngineResult, dict[str, int] | None, int | None]:
-    """The engine's result, the server's state after it, and the capacity that ran."""
-    server = None
-    endpoint = options.server
+    """The engine's result, the servers' state after it, and the capacity that ran (each
+    server's: a fleet with servers 'per-instance' starts one per instance)."""
+    servers: list[ServerProcess] = []
+    endpoints = [options.server] if options.server is not None else []
     capacity = plan.server_info.capacity_bytes if plan.server_info else None
-    if endpoint is None:
-        capacity = plan.capacity_bytes or _unlimited_capacity(plan)
-        args = [
-            "--chunk-size", str(spec.chunk_size),
-            "--capacity", str(capacity),
-            "--policy", spec.policy,
-            "--run-dir", str(run_dir),
-            "--run-id", spec.run_id,
-        ]  # fmt: skip
-        if spec.metadata_only:
-            args.append("--metadata-only")
-        if options.otlp_endpoint:
-            args += ["--otlp-endpoint", options.otlp_endpoint]
-        if options.otlp_protocol:
-            args += ["--otlp-protocol", options.otlp_protocol]
-        server = ServerProcess(args, log_path=run_dir / "server.log").start()
-        endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
+        if not endpoints:
+            capacity = plan.capacity_bytes or _unlimited_capacity(plan)
+            args = [
+                "--chunk-size", str(spec.chunk_size),
+                "--capacity", str(capacity),
+                "--policy", spec.policy,
+                "--run-dir", str(run_dir),
+                "--run-id", spec.run_id,
+            ]  # fmt: skip
+            if spec.metadata_only:
+                args.append("--metadata-only")
+            if options.otlp_endpoint:
+                args += ["--otlp-endpoint", options.otlp_endpoint]
+            if options.otlp_protocol:
+                args += ["--otlp-protocol", options.otlp_protocol]
+            count = spec.instances if spec.servers == "per-instance" else 1
+            for k in range(count):
+                log_path = run_dir / ("server.log" if k == 0 else f"server-{k}.log")
+                servers.append(ServerProcess(args, log_path=log_path).start())
+            endpoints = [ServerEndpoint(s.url, s.token, s.admin_token) for s in servers]
         result = _run_engine(
-            spec, plan.requests, endpoint, run_dir, options, server, arrivals=plan.arrivals()
+            spec,
+            plan.requests,
+            endpoints[0],
+            run_dir,
+            options,
+            servers[0] if servers else None,
+            arrivals=plan.arrivals(),
+            endpoints=endpoints,
         )
-        return result, _server_state(endpoint), capacity
+        states = [_server_state(endpoint) for endpoint in endpoints]
+        return result, _merged_states(states), capacity
     finally:
-        if server is not None:
+        for server in servers:
             server.close()
+
+
+def _merged_states(states: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Several servers' states as one (counts summed); ``None`` if one could not be asked."""
+    if any(state is None for state in states):
+        return None
+    merged: dict[str, int] = {}
+    for state in states:
+        assert state is not None
+        for key, value in state.items():
+            merged[key] = merged.get(key, 0) + value
+    return merged
 
 
 def _server_state(endpoint: ServerEndpoint) -> dict[str, int] | None:
@@ -383,9 +412,10 @@ def _run_engine(
     server: ServerProcess | None = None,
     *,
     arrivals: ArrivalProcess[WorkloadRequest] | None = None,
+    endpoints: Sequence[ServerEndpoint] = (),
 ) -> EngineResult:
-    """``arrivals``: how the requests arrive (the replay engine takes closed-loop users;
-    ``None``: at their ``arrival_s``)."""
+    """``arrivals``: how the requests arrive (the replay and fleet engines take closed-loop
+    users; ``None``: at their ``arrival_s``). ``endpoints``: the fleet's cache servers."""
     total = len(requests)
     bar = tqdm(
         total=total,
@@ -407,6 +437,16 @@ def _run_engine(
         if spec.engine == "serve":
             return _run_serve(spec, requests, endpoint, run_dir, options, server, finished)
         assert endpoint is not None
+        if spec.engine == "fleet":
+            from testbed.engine.fleet import FleetEngine
+            from testbed.engine.replay import ReplaySpec
+            from testbed.fleet.routers import make_router
+
+            replay = ReplaySpec.from_run_spec(spec, max_model_len(requests, spec.block_size))
+            router = make_router(spec.router, spec.router_params, spec.instances, spec.seed)
+            servers = list(endpoints) or [endpoint]
+            with FleetEngine(replay, router, servers, spec.instances, work_dir=run_dir) as fleet:
+                return fleet.run(arrivals or OpenLoop(requests), on_finish=finished)
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
@@ -563,6 +603,9 @@ def _resource(spec: RunSpec, plan: RunPlan) -> dict[str, Any]:
         a.POLICY: info.policy if info is not None else spec.policy,
         a.MODEL: spec.kv_profile.name if spec.engine != "vllm" else spec.model or "tiny",
     }
+    if spec.instances > 1 or spec.engine == "fleet":
+        resource[a.INSTANCES] = spec.instances
+        resource[a.ROUTER] = spec.router
     if capacity is not None:
         resource[a.CAPACITY_BYTES] = capacity
     return resource

@@ -14,6 +14,12 @@ from typing import Any
 from testbed.runspec import RunSpec
 from testbed.sizes import parse_bytes
 
+_PARAM_FLAGS = {
+    "workload_params": ("--workload-param", "workload generator"),
+    "router_params": ("--router-param", "router"),
+}
+"""Table-valued run keys: one repeatable ``KEY=VALUE`` flag each."""
+
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, a flag per run key and ``--workload-param KEY=VALUE``."""
@@ -21,7 +27,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(RunSpec)
     defaults = RunSpec()
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
-        if name == "workload_params":
+        if name in _PARAM_FLAGS:
             continue
         flag = "--" + name.replace("_", "-")
         annotation = hints[name]
@@ -35,13 +41,15 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
             )
             continue
         parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
-    parser.add_argument(
-        "--workload-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a workload generator parameter (repeatable; VALUE is parsed as TOML)",
-    )
+    for name, (flag, what) in _PARAM_FLAGS.items():
+        parser.add_argument(
+            flag,
+            action="append",
+            default=[],
+            dest=name,
+            metavar="KEY=VALUE",
+            help=f"a {what} parameter (repeatable; VALUE is parsed as TOML)",
+        )
 
 
 def spec_from_args(args: argparse.Namespace) -> RunSpec:
@@ -51,15 +59,16 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     hints = typing.get_type_hints(RunSpec)
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
         raw = getattr(args, name, None)
-        if raw is None or name == "workload_params":
+        if raw is None or name in _PARAM_FLAGS:
             continue
         values[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
-    params = dict(values.get("workload_params", {}))
-    for item in args.workload_param:
-        key, _, value = item.partition("=")
-        params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
-    if params:
-        values["workload_params"] = params
+    for name in _PARAM_FLAGS:
+        params = dict(values.get(name, {}))
+        for item in getattr(args, name, None) or []:
+            key, _, value = item.partition("=")
+            params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
+        if params:
+            values[name] = params
     source = str(args.config) if args.config else "command line"
     return RunSpec.from_mapping(values, source=source)
 

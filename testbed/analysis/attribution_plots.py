@@ -1,6 +1,6 @@
 """Where every prompt token went, per run: the stacked figure and the table of miss causes.
 
-The figure stacks the ten categories of :mod:`testbed.analysis.attribution` (shares of the
+The figure stacks the categories of :mod:`testbed.analysis.attribution` (shares of the
 prompt tokens); the table is the 3C table of cache studies, for KV reuse: ``cold`` is the
 compulsory miss, ``capacity`` the capacity miss, there are no conflict misses (the cache is
 fully associative), and the other causes are particular to a KV cache behind an engine.
@@ -31,6 +31,7 @@ COLORS = {
     "in_flight": "tab:orange",
     "unavailable": "tab:brown",
     "engine_only": "tab:cyan",
+    "routing": "tab:pink",
 }
 LABELS = {
     "engine": "engine (vLLM prefix cache)",
@@ -43,6 +44,7 @@ LABELS = {
     "in_flight": "in flight",
     "unavailable": "unavailable",
     "engine_only": "engine only",
+    "routing": "routing (held by another instance)",
 }
 
 
@@ -68,7 +70,7 @@ def where_tokens_went(table: pd.DataFrame, label: str, title: str) -> Figure:
     values = table[list(CATEGORIES)].astype(float).to_numpy()
     shares = 100 * values / np.maximum(values.sum(axis=1, keepdims=True), 1)
     bottom = np.zeros(len(table))
-    for index, name in enumerate(CATEGORIES):  # all ten in the legend, also those that are 0
+    for index, name in enumerate(CATEGORIES):  # all in the legend, also those that are 0
         axes.bar(positions, shares[:, index], bottom=bottom, color=COLORS[name], label=LABELS[name])
         bottom += shares[:, index]
     axes.set_xticks(positions, table[label].astype(str), rotation=30, ha="right")

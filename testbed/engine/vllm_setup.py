@@ -22,6 +22,7 @@ os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 
 from vllm.config import (  # noqa: E402
     CacheConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -60,6 +61,9 @@ class SchedulerSpec:
     """``kv_connector_extra_config``; ``None`` runs without a connector."""
     tp_size: int = 1
     prefix_caching: bool = True
+    kv_events: bool = False
+    """vLLM's KV cache events on (``KVEventsConfig.enable_kv_cache_events``), published to no
+    socket: the caller installs its own publisher (:mod:`testbed.fleet.kv_events`)."""
 
 
 def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
@@ -88,11 +92,15 @@ def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=dict(spec.connector_config),
         )
+    events = None
+    if spec.kv_events:
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     config = VllmConfig(
         model_config=model,
         cache_config=cache,
         scheduler_config=scheduler,
         kv_transfer_config=transfer,
+        kv_events_config=events,
     )
     config.parallel_config.tensor_parallel_size = spec.tp_size
     config.cache_config.num_gpu_blocks = spec.num_blocks
