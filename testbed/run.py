@@ -70,6 +70,9 @@ class RunOptions:
     endpoint: str | None = None
     """serve engine: a running vLLM OpenAI server (with the connector) to send the workload
     to; its connector and cache server keep their telemetry where they were told."""
+    endpoints: tuple[str, ...] = ()
+    """serve engine: several running vLLM OpenAI servers, routed by the spec's router (as many
+    as the spec's ``instances``)."""
     launch: bool = False
     """serve engine: start ``kvtb server`` and vLLM's OpenAI server for the run (their
     telemetry lands in the run directory), and stop them after."""
@@ -205,14 +208,16 @@ def prepare_run(spec: RunSpec, options: RunOptions) -> RunPlan:
 
         check_spec(spec)
     if spec.engine == "serve":
-        _check_serve(options)
+        _check_serve(spec, options)
     elif spec.servers == "per-instance" and options.server is not None:
         raise ValueError(
             "--server gives one cache server; servers 'per-instance' starts one per instance "
             "(leave out --server, or use servers 'shared')"
         )
-    elif options.endpoint is not None or options.launch:
-        raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
+    elif options.endpoint is not None or options.endpoints or options.launch:
+        raise ValueError(
+            "--endpoint, --endpoints and --launch apply to the serve engine (--engine serve)"
+        )
     workload = _make_workload(spec)
     requests: list[WorkloadRequest] = []
     blocks = None  # the oracle keys a block-hash trace from its ids: no token synthesised
@@ -266,27 +271,36 @@ def _servable(spec: RunSpec, loaded: list[R]) -> tuple[list[R], list[str]]:
     return requests, rejected
 
 
-def _check_serve(options: RunOptions) -> None:
-    if options.launch == (options.endpoint is not None):
+def _serve_urls(options: RunOptions) -> list[str]:
+    return list(options.endpoints) or ([options.endpoint] if options.endpoint else [])
+
+
+def _check_serve(spec: RunSpec, options: RunOptions) -> None:
+    urls = _serve_urls(options)
+    if options.launch == bool(urls) or (options.endpoint and options.endpoints):
         raise ValueError(
-            "the serve engine needs either --endpoint URL (a running vLLM OpenAI server with "
-            "the connector) or --launch (start kvtb server and vLLM's server for the run)"
+            "the serve engine needs one of --endpoint URL (a running vLLM OpenAI server with "
+            "the connector), --endpoints URL,URL (several, routed by --router) or --launch "
+            "(start kvtb server and --instances vLLM servers for the run)"
         )
     if options.launch:
         from testbed.extras import require_engines
 
         require_engines(["vllm"])
         return
+    if len(urls) != spec.instances:
+        raise ValueError(
+            f"--endpoints names {len(urls)} servers and the spec {spec.instances} instances; "
+            f"run with --instances {len(urls)}"
+        )
     import urllib.request
 
-    assert options.endpoint is not None
-    try:
-        with urllib.request.urlopen(options.endpoint.rstrip("/") + "/v1/models", timeout=2):
-            pass
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"--endpoint {options.endpoint}: no vLLM server answers there ({exc})"
-        ) from None
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=2):
+                pass
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--endpoint {url}: no vLLM server answers there ({exc})") from None
 
 
 def _bytes_per_token(spec: RunSpec) -> int:
@@ -471,61 +485,87 @@ def _run_serve(
     server: ServerProcess | None,
     finished: Callable[[RequestRecord], None],
 ) -> EngineResult:
-    """The workload over HTTP: to ``options.endpoint``, or to a vLLM server launched here
-    against the run's own cache server (stopped before it, so its spans are flushed)."""
+    """The workload over HTTP: to ``options.endpoint(s)``, or to vLLM servers launched here
+    against the run's own cache server (stopped before it, so its spans are flushed); several
+    servers are routed by the spec's router."""
     from testbed.engine.serve import ServeEngine, ServeSpec
 
-    url = options.endpoint
-    vllm = None
-    if options.launch:
-        from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess
-        from testbed.telemetry.collector import SpanCollector
-
-        assert endpoint is not None and server is not None
-        connector = ConnectorConfig(
-            server_url=endpoint.url,
-            token_file=str(server.token_file),
-            mq_timeout_s=spec.server_timeout_s,
-            chunk_size=spec.chunk_size,
-            load_async=spec.load_async,
-            lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
-            load_wait_s=spec.server_timeout_s,
-            store_wait_s=spec.server_timeout_s if spec.store_wait else 0.0,
-            transfer_mode=spec.transfer_mode,
-            engine_id=spec.run_id,
-            run_id=spec.run_id,
-            span_dir=str(run_dir),
-        )
-        launch = LaunchSpec(
-            model=spec.model,
-            max_model_len=max_model_len(requests, spec.block_size),
-            block_size=spec.block_size,
-            engine_blocks=spec.engine_blocks,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            prefix_caching=spec.prefix_caching,
-            tp=spec.tp,
-            seed=spec.seed,
-            connector=connector.to_extra_config(),
-        )
-        collector = SpanCollector(run_dir).start()
-        try:
-            vllm = VllmServerProcess(launch, run_dir, otlp_endpoint=collector.endpoint).start()
-        except BaseException:
-            collector.close()
-            raise
-        url = vllm.url
-    assert url is not None
+    urls = _serve_urls(options)
+    vllms: list[Any] = []
+    events = collector = routing = None
     try:
-        serve = ServeSpec(endpoint=url, arrival=spec.arrival, max_concurrency=spec.max_num_seqs)
-        with ServeEngine(serve) as engine:
+        if spec.instances > 1:
+            from testbed.fleet.kv_events import ZmqEventStream
+
+            events = ZmqEventStream() if options.launch else None
+        if options.launch:
+            from testbed.engine.fleet import instance_engine_id
+            from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess, start_fleet
+            from testbed.telemetry.collector import SpanCollector
+
+            assert endpoint is not None and server is not None
+            collector = SpanCollector(run_dir).start()
+            for k in range(spec.instances):
+                connector = ConnectorConfig(
+                    server_url=endpoint.url,
+                    token_file=str(server.token_file),
+                    mq_timeout_s=spec.server_timeout_s,
+                    chunk_size=spec.chunk_size,
+                    load_async=spec.load_async,
+                    lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
+                    load_wait_s=spec.server_timeout_s,
+                    store_wait_s=spec.server_timeout_s if spec.store_wait else 0.0,
+                    transfer_mode=spec.transfer_mode,
+                    engine_id=instance_engine_id(spec.run_id, k)
+                    if spec.instances > 1
+                    else spec.run_id,
+                    run_id=spec.run_id,
+                    span_dir=str(run_dir),
+                )
+                launch = LaunchSpec(
+                    model=spec.model,
+                    max_model_len=max_model_len(requests, spec.block_size),
+                    block_size=spec.block_size,
+                    engine_blocks=spec.engine_blocks,
+                    max_num_seqs=spec.max_num_seqs,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    prefix_caching=spec.prefix_caching,
+                    tp=spec.tp,
+                    seed=spec.seed,
+                    connector=connector.to_extra_config(),
+                )
+                vllms.append(
+                    VllmServerProcess(
+                        launch,
+                        run_dir,
+                        otlp_endpoint=collector.endpoint,
+                        instance=k if spec.instances > 1 else None,
+                        kv_events_endpoint=events.endpoint if events is not None else None,
+                    )
+                )
+            urls = [vllm.url for vllm in start_fleet(vllms)]
+        if spec.instances > 1:
+            from testbed.fleet.routers import make_router
+            from testbed.fleet.serve_routing import ServeRouting
+
+            router = make_router(spec.router, spec.router_params, spec.instances, spec.seed)
+            routing = ServeRouting(
+                router, spec.instances, spec.block_size, spec.engine_blocks, events
+            )
+        serve = ServeSpec(
+            endpoints=tuple(urls), arrival=spec.arrival, max_concurrency=spec.max_num_seqs
+        )
+        with ServeEngine(serve, routing) as engine:
             result = engine.run(requests, on_finish=finished)
         result.effective["launched"] = options.launch
         return result
     finally:
-        if vllm is not None:
+        for vllm in vllms:
             vllm.close()
+        if collector is not None:
             collector.close()
+        if events is not None:
+            events.close()
 
 
 def _run_oracle(

@@ -9,7 +9,8 @@ defines each figure:
   ``queueing_ms`` of each request (first scheduled − arrival);
 - :func:`instance_table`: one row per instance (requests, prompt tokens, hits, routing loss,
   queueing and TTFT percentiles);
-- :func:`fleet_summary`: the run's scalar fleet figures (summary.json);
+- :func:`fleet_summary`: the run's scalar fleet figures (:func:`routed_summary`: in
+  summary.json when the run routed its requests);
 - :func:`router_table`: runs side by side (a sweep's or any run directories'), one row each.
 """
 
@@ -23,11 +24,13 @@ import numpy as np
 import pandas as pd
 
 from testbed.analysis.routing import route_table
+from testbed.analysis.source import Source
 from testbed.analysis.tables import Run
 
 ROUTER_COLUMNS = (
     "router",
     "instances",
+    "offered_tokens_per_s_per_instance",
     "requests",
     "token_hit_rate",
     "engine_hit_rate",
@@ -41,10 +44,14 @@ ROUTER_COLUMNS = (
 
 
 def fleet_requests(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
-    """``requests`` (a run's per-request table) with the columns ``instance``, ``router`` and
-    ``queueing_ms``; requests no route span names keep ``instance`` null."""
+    """``requests`` (a run's per-request table) with the columns ``instance``, ``router``,
+    ``cached_tokens`` (per instance, at the decision) and ``queueing_ms``. A run that routed
+    nothing is a fleet of one: every request on instance 0, ``router`` null."""
     routes = route_table(spans)[["workload_request_id", "instance", "router", "cached_tokens"]]
     table = requests.merge(routes, on="workload_request_id", how="left")
+    if routes.empty:
+        table["instance"] = 0
+        table["cached_tokens"] = [[0] for _ in range(len(table))]
     table["instance"] = table["instance"].astype("Int64")
     queued = table.get("scheduled_s", pd.Series(np.nan, index=table.index)) - table.get(
         "arrival_s", np.nan
@@ -56,7 +63,7 @@ def fleet_requests(requests: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
 def num_instances(table: pd.DataFrame) -> int:
     """The fleet's size: the length of the route spans' per-instance lists."""
     sizes = table["cached_tokens"].dropna().map(len)
-    return int(sizes.max()) if len(sizes) else 0
+    return int(sizes.max()) if len(sizes) else 1
 
 
 def instance_table(table: pd.DataFrame) -> pd.DataFrame:
@@ -89,27 +96,47 @@ def instance_table(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def fleet_summary(table: pd.DataFrame) -> dict[str, Any]:
-    """The scalar fleet figures of a :func:`fleet_requests` table (empty without routes)."""
-    if table["instance"].isna().all():
-        return {}
+    """The scalar fleet figures of a :func:`fleet_requests` table (METRICS.md, "Fleets")."""
     per_instance = instance_table(table)
     tokens = per_instance["prompt_tokens"].astype(float)
     mean = tokens.mean()
     prompt = int(table["prompt_tokens"].sum())
-    span_s = table["arrival_s"].max() - table["arrival_s"].min() if "arrival_s" in table else 0
+    arrivals = table["arrival_s"] if "arrival_s" in table else pd.Series(dtype=float)
+    span_s = float(arrivals.max() - arrivals.min()) if len(arrivals) else 0.0
     queueing = table["queueing_ms"].dropna()
     return {
         "instances": len(per_instance),
-        "routing_tokens": int(table["routing"].sum()),
-        "routing_loss_rate": int(table["routing"].sum()) / prompt if prompt else None,
+        "routing_tokens": int(table["routing"].sum()) if "routing" in table else 0,
+        "routing_loss_rate": int(table["routing"].sum()) / prompt
+        if prompt and "routing" in table
+        else 0.0,
         "load_imbalance": float(tokens.max() / mean) if mean else None,
         "load_cv": float(tokens.std(ddof=0) / mean) if mean else None,
         "queueing_p50_ms": float(queueing.quantile(0.5)) if len(queueing) else None,
         "queueing_p99_ms": float(queueing.quantile(0.99)) if len(queueing) else None,
         "offered_tokens_per_s_per_instance": (
-            prompt / span_s / len(per_instance) if span_s and span_s > 0 else None
+            prompt / span_s / len(per_instance) if span_s > 0 else None
         ),
     }
+
+
+def routed_summary(requests: pd.DataFrame, spans: pd.DataFrame) -> dict[str, Any]:
+    """summary.json's fleet figures: :func:`fleet_summary` for a run that routed its requests
+    (a fleet, or the serve engine over several servers), nothing for any other run."""
+    table = fleet_requests(requests, spans)
+    return fleet_summary(table) if table["router"].notna().any() else {}
+
+
+def fleet_run(source: Source) -> Run:
+    """The run a figure of one fleet shows: the source's first measured run that routed its
+    requests, else its first measured run (a fleet of one)."""
+    measured = source.measured
+    routed = measured["engine"].eq("fleet")
+    if "instances" in measured:
+        routed |= measured["instances"].fillna(1).astype(int) > 1
+    if routed.any():
+        return source.run(str(measured.loc[routed, "run_id"].iloc[0]))
+    return source.measured_run()
 
 
 def run_fleet_table(run: Run | Path | str) -> pd.DataFrame:
@@ -119,25 +146,29 @@ def run_fleet_table(run: Run | Path | str) -> pd.DataFrame:
 
 
 def router_table(runs: Mapping[str, Path | str]) -> pd.DataFrame:
-    """One row per run (``label`` → run directory): :data:`ROUTER_COLUMNS` from each run's
-    summary.json (engine and external hit rates: shares of the prompt tokens)."""
+    """One row per run (``label`` → run directory): :data:`ROUTER_COLUMNS`, from the run's
+    spec, summary and :func:`fleet_summary` (a run that routed nothing: router ``-``, one
+    instance). Engine and external hit rates are shares of the prompt tokens."""
     rows = []
     for label, path in runs.items():
         run = Run(Path(path))
         summary, spec = run.summary, run.spec
+        figures = fleet_summary(run_fleet_table(run))
         prompt = summary.get("prompt_tokens") or 0
+        routed = spec.get("engine") == "fleet" or spec.get("instances", 1) > 1
         rows.append(
             {
                 "label": label,
-                "router": spec.get("router", "round_robin"),
-                "instances": spec.get("instances", 1),
+                "router": spec.get("router") if routed else "-",
+                "instances": figures["instances"],
+                "offered_tokens_per_s_per_instance": figures["offered_tokens_per_s_per_instance"],
                 "requests": summary.get("requests"),
                 "token_hit_rate": summary.get("token_hit_rate"),
                 "engine_hit_rate": _share(summary.get("engine_hit_tokens"), prompt),
                 "external_hit_rate": _share(summary.get("external_hit_tokens"), prompt),
-                "routing_loss_rate": summary.get("routing_loss_rate", 0.0),
-                "load_imbalance": summary.get("load_imbalance"),
-                "queueing_p99_ms": summary.get("queueing_p99_ms"),
+                "routing_loss_rate": figures["routing_loss_rate"],
+                "load_imbalance": figures["load_imbalance"],
+                "queueing_p99_ms": figures["queueing_p99_ms"],
                 "ttft_p50_ms": summary.get("ttft_p50_ms"),
                 "ttft_p99_ms": summary.get("ttft_p99_ms"),
             }

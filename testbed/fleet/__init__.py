@@ -12,6 +12,8 @@ the ``serve`` engine. Pure modules (no vLLM) unless said otherwise:
   for the replay instances' schedulers and a ZeroMQ subscriber for vLLM servers;
 - :mod:`.load`: the router's book of what it sent where (queued and running tokens);
 - :mod:`.routers`: the routing strategies, tiny classes behind :data:`.routers.ROUTERS`;
-- :mod:`.placement`: one routing decision (what the router sees, its choice, the
-  ``kvcache.route`` span that records both and what each instance held).
+- :mod:`.dispatch`: one routing decision (what the router sees, its choice, the
+  ``kvcache.route`` span that records both and what each instance held);
+- :mod:`.placement`: routing a fleet of replay instances on the virtual clock;
+- :mod:`.serve_routing`: routing the serve engine's requests among vLLM servers.
 """

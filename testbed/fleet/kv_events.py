@@ -10,13 +10,14 @@
 - :class:`ZmqEventStream`: the subscriber of vLLM servers' ZeroMQ publishers
   (``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", ...}'``): frames
   ``(topic, sequence, msgpack KVEventBatch)``, one topic per server.
-- :func:`apply_events`: events into a :class:`~testbed.fleet.kv_index.KVEventIndex`, by type.
+- :func:`apply_events`: events into a :class:`~testbed.fleet.kv_index.KVEventIndex`, by type;
+  :class:`PromptHasher`: a prompt's block hashes as a vLLM server names them in its events.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -29,7 +30,8 @@ from vllm.distributed.kv_events import (
     EventPublisher,
     KVEventBatch,
 )
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
 from testbed.fleet.kv_index import KVEventIndex
 
@@ -91,6 +93,27 @@ def apply_events(index: KVEventIndex, instance: int, events: Iterable[Any]) -> N
 def event_block_hashes(block_hashes: Iterable[Any]) -> list[Any]:
     """A request's block hashes (``Request.block_hashes``) as vLLM's events name them."""
     return [maybe_convert_block_hash(block_hash) for block_hash in block_hashes]
+
+
+class PromptHasher:
+    """vLLM's block hashes of a prompt's full blocks, as a vLLM server with the default
+    ``--prefix-caching-hash-algo sha256`` and this process's ``PYTHONHASHSEED`` (unset: vLLM's
+    fixed seed) computes them, for a router in front of servers it does not run: a request
+    without LoRA, multimodal inputs or ``cache_salt``."""
+
+    def __init__(self, block_size: int, algorithm: str = "sha256") -> None:
+        self.block_size = block_size
+        self._hash = get_hash_fn_by_name(algorithm)
+        init_none_hash(self._hash)
+
+    def __call__(self, token_ids: Sequence[int]) -> list[Any]:
+        hashes: list[Any] = []
+        parent = None
+        size = self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            parent = hash_block_tokens(self._hash, parent, token_ids[start : start + size])
+            hashes.append(parent)
+        return event_block_hashes(hashes)
 
 
 class ZmqEventStream:

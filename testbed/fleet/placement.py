@@ -1,19 +1,12 @@
-"""One routing decision in a fleet of replay instances, and its record.
+"""Routing the arrivals of a fleet of replay instances on the virtual clock.
 
-:class:`FleetPlacement` is the virtual clock's :class:`~testbed.engine.virtual_clock.Placement`
-for a fleet: at each arrival it shows the router the fleet (its load book; the KV event index,
-fed after every step from each instance's scheduler; what each prefix cache really holds),
-sends the request where the router says, and records the decision in a ``kvcache.route`` span
-under the request's ``kvcache.request`` span (which gets ``kvcache.instance``):
-
-- ``kvcache.route.router``, ``kvcache.instance`` (the choice), ``kvcache.route.clock_s``;
-- ``kvcache.route.costs``: the router's cost per instance (routers that weigh instances);
-- ``kvcache.route.cached_tokens``: per instance, the request's prefix its prefix cache held at
-  the decision (whole blocks, read from vLLM's block pool): what the analysis needs for the
-  ``routing`` miss cause (METRICS.md), and where a prefix was when it was lost;
-- ``kvcache.route.load_tokens``: per instance, the router's queued and running tokens.
-
-Spans started while an instance works (:meth:`scope`) carry that instance.
+:class:`FleetPlacement` is the :class:`~testbed.engine.virtual_clock.Placement` of the fleet
+engine: at each arrival it reads, from vLLM's block pool of every instance, how much of the
+request each prefix cache holds (the truth the ``routing`` miss cause is counted against, and
+what the ``oracle`` router sees) and has the :class:`~testbed.fleet.dispatch.Dispatcher`
+decide and record. After every step it feeds the KV events the instance's scheduler published
+into the dispatcher's index (``kv_precise``); while an instance works (:meth:`scope`), the
+spans started carry its number.
 """
 
 from __future__ import annotations
@@ -25,11 +18,9 @@ from typing import Any
 from testbed import telemetry
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.virtual_clock import Placement
+from testbed.fleet.dispatch import Dispatcher
 from testbed.fleet.kv_events import apply_events, event_block_hashes
-from testbed.fleet.kv_index import KVEventIndex
-from testbed.fleet.load import LoadBook
-from testbed.fleet.routers import FleetView, Router, RouteRequest
-from testbed.telemetry import attributes as a
+from testbed.fleet.routers import Router, RouteRequest
 from testbed.workloads import WorkloadRequest
 
 
@@ -41,12 +32,12 @@ class FleetPlacement(Placement):
         self, instances: Sequence[ReplayInstance], router: Router, server_of: Sequence[int]
     ) -> None:
         self.instances = instances
-        self.router = router
-        self.load = LoadBook(len(instances))
-        self.kv = KVEventIndex(server_of) if router.needs_kv_events else None
         spec = instances[0].spec
-        self._block_size = spec.block_size
-        self._engine_blocks = spec.engine_blocks
+        self.dispatcher = Dispatcher(router, server_of, spec.block_size, spec.engine_blocks)
+
+    @property
+    def kv(self) -> Any:
+        return self.dispatcher.kv
 
     def place(self, request: WorkloadRequest, vllm_request: Any, span: Any, now_s: float) -> int:
         hashes = vllm_request.block_hashes
@@ -57,28 +48,7 @@ class FleetPlacement(Placement):
             len(request.prompt_token_ids),
             event_block_hashes(hashes) if self.kv is not None else hashes,
         )
-        view = FleetView(
-            len(self.instances), self._block_size, self._engine_blocks, self.load, self.kv, cached
-        )
-        load = self.load.load_tokens()
-        choice = self.router.choose(routed, view)
-        self.router.routed(routed, choice.instance, view)
-        self.load.dispatched(request.request_id, choice.instance, routed.prompt_tokens)
-        span.set_attribute(a.INSTANCE, choice.instance)
-        attributes: dict[str, Any] = {
-            a.REQUEST_ID: request.request_id,
-            a.ROUTER: self.router.name,
-            a.INSTANCE: choice.instance,
-            a.ROUTE_CLOCK_S: now_s,
-            a.ROUTE_CACHED_TOKENS: [blocks * self._block_size for blocks in cached],
-            a.ROUTE_LOAD_TOKENS: load,
-        }
-        if choice.costs:
-            attributes[a.ROUTE_COSTS] = list(choice.costs)
-        telemetry.start_span(
-            a.ROUTE, parent=telemetry.traceparent_of(span), attributes=attributes
-        ).end()
-        return choice.instance
+        return self.dispatcher.dispatch(routed, cached, span, now_s)
 
     @contextmanager
     def scope(self, instance: int) -> Iterator[None]:
@@ -91,7 +61,7 @@ class FleetPlacement(Placement):
             apply_events(self.kv, instance, events)
 
     def first_token(self, instance: int, request_id: str, now_s: float) -> None:
-        self.load.first_token(request_id)
+        self.dispatcher.load.first_token(request_id)
 
     def finished(self, instance: int, request_id: str, now_s: float) -> None:
-        self.load.finished(request_id)
+        self.dispatcher.load.finished(request_id)

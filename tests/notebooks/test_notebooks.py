@@ -2,7 +2,8 @@
 its figures; the committed copies carry no outputs.
 
 One small sweep is built per session (replay runs over TP × MLA at a capacity that makes the
-cache evict, plus an oracle run); its TP 2 run without MLA is the run directory. A cell error
+cache evict, an oracle run and two 2-instance fleets); its TP 2 run without MLA is the run
+directory. A cell error
 fails the test, and so does a figure fewer than the notebook draws, a NaN in any output, or
 anything written to stderr.
 """
@@ -28,6 +29,7 @@ FIGURES = {
     "03_capacity_whatif.ipynb": 3,
     "04_latency.ipynb": 4,
     "05_sweep_compare.ipynb": 2,
+    "06_fleet_routers.ipynb": 2,
 }
 """The figures each notebook draws, on a run and on a sweep alike."""
 SWEEP = """
@@ -47,6 +49,14 @@ tp = 1
 mla = true
 [[include]]
 engine = "oracle"
+[[include]]
+engine = "fleet"
+instances = 2
+router = "round_robin"
+[[include]]
+engine = "fleet"
+instances = 2
+router = "kv_precise"
 """
 NOT_SHOWN = re.compile(r"\bNaN\b|<NA>|\bnan\b|\bNone\b|Traceback")
 """What no output may show: a missing value drawn as a number, an error."""
@@ -77,7 +87,7 @@ def sweep_dir(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     sweep = work / "runs" / "nbsweep"
-    assert len(open_source(sweep).runs) == 4, done.stdout[-2000:]
+    assert len(open_source(sweep).runs) == 6, done.stdout[-2000:]
     return sweep
 
 
