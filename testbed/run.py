@@ -283,10 +283,20 @@ def _check_serve(spec: RunSpec, options: RunOptions) -> None:
             "the connector), --endpoints URL,URL (several, routed by --router) or --launch "
             "(start kvtb server and --instances vLLM servers for the run)"
         )
-    if options.launch:
+    if spec.instances > 1:
+        from testbed.fleet.routers import ROUTERS
+
+        if not options.launch and ROUTERS[spec.router].needs_events():
+            raise ValueError(
+                f"the {spec.router} router needs the servers' KV events: give --launch (the run "
+                "starts the vLLM servers and has them publish their events to the router), or "
+                "route --endpoints with round_robin, least_loaded, session or prefix_approx"
+            )
+    if options.launch or spec.instances > 1:  # the router hashes prompts as vLLM does
         from testbed.extras import require_engines
 
         require_engines(["vllm"])
+    if options.launch:
         return
     if len(urls) != spec.instances:
         raise ValueError(

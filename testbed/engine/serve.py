@@ -8,8 +8,9 @@ span: vLLM hands the header to the request, so the connector's spans (which the 
 writes where ``kvtb.span_dir`` / ``KVTB_SPAN_DIR`` says) are children of it, one trace per
 request. The engine records what a client sees: time to first token, end, generated tokens,
 and the ``cached_tokens`` vLLM reports in the usage (``--enable-prompt-tokens-details``).
-With several servers (a fleet), a router decides each request's server as it is sent
-(:mod:`testbed.fleet.serve_routing`), and each server has ``max_concurrency`` slots.
+With several servers (a fleet), a router decides each request's server as it arrives
+(:mod:`testbed.fleet.serve_routing`), and each server has ``max_concurrency`` slots. A
+request's span opens at its arrival: its TTFT counts waiting for a slot, as a server's queue.
 What the request got from the caches is then read from the telemetry, as for every engine.
 """
 

@@ -110,6 +110,12 @@ class Router:
         self.num_instances = num_instances
         self.rng = random.Random(seed)
 
+    @classmethod
+    def needs_events(cls) -> bool:
+        """Whether it needs to know what the instances' caches hold (their KV events, or, in a
+        replay fleet, their block pools)."""
+        return cls.needs_kv_events or cls.needs_cached_blocks
+
     def choose(self, request: RouteRequest, fleet: FleetView) -> Choice:
         raise NotImplementedError
 

@@ -30,11 +30,8 @@ class ServeRouting:
         engine_blocks: int,
         events: ZmqEventStream | None,
     ) -> None:
-        if events is None and (router.needs_kv_events or router.needs_cached_blocks):
-            raise ValueError(
-                f"the {router.name} router needs the servers' KV events: launch them with the "
-                "run (--launch), which has them publish their events to the router"
-            )
+        if events is None and router.needs_events():
+            raise ValueError(f"the {router.name} router needs the servers' KV events")
         self.dispatcher = Dispatcher(router, [0] * num_instances, block_size, engine_blocks)
         if events is not None and self.dispatcher.kv is None:  # the record still needs them
             from testbed.fleet.kv_index import KVEventIndex

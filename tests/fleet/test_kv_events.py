@@ -105,3 +105,24 @@ def test_the_routers_prompt_hashes_are_vllms_block_hashes(tmp_path):
     hashes = PromptHasher(32)(tokens)
     assert len(hashes) == 6 and hashes == event_block_hashes(request.block_hashes)
     assert PromptHasher(32)(tokens[:100]) == hashes[:3]
+
+
+def test_a_fleet_of_servers_is_checked_before_any_work():
+    from testbed.run import RunOptions, prepare_run
+    from testbed.runspec import RunSpec
+
+    urls = ("http://127.0.0.1:9", "http://127.0.0.1:10")  # nothing answers there
+    for router in ("kv_precise", "oracle"):
+        spec = RunSpec(engine="serve", instances=2, router=router)
+        with pytest.raises(ValueError, match=f"the {router} router needs the servers' KV events"):
+            prepare_run(spec, RunOptions(endpoints=urls))
+    with pytest.raises(ValueError, match="names 2 servers and the spec 3 instances"):
+        prepare_run(
+            RunSpec(engine="serve", instances=3, router="session"), RunOptions(endpoints=urls)
+        )
+    with pytest.raises(ValueError, match="no vLLM server answers there"):
+        prepare_run(
+            RunSpec(engine="serve", instances=2, router="session"), RunOptions(endpoints=urls)
+        )
+    with pytest.raises(ValueError, match="one of --endpoint URL"):
+        prepare_run(RunSpec(engine="serve", instances=2), RunOptions(endpoints=urls, launch=True))
