@@ -28,7 +28,7 @@ def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_pa
     trace = tmp_path / "trace.jsonl"
     lines = [  # conversations a and b; b's second turn first (round robin: both misplaced)
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [1, 2]},
-        {"timestamp": 200, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
+        {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
         {"timestamp": 8000, "input_length": 1400, "output_length": 4, "hash_ids": [7, 8, 9]},
         {"timestamp": 8500, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, 3]},
     ]
@@ -49,7 +49,7 @@ def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_pa
     a1, b1, b2, a2 = (f"trace-{n:06d}" for n in range(4))
 
     assert summary["requests"] == 4 and summary["server_quiescent"] is True
-    assert routes[a1] != routes[b1]  # the second conversation went to the idle server
+    assert routes[a1] != routes[b1]  # b's first turn went to the server a's did not load
     assert routes[a2] == routes[a1] and routes[b2] == routes[b1]
     table = run.requests.set_index("workload_request_id")
     spans = run.spans
@@ -62,4 +62,5 @@ def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_pa
     # Each server's connector spans name its instance (its resource), as the router's record.
     connector = spans[spans["name"] == a.CONNECTOR_REQUEST].set_index(a.REQUEST_ID)
     for request_id, instance in routes.items():
-        assert int(connector.loc[request_id, a.INSTANCE]) == instance
+        vllm_id = table.loc[request_id, "request_id"]  # the server's own id for the request
+        assert int(connector.loc[vllm_id, a.INSTANCE]) == instance
