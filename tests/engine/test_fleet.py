@@ -194,7 +194,7 @@ def test_on_mooncake_round_robin_computes_what_other_instances_held_and_the_orac
 ):
     tables = {}
     for router in ("round_robin", "oracle"):
-        run, _ = _fleet(tmp_path, router, 4, 500_000, "mooncake", num_requests=450)
+        run, _ = _fleet(tmp_path, router, 4, 500_000, "mooncake", num_requests=330)
         tables[router] = _table(run)
     rr, oracle = tables["round_robin"], tables["oracle"]
     assert rr["routing"].sum() > 0 and oracle["routing"].sum() == 0
@@ -247,3 +247,46 @@ def test_the_kv_event_index_is_every_instances_prefix_cache_at_every_decision(
     assert f"routed by kv_precise to instance {lost['instance']}" in text
     routing = [s for s in story.segments if s.category == "routing"]
     assert sum(s.num_tokens for s in routing) == lost["routing"]
+
+
+class _KeptPlacement(FleetPlacement):
+    made: list[FleetPlacement] = []
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.made.append(self)
+
+
+def test_connector_events_reach_the_router_through_each_instances_scheduler(tmp_path, monkeypatch):
+    """The external half of the index, fed as it will be once the connector emits KV events:
+    vLLM's scheduler collects them (``take_events()``) with its own prefix cache's and
+    publishes them; the router credits the cache server every instance sharing it uses."""
+    from vllm.distributed.kv_events import BlockStored
+
+    from connector.vllm_connector import KVTBConnector
+
+    external = [9001, 9002, 9003]  # blocks the connector says the cache server now holds
+    emitted: list[int] = []
+
+    def take_events(self):
+        if emitted:
+            return ()
+        emitted.append(1)
+        return [
+            BlockStored(
+                block_hashes=external,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=32,
+                lora_id=None,
+                medium="KVTB",
+                lora_name=None,
+            )  # fmt: skip
+        ]
+
+    monkeypatch.setattr(KVTBConnector, "take_events", take_events)
+    monkeypatch.setattr("testbed.engine.fleet.FleetPlacement", _KeptPlacement)
+    _fleet(tmp_path, "kv_precise", 2, None, "chat", num_requests=4)
+    (placement,) = _KeptPlacement.made
+    assert emitted and placement.kv.prefix(external).external == [3, 3]
+    assert placement.kv.prefix(external).engine == [0, 0]
