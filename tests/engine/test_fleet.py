@@ -290,3 +290,62 @@ def test_connector_events_reach_the_router_through_each_instances_scheduler(tmp_
     (placement,) = _KeptPlacement.made
     assert emitted and placement.kv.prefix(external).external == [3, 3]
     assert placement.kv.prefix(external).engine == [0, 0]
+
+
+def test_servers_per_instance_each_serve_their_own_instance(tmp_path):
+    spec = RunSpec(
+        engine="fleet", instances=2, servers="per-instance", router="session", workload="chat",
+        requests=40, chunk_size=64, block_size=32, engine_blocks=64,
+    )  # fmt: skip
+    summary = execute_run(spec, tmp_path, RunOptions(progress=False))
+    run_dir = tmp_path / spec.run_id
+    assert summary["server_quiescent"] and summary["instances"] == 2
+    assert (run_dir / "server.log").exists() and (run_dir / "server-1.log").exists()
+    from testbed.analysis.tables import Run
+
+    log = Run(run_dir).chunks
+    assert log is not None
+    sessions = log[log["session_id"] != ""]
+    engines = sessions.groupby("server", observed=True)["session_id"].agg(
+        lambda ids: {str(i).partition(":")[0] for i in ids}
+    )
+    assert sorted(map(sorted, engines)) == [[f"{spec.run_id}-0"], [f"{spec.run_id}-1"]]
+    table = pd.read_parquet(run_dir / "metrics.parquet")
+    assert (table[list(CATEGORIES)].sum(axis=1) == table["prompt_tokens"]).all()
+
+
+TRACES = Path(__file__).resolve().parents[3] / "shared/data/kv-cache-tester"
+
+
+@pytest.mark.skipif(not TRACES.is_dir(), reason="no kv-cache-tester traces")
+def test_a_closed_loop_users_next_request_follows_the_instance_that_served_the_last(tmp_path):
+    import json
+
+    directory = tmp_path / "two"
+    directory.mkdir()
+    for name in ("trace_0010", "trace_0014"):
+        (directory / f"{name}.json").symlink_to(TRACES / f"{name}.json")
+    cap = 24_000
+    spec = RunSpec(
+        engine="fleet", instances=2, router="round_robin", workload=f"agentic:{directory}",
+        requests=60, chunk_size=256, engine_blocks=400, metadata_only=True,
+        workload_params={"users": 2, "max_input_tokens": cap},
+    )  # fmt: skip
+    execute_run(spec, tmp_path / "runs", RunOptions(progress=False))
+    run_dir = tmp_path / "runs" / spec.run_id
+    from testbed.analysis.tables import Run
+
+    run = Run(run_dir)
+    table = fleet_requests(run.requests, run.spans).set_index("workload_request_id")
+    crossed = 0
+    for path in sorted(directory.glob("*.json")):
+        own = [e for e in json.loads(path.read_text())["requests"] if e["type"] != "subagent"]
+        for index, entry in enumerate(own[1:], start=1):
+            this_id, before_id = f"{path.stem}-{index:04d}", f"{path.stem}-{index - 1:04d}"
+            if entry["in"] > cap or this_id not in table.index or "think_time" not in entry:
+                break
+            this, before = table.loc[this_id], table.loc[before_id]
+            # Released its think time after the previous request finished, wherever it ran.
+            assert this["arrival_s"] == pytest.approx(before["finish_s"] + entry["think_time"])
+            crossed += this["instance"] != before["instance"]
+    assert crossed >= 3
