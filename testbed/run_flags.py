@@ -18,7 +18,7 @@ _PARAM_FLAGS = {
     "workload_params": ("--workload-param", "workload generator"),
     "router_params": ("--router-param", "router"),
 }
-"""Table-valued run keys: one repeatable ``KEY=VALUE`` flag each."""
+"""Table-valued run keys: one repeatable ``KEY=VALUE`` flag each (``args.workload_param``)."""
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,12 +41,11 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
             )
             continue
         parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
-    for name, (flag, what) in _PARAM_FLAGS.items():
+    for flag, what in _PARAM_FLAGS.values():
         parser.add_argument(
             flag,
             action="append",
             default=[],
-            dest=name,
             metavar="KEY=VALUE",
             help=f"a {what} parameter (repeatable; VALUE is parsed as TOML)",
         )
@@ -62,9 +61,9 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
         if raw is None or name in _PARAM_FLAGS:
             continue
         values[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
-    for name in _PARAM_FLAGS:
+    for name, (flag, _) in _PARAM_FLAGS.items():
         params = dict(values.get(name, {}))
-        for item in getattr(args, name, None) or []:
+        for item in getattr(args, flag.removeprefix("--").replace("-", "_"), None) or []:
             key, _, value = item.partition("=")
             params[key] = tomllib.loads(f"v = {value}")["v"] if value else True
         if params:
