@@ -216,9 +216,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve engine: a running vLLM OpenAI server with the connector (http://HOST:PORT)",
     )
     parser.add_argument(
+        "--endpoints",
+        help="serve engine: several running vLLM OpenAI servers (URL,URL), routed by --router",
+    )
+    parser.add_argument(
         "--launch",
         action="store_true",
-        help="serve engine: start kvtb server and vLLM's OpenAI server for the run, then stop them",
+        help="serve engine: start kvtb server and vLLM's OpenAI server for the run, then stop "
+        "them (--instances N: N servers, routed by --router)",
     )
     parser.add_argument(
         "--token-file",
@@ -244,6 +249,7 @@ def _run(args: argparse.Namespace) -> int:
         RunOptions(
             server=_endpoint(args),
             endpoint=args.endpoint,
+            endpoints=tuple(filter(None, (args.endpoints or "").split(","))),
             launch=args.launch,
             progress=not args.no_progress,
             otlp_endpoint=args.otlp_endpoint,

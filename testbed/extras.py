@@ -15,7 +15,7 @@ from collections.abc import Iterable
 DISTRIBUTION = "kvtestbed"
 LAB_MODULES = ("pandas", "pyarrow", "matplotlib", "tqdm", "safetensors", "numba")
 """The import names of the ``lab`` extra's dependencies (pyproject.toml)."""
-VLLM_ENGINES = frozenset({"replay", "vllm"})
+VLLM_ENGINES = frozenset({"replay", "fleet", "vllm"})
 """Engines that run vLLM's own code in the run's process."""
 
 

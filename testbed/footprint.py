@@ -78,16 +78,19 @@ def estimate(
     capacity_bytes: int | None,
     bytes_per_token: int,
     pool_medium: PoolMedium | None,
+    pools: int = 1,
 ) -> Footprint:
     """The footprint of ``num_requests`` requests like ``sample_tokens`` (prompt, output
     tokens per request); ``capacity_bytes`` ``None`` is an unlimited cache, ``pool_medium``
-    ``None`` no cache pool of the run's own."""
+    ``None`` no cache pool of the run's own; ``pools``: how many cache servers the run starts
+    (a fleet's server per instance)."""
     count = max(1, len(sample_tokens))
     prompt = sum(p for p, _ in sample_tokens) / count
     total = sum(p + o for p, o in sample_tokens) / count
     pool = 0
     if pool_medium is not None:
         pool = capacity_bytes or unlimited_capacity(int(prompt * num_requests), bytes_per_token)
+        pool *= pools
     return Footprint(
         workload_bytes=int(total * num_requests * WORKLOAD_BYTES_PER_TOKEN),
         engine_kv_bytes=engine_kv_bytes,
@@ -200,6 +203,7 @@ def check_run(
         capacity_bytes=capacity,
         bytes_per_token=bytes_per_token,
         pool_medium=medium,
+        pools=spec.instances if spec.servers == "per-instance" else 1,
     )
     check(footprint, out_dir)
 
@@ -229,8 +233,14 @@ def _vllm_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
     return blocks * spec.block_size * bytes_per_token
 
 
+def _fleet_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
+    """Every instance's worker harnesses."""
+    return spec.instances * _replay_kv_bytes(spec, blocks, bytes_per_token)
+
+
 ENGINE_KV: dict[str, Callable[[RunSpec, int, int], int]] = {
     "replay": _replay_kv_bytes,
+    "fleet": _fleet_kv_bytes,
     "vllm": _vllm_kv_bytes,
 }
 """Per engine, the bytes of its own KV pool (engines without one: absent)."""

@@ -7,10 +7,13 @@ in microseconds, typed ``tags`` (attributes, span kind, status) and ``logs`` (sp
 
 Made to navigate, not only to render:
 
-- a *process* is one process of one run and TP rank: its tags are the run's resource
-  attributes (``kvcache.run_id``, ``kvcache.rank``, ``process.pid``, engine, workload, chunk
-  size, TP size, MLA, policy, capacity, ... : every ``resource.*`` column of
-  :func:`testbed.analysis.load_spans`), so runs of one export (a sweep) are told apart;
+- a *process* is one process of one run, fleet instance and TP rank: its tags are the run's
+  resource attributes (``kvcache.run_id``, ``kvcache.instance``, ``kvcache.rank``,
+  ``process.pid``, engine, workload, chunk size, TP size, MLA, policy, capacity, ... : every
+  ``resource.*`` column of :func:`testbed.analysis.load_spans`), so runs of one export (a
+  sweep) are told apart, and so are the instances of a fleet and their ranks, which share
+  one OS process (``service.instance.id`` ``"<instance>.<rank>"``, see
+  :func:`service_instance_id`);
 - a trace's root span is titled with the request it serves, e.g.
   ``kvcache.request chat-00017 · conv-00003`` (the UI names a trace after its root span). Only
   the export says so: the OTel span names stay low-cardinality;
@@ -147,29 +150,47 @@ def _title(row: dict[str, Any]) -> str:
 
 
 def _process_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    rank = row.get("rank")
+    rank, instance = row.get("rank"), row.get(a.INSTANCE)
     pid = row.get("resource.process.pid")
     return (
         row.get("service"),
         row.get("run_id"),
+        int(instance) if instance is not None and _present(instance) else None,
         int(rank) if rank is not None and _present(rank) else None,
         int(pid) if pid is not None and _present(pid) else None,
     )
 
 
+def service_instance_id(instance: int | None, rank: int | None) -> str | None:
+    """A process's ``service.instance.id`` in the export: ``"<rank>"`` (a TP rank's worker),
+    ``"<instance>"`` (a fleet instance's scheduler side) or ``"<instance>.<rank>"`` (a rank
+    of a fleet instance); ``None`` for a process that is neither (a cache server)."""
+    if instance is None:
+        return None if rank is None else str(rank)
+    return str(instance) if rank is None else f"{instance}.{rank}"
+
+
 def _process(row: dict[str, Any], resource_columns: Sequence[str]) -> tuple[str, list[Any]]:
-    """(service name, tags): the run id, the rank and every resource attribute of the row's
-    process (the row's ``resource.*`` values: each process's own resource)."""
-    service, run_id, rank, _ = _process_key(row)
+    """(service name, tags): the run id, the fleet instance, the rank and every resource
+    attribute of the row's process (the row's ``resource.*`` values: each process's own
+    resource); a fleet's instances and ranks, which run in one process, are one process each
+    (:func:`service_instance_id`)."""
+    service, run_id, instance, rank, _ = _process_key(row)
     tags = []
     if run_id is not None and _present(run_id):
         tags.append(tag("kvcache.run_id", run_id))
+    if instance is not None:
+        tags.append(tag(a.INSTANCE, instance))
     if rank is not None:
         tags.append(tag("kvcache.rank", rank))
+    instance_id = service_instance_id(instance, rank)
+    if instance_id is not None:
+        tags.append(tag(a.SERVICE_INSTANCE_ID, instance_id))
     for column in resource_columns:
         value = row[column]
-        if _present(value):
-            tags.append(tag(column.removeprefix(_RESOURCE), _plain(value)))
+        name = column.removeprefix(_RESOURCE)
+        if _present(value) and not (name == a.SERVICE_INSTANCE_ID and instance_id is not None):
+            tags.append(tag(name, _plain(value)))
     return service or "unknown", tags
 
 

@@ -16,8 +16,10 @@ comparison table, the figures), ``runs.csv`` and PNG figures, the what-if first:
 - ``bytes.png``: bytes stored, retrieved and evicted per run;
 - ``lock_hold.png``: how long read locks were held, per run;
 - ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary);
-- ``token_causes.png``: where every prompt token went, per run (the ten categories of
+- ``token_causes.png``: where every prompt token went, per run (the categories of
   METRICS.md), beside the miss-cause table (3C table) in ``report.md``.
+- ``fleet_routers.png`` (sweeps with fleet runs): token hit rate and routing loss against the
+  offered load per instance, per router, beside the Routers table in ``report.md``.
 
 Token categories take :mod:`testbed.analysis.palette`'s colours in every figure.
 """
@@ -25,6 +27,7 @@ Token categories take :mod:`testbed.analysis.palette`'s colours in every figure.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import pandas as pd
@@ -32,7 +35,7 @@ from matplotlib.figure import Figure
 
 matplotlib.use("Agg")  # files only, no display
 
-from testbed.analysis import attribution_plots, capacity_whatif, metrics, plots
+from testbed.analysis import attribution_plots, capacity_whatif, fleet, fleet_plots, metrics, plots
 from testbed.analysis.headline import headline
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import figure_axes
@@ -91,6 +94,18 @@ def write_report(sweep_dir: Path) -> Path:
                 "vLLM's prefix cache or the cache server, or the cause of its miss.",
             )
         )
+    routers = _routers(sweep_dir, measured, swept)
+    if routers is not None:
+        group_by = ["router", *[k for k in swept if k not in ("router", "instances")]]
+        figures.append(
+            (
+                "fleet_routers.png",
+                fleet_plots.routers_figure(routers, f"Routers against load — {context}", group_by),
+                "Token hit rate and routing loss (prompt tokens another instance's prefix cache "
+                "held at the decision, computed on the chosen one) against the prompt tokens "
+                "offered per second per instance, per router (METRICS.md, Fleets).",
+            )
+        )
     for name, figure, _ in figures:
         figure.savefig(out / name, dpi=110)
         plots.close(figure)
@@ -100,7 +115,8 @@ def write_report(sweep_dir: Path) -> Path:
     captions = [(name, caption) for name, _, caption in figures]
     misses = attribution_plots.miss_cause_table(causes) if len(causes) else None
     sentence = headline(runs)
-    report.write_text(_markdown(manifest, context, table, captions, index, misses, sentence))
+    text = _markdown(manifest, context, table, captions, index, misses, sentence)
+    report.write_text(text + (_routers_section(routers) if routers is not None else ""))
     return report
 
 
@@ -190,6 +206,64 @@ def _figures(
             )
         )
     return figures
+
+
+def _routers(sweep_dir: Path, measured: pd.DataFrame, swept: list[str]) -> pd.DataFrame | None:
+    """The router table of the sweep's fleet runs (with their swept keys); ``None`` without."""
+    routed = measured["engine"].eq("fleet")
+    if "instances" in measured:
+        routed |= measured["instances"].fillna(1).astype(int) > 1
+    fleets = measured[routed]
+    if fleets.empty:
+        return None
+    table = fleet.router_table({row.label: sweep_dir / row.run_id for row in fleets.itertuples()})
+    for key in swept:
+        if key not in table and key in fleets:
+            table[key] = fleets[key].to_numpy()
+    return table
+
+
+def _routers_section(routers: pd.DataFrame) -> str:
+    """The fleet runs' table (METRICS.md, Fleets): hit rates, routing loss, balance, TTFT."""
+
+    def pct(value: Any) -> str:
+        return f"{float(value):.2%}" if pd.notna(value) else ""
+
+    def ms(value: Any) -> str:
+        return f"{float(value):.0f}" if pd.notna(value) else ""
+
+    shown = pd.DataFrame(
+        {
+            "run": routers["label"],
+            "router": routers["router"],
+            "instances": routers["instances"],
+            "token hit rate (engine / external)": [
+                f"{pct(r.token_hit_rate)} ({pct(r.engine_hit_rate)} / {pct(r.external_hit_rate)})"
+                for r in routers.itertuples()
+            ],
+            "routing loss": routers["routing_loss_rate"].map(pct),
+            "load imbalance (max/mean)": routers["load_imbalance"].map(
+                lambda v: f"{v:.3f}" if pd.notna(v) else ""
+            ),
+            "queueing p99 ms": routers["queueing_p99_ms"].map(ms),
+            "TTFT p50 / p99 ms": [
+                f"{ms(r.ttft_p50_ms)} / {ms(r.ttft_p99_ms)}" for r in routers.itertuples()
+            ],
+        }
+    )
+    return "\n".join(
+        [
+            "",
+            "## Routers",
+            "",
+            "Fleet runs (METRICS.md, Fleets): token hit rate with its engine and external parts, "
+            "routing loss, the busiest instance's prompt tokens over the mean, queueing and "
+            "projected TTFT on the engine clock.",
+            "",
+            _markdown_table(shown),
+            "",
+        ]
+    )
 
 
 def _label(row: pd.Series, swept: list[str]) -> str:

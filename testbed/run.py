@@ -44,7 +44,7 @@ from testbed.owned_files import ReservedSpace
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.run_health import failures
 from testbed.runspec import RunSpec
-from testbed.server_state import server_state_after
+from testbed.server_state import merged_states, server_state_after
 from testbed.spec_inputs import check_workload_content
 from testbed.telemetry import attributes as a
 from testbed.telemetry import sampling
@@ -89,6 +89,9 @@ class RunOptions:
     endpoint: str | None = None
     """serve engine: a running vLLM OpenAI server (with the connector) to send the workload
     to; its connector and cache server keep their telemetry where they were told."""
+    endpoints: tuple[str, ...] = ()
+    """serve engine: several running vLLM OpenAI servers, routed by the spec's router (as many
+    as the spec's ``instances``)."""
     launch: bool = False
     """serve engine: start ``kvtb server`` and vLLM's OpenAI server for the run (their
     telemetry lands in the run directory), and stop them after."""
@@ -227,7 +230,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions = RunOptions()
         elif spec.engine == "serve" and not options.launch:
             result = _run_engine(spec, plan.requests, None, run_dir, options)
             if options.server is not None:
-                server_after = server_state_after(options.server, owner=None)
+                server_after = server_state_after(options.server, owners=())
         else:
             result, server_after, capacity = _run_with_server(
                 spec, plan, run_dir, options, results_space.release
@@ -265,11 +268,19 @@ def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")
 
         check_spec(spec)
     if spec.engine == "serve":
-        _check_serve(options)
-    elif options.endpoint is not None or options.launch:
-        raise ValueError("--endpoint and --launch apply to the serve engine (--engine serve)")
+        _check_serve(spec, options)
+    elif spec.servers == "per-instance" and options.server is not None:
+        raise ValueError(
+            "--server gives one cache server; servers 'per-instance' starts one per instance "
+            "(leave out --server, or use servers 'shared')"
+        )
+    elif options.endpoint is not None or options.endpoints or options.launch:
+        raise ValueError(
+            "--endpoint, --endpoints and --launch apply to the serve engine (--engine serve)"
+        )
     bytes_per_token = _bytes_per_token(spec)
-    own_server = spec.engine in ("replay", "vllm") and options.server is None or options.launch
+    own_server = spec.engine in ("replay", "fleet", "vllm") and options.server is None
+    own_server = own_server or options.launch
     workload = _make_workload(spec)
     requests: list[WorkloadRequest] = []
     blocks = None  # the oracle keys a block-hash trace from its ids: no token synthesised
@@ -341,27 +352,46 @@ def _servable(spec: RunSpec, requests: Iterable[R]) -> tuple[list[R], list[str]]
     return servable, rejected
 
 
-def _check_serve(options: RunOptions) -> None:
-    if options.launch == (options.endpoint is not None):
+def _serve_urls(options: RunOptions) -> list[str]:
+    return list(options.endpoints) or ([options.endpoint] if options.endpoint else [])
+
+
+def _check_serve(spec: RunSpec, options: RunOptions) -> None:
+    urls = _serve_urls(options)
+    if options.launch == bool(urls) or (options.endpoint and options.endpoints):
         raise ValueError(
-            "the serve engine needs either --endpoint URL (a running vLLM OpenAI server with "
-            "the connector) or --launch (start kvtb server and vLLM's server for the run)"
+            "the serve engine needs one of --endpoint URL (a running vLLM OpenAI server with "
+            "the connector), --endpoints URL,URL (several, routed by --router) or --launch "
+            "(start kvtb server and --instances vLLM servers for the run)"
         )
-    if options.launch:
+    if spec.instances > 1:
+        from testbed.fleet.routers import ROUTERS
+
+        if not options.launch and ROUTERS[spec.router].needs_events():
+            raise ValueError(
+                f"the {spec.router} router needs the servers' KV events: give --launch (the run "
+                "starts the vLLM servers and has them publish their events to the router), or "
+                "route --endpoints with round_robin, least_loaded, session or prefix_approx"
+            )
+    if options.launch or spec.instances > 1:  # the router hashes prompts as vLLM does
         from testbed.extras import require_engines
 
         require_engines(["vllm"])
+    if options.launch:
         return
+    if len(urls) != spec.instances:
+        raise ValueError(
+            f"--endpoints names {len(urls)} servers and the spec {spec.instances} instances; "
+            f"run with --instances {len(urls)}"
+        )
     import urllib.request
 
-    assert options.endpoint is not None
-    try:
-        with urllib.request.urlopen(options.endpoint.rstrip("/") + "/v1/models", timeout=2):
-            pass
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"--endpoint {options.endpoint}: no vLLM server answers there ({exc})"
-        ) from None
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=2):
+                pass
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--endpoint {url}: no vLLM server answers there ({exc})") from None
 
 
 def _bytes_per_token(spec: RunSpec) -> int:
@@ -414,39 +444,62 @@ def _run_with_server(
     options: RunOptions,
     engine_done: Callable[[], None] = lambda: None,
 ) -> tuple[EngineResult, dict[str, Any] | None, int | None]:
-    """The engine's result, the server's state after it, and the capacity that ran.
-    ``engine_done`` is called once the engine has finished, before the server is asked."""
-    server = None
-    endpoint = options.server
+    """The engine's result, the servers' state after it, and the capacity that ran (each
+    server's: a fleet with servers 'per-instance' starts one per instance). ``engine_done`` is
+    called once the engine has finished, before the servers are asked."""
+    servers: list[ServerProcess] = []
+    endpoints = [options.server] if options.server is not None else []
     capacity = plan.server_info.capacity_bytes if plan.server_info else None
-    if endpoint is None:
-        capacity = plan.capacity_bytes or _unlimited_capacity(plan)
-        args = [
-            "--chunk-size", str(spec.chunk_size),
-            "--capacity", str(capacity),
-            "--pool", spec.pool_medium,
-            "--policy", spec.policy,
-            "--run-dir", str(run_dir),
-            "--run-id", spec.run_id,
-        ]  # fmt: skip
-        if spec.metadata_only:
-            args.append("--metadata-only")
-        if options.otlp_endpoint:
-            args += ["--otlp-endpoint", options.otlp_endpoint]
-        if options.otlp_protocol:
-            args += ["--otlp-protocol", options.otlp_protocol]
-        env = sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio)
-        server = ServerProcess(args, env=env, log_path=run_dir / "server.log").start()
-        endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
     try:
+        if not endpoints:
+            capacity = plan.capacity_bytes or _unlimited_capacity(plan)
+            args = [
+                "--chunk-size", str(spec.chunk_size),
+                "--capacity", str(capacity),
+                "--pool", spec.pool_medium,
+                "--policy", spec.policy,
+                "--run-dir", str(run_dir),
+                "--run-id", spec.run_id,
+            ]  # fmt: skip
+            if spec.metadata_only:
+                args.append("--metadata-only")
+            if options.otlp_endpoint:
+                args += ["--otlp-endpoint", options.otlp_endpoint]
+            if options.otlp_protocol:
+                args += ["--otlp-protocol", options.otlp_protocol]
+            env = sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio)
+            count = spec.instances if spec.servers == "per-instance" else 1
+            for k in range(count):
+                log_path = run_dir / ("server.log" if k == 0 else f"server-{k}.log")
+                servers.append(ServerProcess(args, env=env, log_path=log_path).start())
+            endpoints = [ServerEndpoint(s.url, s.token, s.admin_token) for s in servers]
         result = _run_engine(
-            spec, plan.requests, endpoint, run_dir, options, server, arrivals=plan.arrivals()
+            spec,
+            plan.requests,
+            endpoints[0],
+            run_dir,
+            options,
+            servers[0] if servers else None,
+            arrivals=plan.arrivals(),
+            endpoints=endpoints,
         )
         engine_done()
-        return result, server_state_after(endpoint, owner=spec.run_id), capacity
+        owners = _session_owners(spec)
+        states = [server_state_after(endpoint, owners) for endpoint in endpoints]
+        return result, merged_states(states), capacity
     finally:
-        if server is not None:
+        for server in servers:
             server.close()
+
+
+def _session_owners(spec: RunSpec) -> list[str]:
+    """The engine ids the run's connector sessions are named under (``<id>:<request id>``):
+    the run id, or one per instance of a fleet."""
+    if spec.instances > 1 or spec.engine == "fleet":
+        from testbed.engine.fleet import instance_engine_id
+
+        return [instance_engine_id(spec.run_id, k) for k in range(spec.instances)]
+    return [spec.run_id]
 
 
 def _run_engine(
@@ -458,9 +511,10 @@ def _run_engine(
     server: ServerProcess | None = None,
     *,
     arrivals: ArrivalProcess[WorkloadRequest] | None = None,
+    endpoints: Sequence[ServerEndpoint] = (),
 ) -> EngineResult:
-    """``arrivals``: how the requests arrive (the replay engine takes closed-loop users;
-    ``None``: at their ``arrival_s``)."""
+    """``arrivals``: how the requests arrive (the replay and fleet engines take closed-loop
+    users; ``None``: at their ``arrival_s``). ``endpoints``: the fleet's cache servers."""
     total = len(requests)
     desc = f"{spec.engine} {spec.run_id}"
     bar = tqdm(total=total, unit="req", desc=desc, disable=not options.progress, leave=False)
@@ -488,6 +542,18 @@ def _run_engine(
         if spec.engine == "serve":
             return _run_serve(spec, requests, endpoint, run_dir, options, server, finished, waiting)
         assert endpoint is not None
+        if spec.engine == "fleet":
+            from testbed.engine.fleet import FleetEngine
+            from testbed.engine.replay import ReplaySpec
+            from testbed.fleet.routers import make_router
+
+            replay = ReplaySpec.from_run_spec(
+                spec, max_model_len(requests, spec.block_size), pool_blocks(spec, requests)
+            )
+            router = make_router(spec.router, spec.router_params, spec.instances, spec.seed)
+            servers = list(endpoints) or [endpoint]
+            with FleetEngine(replay, router, servers, spec.instances, work_dir=run_dir) as fleet:
+                return fleet.run(arrivals or OpenLoop(requests), on_finish=finished)
         if spec.engine == "replay":
             from testbed.engine.replay import ReplayEngine, ReplaySpec
 
@@ -517,73 +583,95 @@ def _run_serve(
     finished: Callable[[RequestRecord], None],
     waiting: Callable[[str | None], None],
 ) -> EngineResult:
-    """The workload over HTTP: to ``options.endpoint``, or to a vLLM server launched here
-    against the run's own cache server (stopped before it, so its spans are flushed)."""
+    """The workload over HTTP: to ``options.endpoint(s)``, or to vLLM servers launched here
+    against the run's own cache server (stopped before it, so its spans are flushed); several
+    servers are routed by the spec's router."""
     from testbed.engine.serve import ServeEngine, ServeSpec
 
-    url = options.endpoint
-    vllm = None
-    if options.launch:
-        from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess
-        from testbed.telemetry.collector import SpanCollector
-
-        assert endpoint is not None and server is not None
-        connector = ConnectorConfig(
-            server_url=endpoint.url,
-            token_file=str(server.token_file),
-            mq_timeout_s=spec.server_timeout_s,
-            chunk_size=spec.chunk_size,
-            load_async=spec.load_async,
-            lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
-            load_wait_s=spec.server_timeout_s,
-            store_wait_s=spec.server_timeout_s if spec.store_wait else 0.0,
-            transfer_mode=spec.transfer_mode,
-            engine_id=spec.run_id,
-            run_id=spec.run_id,
-            span_dir=str(run_dir),
-        )
-        launch = LaunchSpec(
-            model=spec.model,
-            max_model_len=max_model_len(requests, spec.block_size),
-            block_size=spec.block_size,
-            engine_blocks=pool_blocks(spec, requests),
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            prefix_caching=spec.prefix_caching,
-            tp=spec.tp,
-            seed=spec.seed,
-            connector=connector.to_extra_config(),
-        )
-        collector = SpanCollector(run_dir).start()
-        if options.progress:
-            tqdm.write(
-                f"run {spec.run_id}: starting vLLM's OpenAI server (log: {run_dir / 'vllm.log'}); "
-                "its first requests wait until it answers /health"
-            )
-        try:
-            vllm = VllmServerProcess(
-                launch,
-                run_dir,
-                otlp_endpoint=collector.endpoint,
-                env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
-                on_wait=waiting,
-            ).start()
-        except BaseException:
-            collector.close()
-            raise
-        waiting(None)
-        url = vllm.url
-    assert url is not None
+    urls = _serve_urls(options)
+    vllms: list[Any] = []
+    events = collector = routing = None
+    engine_blocks = pool_blocks(spec, requests)
     try:
-        serve = ServeSpec(endpoint=url, arrival=spec.arrival, max_concurrency=spec.max_num_seqs)
-        with ServeEngine(serve) as engine:
+        if spec.instances > 1:
+            from testbed.fleet.kv_events import ZmqEventStream
+
+            events = ZmqEventStream() if options.launch else None
+        if options.launch:
+            from testbed.engine.fleet import instance_engine_id
+            from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess, start_fleet
+            from testbed.telemetry.collector import SpanCollector
+
+            assert endpoint is not None and server is not None
+            collector = SpanCollector(run_dir).start()
+            for k in range(spec.instances):
+                connector = ConnectorConfig(
+                    server_url=endpoint.url,
+                    token_file=str(server.token_file),
+                    mq_timeout_s=spec.server_timeout_s,
+                    chunk_size=spec.chunk_size,
+                    load_async=spec.load_async,
+                    lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
+                    load_wait_s=spec.server_timeout_s,
+                    store_wait_s=spec.server_timeout_s if spec.store_wait else 0.0,
+                    transfer_mode=spec.transfer_mode,
+                    engine_id=instance_engine_id(spec.run_id, k)
+                    if spec.instances > 1
+                    else spec.run_id,
+                    run_id=spec.run_id,
+                    span_dir=str(run_dir),
+                )
+                launch = LaunchSpec(
+                    model=spec.model,
+                    max_model_len=max_model_len(requests, spec.block_size),
+                    block_size=spec.block_size,
+                    engine_blocks=engine_blocks,
+                    max_num_seqs=spec.max_num_seqs,
+                    max_num_batched_tokens=spec.max_num_batched_tokens,
+                    prefix_caching=spec.prefix_caching,
+                    tp=spec.tp,
+                    seed=spec.seed,
+                    connector=connector.to_extra_config(),
+                )
+                vllms.append(
+                    VllmServerProcess(
+                        launch,
+                        run_dir,
+                        otlp_endpoint=collector.endpoint,
+                        env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
+                        on_wait=waiting,
+                        instance=k if spec.instances > 1 else None,
+                        kv_events_endpoint=events.endpoint if events is not None else None,
+                    )
+                )
+            if options.progress:
+                logs = ", ".join(str(vllm.log_path) for vllm in vllms)
+                tqdm.write(
+                    f"run {spec.run_id}: starting vLLM's OpenAI server (log: {logs}); "
+                    "its first requests wait until it answers /health"
+                )
+            urls = [vllm.url for vllm in start_fleet(vllms)]
+            waiting(None)
+        if spec.instances > 1:
+            from testbed.fleet.routers import make_router
+            from testbed.fleet.serve_routing import ServeRouting
+
+            router = make_router(spec.router, spec.router_params, spec.instances, spec.seed)
+            routing = ServeRouting(router, spec.instances, spec.block_size, engine_blocks, events)
+        serve = ServeSpec(
+            endpoints=tuple(urls), arrival=spec.arrival, max_concurrency=spec.max_num_seqs
+        )
+        with ServeEngine(serve, routing) as engine:
             result = engine.run(requests, on_finish=finished)
         result.effective["launched"] = options.launch
         return result
     finally:
-        if vllm is not None:
+        for vllm in vllms:
             vllm.close()
+        if collector is not None:
             collector.close()
+        if events is not None:
+            events.close()
 
 
 def _run_oracle(
@@ -664,6 +752,9 @@ def _resource(spec: RunSpec, plan: RunPlan) -> dict[str, Any]:
         a.POLICY: info.policy if info is not None else spec.policy,
         a.MODEL: spec.kv_profile.name if spec.engine != "vllm" else spec.model or "tiny",
     }
+    if spec.instances > 1 or spec.engine == "fleet":
+        resource[a.INSTANCES] = spec.instances
+        resource[a.ROUTER] = spec.router
     if capacity is not None:
         resource[a.CAPACITY_BYTES] = capacity
     return resource

@@ -25,6 +25,12 @@ from testbed.spec_inputs import (
     with_sampling_from_environment,
 )
 
+_PARAM_FLAGS = {
+    "workload_params": ("--workload-param", "workload generator"),
+    "router_params": ("--router-param", "router"),
+}
+"""Table-valued run keys: one repeatable ``KEY=VALUE`` flag each (``args.workload_param``)."""
+
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     """``--config``, a flag per run key and ``--workload-param KEY=VALUE``."""
@@ -35,7 +41,7 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(RunSpec)
     defaults = RunSpec()
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
-        if name == "workload_params" or name in DERIVED_KEYS:
+        if name in _PARAM_FLAGS or name in DERIVED_KEYS:
             continue
         flag = "--" + name.replace("_", "-")
         annotation = hints[name]
@@ -49,13 +55,14 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
             )
             continue
         parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
-    parser.add_argument(
-        "--workload-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a workload generator parameter (repeatable; VALUE is parsed as TOML)",
-    )
+    for flag, what in _PARAM_FLAGS.values():
+        parser.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"a {what} parameter (repeatable; VALUE is parsed as TOML)",
+        )
 
 
 def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -92,15 +99,17 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     hints = typing.get_type_hints(RunSpec)
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
         raw = getattr(args, name, None)
-        if raw is None or name == "workload_params":
+        if raw is None or name in _PARAM_FLAGS:
             continue
         flags[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
     if "workload" in flags:
         values.pop("workload_digest", None)  # the config's trace is not the one that runs
     values.update(resolve_values(flags, InputContext(Path.cwd(), "command line", data)))
-    params = {**values.get("workload_params", {}), **assignments(args.workload_param)}
-    if params:
-        values["workload_params"] = params
+    for name, (flag, _) in _PARAM_FLAGS.items():
+        items = getattr(args, flag.removeprefix("--").replace("-", "_"), None) or []
+        params = {**values.get(name, {}), **assignments(items)}
+        if params:
+            values[name] = params
     source = str(args.config) if args.config else "command line"
     return RunSpec.from_mapping(with_sampling_from_environment(values), source=source)
 

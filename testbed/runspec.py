@@ -38,7 +38,8 @@ from testbed.sizes import parse_bytes
 from testbed.telemetry import sampling
 from testbed.telemetry.sampling import DEFAULT_SAMPLER
 
-ENGINES = ("replay", "vllm", "serve", "oracle")
+ENGINES = ("replay", "fleet", "vllm", "serve", "oracle")
+FLEET_SERVERS = ("shared", "per-instance")
 SERVER_POLICIES = tuple(sorted(POLICIES))
 ORACLE_POLICIES = ("lru", "belady")  # capacity None: the infinite cache
 MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
@@ -52,12 +53,18 @@ field hashed. Version 3: a trace workload is identified by its content (``worklo
 not its path, the trace sampler and the pool's medium are fields, and ``engine_blocks``
 defaults to a pool sized from the workload; runs of version 2 are redone, not migrated,
 because nothing recorded whether their traces were sampled or which file content they read."""
-SPEC_MIGRATIONS: dict[str, Any] = {}
+SPEC_MIGRATIONS: dict[str, Any] = {
+    "instances": 1,
+    "router": "round_robin",
+    "router_params": {},
+    "servers": "shared",
+}
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
 they did). While a field has that value it is left out of the run id (older ids stay), and a
-``spec.json`` that lacks the field compares as holding it. Empty: no field has been added since
-version 3."""
+``spec.json`` that lacks the field compares as holding it. Added since version 3: the fleet's
+``instances``, ``router``, ``router_params`` and ``servers`` (runs before them had one
+instance)."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
@@ -86,8 +93,9 @@ engine actually ran where it differs from the spec), none of them compared."""
 @dataclass(frozen=True)
 class RunSpec:
     engine: str = "replay"
-    """replay (vLLM's scheduler, no model), vllm (full engine), serve (a vLLM OpenAI server
-    over HTTP: kvtb run --endpoint URL, or --launch), oracle (no server)."""
+    """replay (vLLM's scheduler, no model), fleet (replay instances behind a router),
+    vllm (full engine), serve (vLLM OpenAI servers over HTTP: kvtb run --endpoint URL, or
+    --launch), oracle (no server)."""
     workload: str = "chat"
     """A generator name (chat, docqa, rag, random) or a trace, ``KIND:PATH`` (mooncake:PATH, or
     agentic:PATH: a kv-cache-tester conversation file or directory): the path absolute once
@@ -160,6 +168,16 @@ class RunSpec:
     workload_digest: str | None = None
     """A trace workload's content hash (``sha256:...``), set when the spec is parsed: with the
     trace's kind, what the run id hashes instead of its path (:mod:`testbed.spec_inputs`)."""
+    instances: int = 1
+    """fleet: instances behind the router; serve: vLLM servers (--launch starts them)."""
+    router: str = "round_robin"
+    """fleet and serve: round_robin, least_loaded, session, prefix_approx, kv_precise or
+    oracle (docs/fleet.md)."""
+    router_params: dict[str, Any] = field(default_factory=dict)
+    """The router's parameters (kv_precise, prefix_approx: prefill_weight, external_credit,
+    temperature; prefix_approx: capacity_blocks)."""
+    servers: str = "shared"
+    """fleet: one cache server for every instance (shared) or one each (per-instance)."""
 
     def __post_init__(self) -> None:
         problems = out_of_bounds(self, BOUNDS)
@@ -215,10 +233,12 @@ class RunSpec:
                 f"time_model {self.time_model!r} is not a profile with a compute shape; choose "
                 f"one of {', '.join(shaped)}"
             )
+        problems += _fleet_problems(self)
         if ":" in self.workload and _closed_loop(self.workload, self.workload_params):
             if self.engine in ("vllm", "serve"):
                 problems.append(
-                    f"closed-loop users (workload param users) need the replay or oracle engine: "
+                    f"closed-loop users (workload param users) need the replay, fleet or oracle "
+                    "engine: "
                     f"the {self.engine} engine sends requests at times fixed in advance; leave "
                     "users out to replay the trace's own timestamps"
                 )
@@ -321,6 +341,33 @@ class RunSpec:
             return cls(**resolved)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+def _fleet_problems(spec: RunSpec) -> list[str]:
+    """What is wrong with the spec's fleet keys (the router's parameters included)."""
+    problems = []
+    routed = spec.engine in ("fleet", "serve")
+    if spec.instances < 1:
+        problems.append(f"instances must be at least 1, got {spec.instances}")
+    elif spec.instances > 1 and not routed:
+        problems.append(
+            f"instances = {spec.instances} needs the fleet engine (or serve with several vLLM "
+            "servers); use --engine fleet"
+        )
+    if spec.servers not in FLEET_SERVERS:
+        problems.append(f"servers must be one of {', '.join(FLEET_SERVERS)}, got {spec.servers!r}")
+    elif spec.servers != "shared" and spec.engine != "fleet":
+        problems.append("servers 'per-instance' applies to the fleet engine")
+    if not routed and (spec.router, spec.router_params) != ("round_robin", {}):
+        problems.append("router and router_params apply to the fleet and serve engines")
+        return problems
+    from testbed.fleet.routers import make_router
+
+    try:
+        make_router(spec.router, spec.router_params, max(spec.instances, 1), spec.seed)
+    except ValueError as exc:
+        problems.append(str(exc))
+    return problems
 
 
 def _closed_loop(workload: str, params: Mapping[str, Any]) -> bool:

@@ -12,6 +12,7 @@ a second until nothing is held.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from testbed import protocol as p
@@ -19,21 +20,41 @@ from testbed.credentials import ServerEndpoint
 from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
 
 
-def server_state_after(endpoint: ServerEndpoint, owner: str | None) -> dict[str, Any] | None:
-    """The server's counters after the run and, with ``owner`` (the engine id of the run's
-    sessions), what the run itself left there (``held``; see ``server.held``); ``None`` if the
-    server is gone."""
+def server_state_after(endpoint: ServerEndpoint, owners: Sequence[str]) -> dict[str, Any] | None:
+    """The server's counters after the run and, with ``owners`` (the engine ids of the run's
+    sessions: one, or one per fleet instance), what the run itself left there (``held``,
+    summed over the owners; see ``server.held``); ``None`` if the server is gone."""
     try:
         with RpcClient(endpoint.url, role="run", token=endpoint.token, timeout_s=2.0) as client:
-            held = None if owner is None else _held_after(client, owner)
+            held = [_held_after(client, owner) for owner in owners]
             reply = client.call(p.GetStats(), timeout_s=2.0)
     except (ServerUnavailable, RemoteError):
         return None
     assert isinstance(reply, p.ServerStats)
     state: dict[str, Any] = _fields(reply)
-    if held is not None:
-        state["held"] = _fields(held)
+    if held:
+        state["held"] = _summed([_fields(h) for h in held])
     return state
+
+
+def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several servers' states as one (a fleet with a server per instance): counts summed,
+    ``held`` too; ``None`` if one of them could not be asked."""
+    if not states or any(state is None for state in states):
+        return None
+    helds = [state["held"] for state in states if state is not None and "held" in state]
+    merged = _summed([{k: v for k, v in s.items() if k != "held"} for s in states if s])
+    if helds:
+        merged["held"] = _summed(helds)
+    return merged
+
+
+def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {}
+    for count in counts:
+        for key, value in count.items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:

@@ -20,6 +20,7 @@ import pandas as pd
 from testbed.analysis import metrics
 from testbed.analysis.attribution import CATEGORIES, attribution, token_causes
 from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
+from testbed.analysis.fleet import routed_summary
 from testbed.analysis.tables import Run
 from testbed.engine.results import EngineResult
 from testbed.runspec import RunSpec
@@ -135,6 +136,7 @@ def build_summary(
     if spec.engine == "oracle":
         return summary
     spans = run.spans
+    summary.update(routed_summary(requests, spans))
     summary["integrity_errors"] = None if result.metadata_only else result.integrity_errors
     summary["chunk_log_rows"] = chunk_rows
     summary["chunk_log_bytes"] = chunk_bytes

@@ -10,6 +10,8 @@ tokens ``P``, chunk size ``C``:
 - ``engine`` ``[0, E)``: vLLM's own prefix cache; ``external`` ``[E, E+X)``: loaded from the
   cache server, ``X`` = tokens below the first failed block over all TP ranks;
   ``load_failed`` ``[E+X, E+L)``: promised, not loaded; ``last_token`` ``P-1``;
+- ``routing`` (fleets): the tokens of ``[E+L, P-1)`` another instance's prefix cache held at
+  the routing decision beyond what the chosen one held (:mod:`testbed.analysis.routing`);
 - every other token ``t`` in ``[E+L, P-1)``: ``partial_chunk`` if ``t >= floor(P/C)*C``, else
   ``unavailable`` if the lookup failed, ``refused`` if the server refused it for a limit or a
   client quota, ``engine_only`` if the server held chunk ``t // C`` at
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from testbed.analysis.routing import overlap, route_table, routing_region
 from testbed.analysis.tables import Run
 from testbed.telemetry import attributes as a
 
@@ -43,6 +46,7 @@ CATEGORIES = (
     "unavailable",
     "refused",
     "engine_only",
+    "routing",
 )
 """Every prompt token is in exactly one of these (summary.json's ``tokens`` table)."""
 MISS_CAUSES = CATEGORIES[2:]
@@ -294,7 +298,9 @@ def attribute(
     X = loaded_tokens(requests, E, L, retrieve_items(spans, events))
     status = requests["lookup_status"].astype(str).to_numpy()
     H = pd.to_numeric(requests["server_hit_tokens"]).fillna(0).to_numpy(dtype=np.int64)
-    regions = _regions(P, C, E, L, H, status)
+    workload_ids = requests.get("workload_request_id", pd.Series(None, index=requests.index))
+    routing = routing_region(workload_ids, E + L, last, route_table(spans))
+    regions = _regions(P, C, E, L, H, status, routing)
 
     out = pd.DataFrame(
         {
@@ -322,6 +328,7 @@ def attribute(
             "unavailable": regions["unavailable"],
             "refused": regions["refused"],
             "engine_only": regions["engine_only"],
+            "routing": routing[1] - routing[0],
         }
     )
     causes, resolved = _chunk_causes(requests, regions, chunks)
@@ -359,21 +366,30 @@ def loaded_tokens(
 
 
 def _regions(
-    P: np.ndarray, C: np.ndarray, E: np.ndarray, L: np.ndarray, H: np.ndarray, status: np.ndarray
+    P: np.ndarray,
+    C: np.ndarray,
+    E: np.ndarray,
+    L: np.ndarray,
+    H: np.ndarray,
+    status: np.ndarray,
+    routing: tuple[np.ndarray, np.ndarray],
 ) -> dict[str, np.ndarray]:
     """The token counts settled by arithmetic, and the region ``[chunk_start, chunk_end)``
-    whose tokens take their chunk's cause from the chunk log."""
+    whose tokens take their chunk's cause from the chunk log; tokens of the ``routing`` range
+    are left out of each (the chunk causes leave them out per chunk)."""
     last = np.maximum(P - 1, 0)
     low = E + L  # tokens below were hit, loaded or failed to load
     complete_end = (P // C) * C  # the end of the prompt's last complete chunk
-    partial = np.clip(last - np.maximum(low, complete_end), 0, None)
+    partial_start = np.maximum(low, complete_end)
+    partial = np.clip(last - partial_start, 0, None) - overlap(partial_start, last, *routing)
     full_end = np.minimum(last, complete_end)
-    rest = np.clip(full_end - low, 0, None)
+    rest = np.clip(full_end - low, 0, None) - overlap(low, full_end, *routing)
     unavailable = status == LOOKUP_UNAVAILABLE
     refused = status == LOOKUP_REFUSED
     no_answer = unavailable | refused  # no hit was reported: nothing to read from the log
     held_end = (H // C) * C  # the server held these chunks at lookup
-    engine_only = np.where(no_answer, 0, np.clip(np.minimum(full_end, held_end) - low, 0, None))
+    only_end = np.maximum(np.minimum(full_end, held_end), low)
+    engine_only = np.where(no_answer, 0, only_end - low - overlap(low, only_end, *routing))
     chunk_start = np.maximum(low, held_end)
     return {
         "partial_chunk": partial,
@@ -382,6 +398,8 @@ def _regions(
         "engine_only": engine_only,
         "chunk_start": chunk_start,
         "chunk_end": np.where(no_answer, chunk_start, np.maximum(full_end, chunk_start)),
+        "routing_start": routing[0],
+        "routing_end": routing[1],
     }
 
 
@@ -392,7 +410,8 @@ def _chunk_causes(
     causes came from the log (missing lookup rows count as cold, unresolved)."""
     num = len(requests)
     start, end = regions["chunk_start"], regions["chunk_end"]
-    need = end - start
+    routed_start, routed_end = regions["routing_start"], regions["routing_end"]
+    need = end - start - overlap(start, end, routed_start, routed_end)
     counts = {name: np.zeros(num, dtype=np.int64) for name in CHUNK_CAUSES}
     if chunks is None:
         counts["cold"] = need.copy()
@@ -409,11 +428,10 @@ def _chunk_causes(
     request = request[joined]
     size = requests["chunk_size"].to_numpy(dtype=np.int64)[request]
     position = rows["position"].to_numpy(dtype=np.int64)[joined]
-    tokens = np.clip(
-        np.minimum((position + 1) * size, end[request])
-        - np.maximum(position * size, start[request]),
-        0,
-        None,
+    row_start = np.maximum(position * size, start[request])
+    row_end = np.minimum((position + 1) * size, end[request])
+    tokens = np.clip(row_end - row_start, 0, None) - overlap(
+        row_start, row_end, routed_start[request], routed_end[request]
     )
     effective = rows["effective"].cat.codes.to_numpy()[joined]
     per_cause = {

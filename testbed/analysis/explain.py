@@ -12,6 +12,8 @@ and the first token the engine had to compute, with why:
 - ``load_failed``: the ranks whose retrieve failed, their first failed tokens, ranks with no
   retrieve at all, and the span that removed the chunk after the lookup if the log shows one;
 - ``unavailable``: the lookup's error;
+- ``routing`` (fleets): the instance whose prefix cache held the tokens when the request
+  arrived, and the router's costs for its choice;
 - ``engine_only``, ``partial_chunk``, ``last_token``: what the arithmetic says.
 
 ``str(story)`` is the readable form ``kvtb explain RUN REQUEST_ID`` prints.
@@ -28,6 +30,7 @@ import pandas as pd
 
 from testbed.analysis import attribution as acc
 from testbed.analysis.request_ids import examples, find_rows
+from testbed.analysis.routing import route_table
 from testbed.analysis.spans import is_run_dir
 from testbed.analysis.tables import Run
 from testbed.telemetry import attributes as a
@@ -85,6 +88,29 @@ class Miss:
     """load_failed: TP ranks with no retrieve item although tokens were promised."""
     retrieve_span_ids: tuple[str, ...] = ()
     lookup_error: str | None = None
+    holder_instance: int | None = None
+    """routing: the instance whose prefix cache held the tokens at the decision."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """The fleet's routing decision for the request (its ``kvcache.route`` span)."""
+
+    router: str
+    instance: int
+    cached_tokens: tuple[int, ...]
+    """Per instance, the request's prefix its prefix cache held at the decision."""
+    costs: tuple[float, ...] | None
+    """Per instance, the router's cost (the lowest wins); ``None``: it weighs none."""
+    load_tokens: tuple[float, ...]
+
+    def __str__(self) -> str:
+        line = f"routed by {self.router} to instance {self.instance}"
+        parts = [f"cached tokens {_per_instance(self.cached_tokens)}"]
+        if self.costs is not None:
+            parts.append(f"costs {_per_instance(self.costs)}")
+        parts.append(f"load tokens {_per_instance(self.load_tokens)}")
+        return f"{line} ({'; '.join(parts)})"
 
 
 @dataclass(frozen=True)
@@ -108,6 +134,8 @@ class RequestStory:
     lookup: tuple[ChunkLookup, ...]
     first_miss: Miss | None
     causes_resolved: bool
+    route: Route | None = None
+    """Fleets: where the request went and why."""
 
     def __str__(self) -> str:
         names = [f"workload {self.workload_request_id}"] if self.workload_request_id else []
@@ -117,6 +145,10 @@ class RequestStory:
             f"request {self.request_id} ({', '.join(names)})",
             f"  {self.prompt_tokens} prompt tokens, chunk size {self.chunk_size}, "
             f"TP {self.tp_size}",
+        ]
+        if self.route is not None:
+            lines.append(f"  {self.route}")
+        lines += [
             "  lookup: " + self._lookup_line(),
             f"  vLLM's own prefix cache: {self.engine_hit_tokens} tokens; promised to load: "
             f"{self.promised_tokens}; loaded: {self.external_hit_tokens}",
@@ -188,6 +220,10 @@ class Explainer:
         return acc.first_lookup_rows(chunks) if chunks is not None else pd.DataFrame()
 
     @cached_property
+    def routes(self) -> pd.DataFrame:
+        return route_table(self.run.spans).set_index("workload_request_id", drop=False)
+
+    @cached_property
     def items(self) -> pd.DataFrame:
         return acc.retrieve_items(self.run.spans, self.run.events)
 
@@ -212,7 +248,8 @@ class Explainer:
     def explain(self, request_id: str) -> RequestStory:
         row = self.attribution.iloc[self.find(request_id)]
         chunks = self._chunk_lookups(str(row["session_id"]))
-        segments = _segments(row, chunks)
+        route = self._route(row)
+        segments = _segments(row, chunks, route)
         first = next((s for s in segments if s.category not in _HITS), None)
         hit = row["server_hit_tokens"]
         return RequestStory(
@@ -232,8 +269,23 @@ class Explainer:
             tokens={name: int(row[name]) for name in acc.CATEGORIES},
             segments=tuple(segments),
             lookup=tuple(chunks),
-            first_miss=None if first is None else self._miss(row, first, chunks),
+            first_miss=None if first is None else self._miss(row, first, chunks, route),
             causes_resolved=bool(row["causes_resolved"]),
+            route=route,
+        )
+
+    def _route(self, row: pd.Series) -> Route | None:
+        workload_id = _text(row["workload_request_id"])
+        if workload_id is None or workload_id not in self.routes.index:
+            return None
+        route = self.routes.loc[workload_id]
+        costs = route["costs"]
+        return Route(
+            router=str(route["router"]),
+            instance=int(route["instance"]),
+            cached_tokens=tuple(int(t) for t in route["cached_tokens"]),
+            costs=None if costs is None else tuple(float(c) for c in costs),
+            load_tokens=tuple(float(t) for t in route["load_tokens"]),
         )
 
     # --- the first miss ----------------------------------------------------------------------
@@ -247,10 +299,14 @@ class Explainer:
             for r in rows.itertuples()
         ]
 
-    def _miss(self, row: pd.Series, segment: Segment, chunks: list[ChunkLookup]) -> Miss:
+    def _miss(
+        self, row: pd.Series, segment: Segment, chunks: list[ChunkLookup], route: Route | None
+    ) -> Miss:
         C, P = int(row["chunk_size"]), int(row["prompt_tokens"])
         start, cause = segment.start_token, segment.category
         position = start // C
+        if cause == "routing" and route is not None:
+            return _routing_miss(segment, route)
         if cause == "last_token":
             return Miss(cause, start, None, "vLLM always computes the last prompt token itself.")
         if cause == "partial_chunk":
@@ -429,7 +485,7 @@ class Explainer:
         return None
 
 
-def _segments(row: pd.Series, chunks: list[ChunkLookup]) -> list[Segment]:
+def _segments(row: pd.Series, chunks: list[ChunkLookup], route: Route | None) -> list[Segment]:
     """The request's prompt as token ranges of one category each (same rules as
     :func:`testbed.analysis.attribution.attribute`, one request at a time)."""
     P, C = int(row["prompt_tokens"]), int(row["chunk_size"])
@@ -453,6 +509,8 @@ def _segments(row: pd.Series, chunks: list[ChunkLookup]) -> list[Segment]:
             cause = "cold" if cause == acc.CHUNK_HIT else cause
             pieces.append((max(position * C, begin), min((position + 1) * C, full_end), cause))
     pieces.append((max(low, complete_end), last, "partial_chunk"))
+    if route is not None:
+        pieces = _carve_routing(pieces, low, last, route)
     if P > 0:
         pieces.append((last, P, "last_token"))
     merged: list[Segment] = []
@@ -464,6 +522,46 @@ def _segments(row: pd.Series, chunks: list[ChunkLookup]) -> list[Segment]:
         else:
             merged.append(Segment(start, end, category))
     return merged
+
+
+def _carve_routing(
+    pieces: list[tuple[int, int, str]], low: int, last: int, route: Route
+) -> list[tuple[int, int, str]]:
+    """``pieces`` with the ``routing`` range (:mod:`testbed.analysis.routing`) cut out of the
+    computed ones and put in its place."""
+    held = route.cached_tokens
+    others = [tokens for i, tokens in enumerate(held) if i != route.instance]
+    start = max(low, held[route.instance])
+    end = max(min(max(others, default=0), last), start)
+    if end <= start:
+        return pieces
+    carved = []
+    for begin, finish, category in pieces:
+        if finish <= begin or finish <= low:  # hits and failed loads stay
+            carved.append((begin, finish, category))
+            continue
+        carved.append((begin, min(finish, start), category))
+        carved.append((max(begin, end), finish, category))
+    carved.append((start, end, "routing"))
+    return sorted((p for p in carved if p[1] > p[0]), key=lambda p: p[0])
+
+
+def _routing_miss(segment: Segment, route: Route) -> Miss:
+    held = route.cached_tokens
+    holder = max((i for i in range(len(held)) if i != route.instance), key=lambda i: (held[i], -i))
+    reason = (
+        f"instance {holder}'s prefix cache held the prompt's first {held[holder]} tokens when "
+        f"the request arrived; {route.router} sent it to instance {route.instance}, which held "
+        f"{held[route.instance]}, and tokens [{segment.start_token}, {segment.end_token}) were "
+        "computed there"
+    )
+    if route.costs is not None:
+        reason += f" (costs {_per_instance(route.costs)}: the lowest wins)"
+    return Miss("routing", segment.start_token, None, reason + ".", holder_instance=holder)
+
+
+def _per_instance(values: tuple[float, ...] | tuple[int, ...]) -> str:
+    return ", ".join(f"i{i} {value:g}" for i, value in enumerate(values))
 
 
 def _source_chunk(chunks: list[ChunkLookup], position: int) -> int | None:

@@ -22,6 +22,7 @@ CATEGORY_COLOURS = {
     "unavailable": "tab:brown",
     "refused": "tab:pink",
     "engine_only": "tab:cyan",
+    "routing": "gold",
 }
 """Colour of each token category (the keys of ``testbed.analysis.attribution.CATEGORIES``)."""
 CATEGORY_LABELS = {
@@ -36,6 +37,7 @@ CATEGORY_LABELS = {
     "unavailable": "unavailable",
     "refused": "refused (server limit)",
     "engine_only": "engine only",
+    "routing": "routing (held by another instance)",
 }
 """Legend name of each token category."""
 RECOMPUTED = "recomputed"

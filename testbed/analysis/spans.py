@@ -13,7 +13,9 @@ the run directory's name), ``start_time`` (UTC timestamps), ``end_time, duration
 (``UNSET``, ``OK``, ``ERROR``), ``status_message``, ``links`` (list of ``"trace_id:span_id"``),
 ``resource.<key>`` per other resource attribute (the process's: engine, workload, chunk size,
 ...), then one column per span attribute under its own name (``kvcache.tokens.hit``, ...; see
-``testbed.telemetry.attributes``). Rows of a run are in start-time order.
+``testbed.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's, else
+its process's (a vLLM server of a fleet names its instance in its resource). Rows of a run are
+in start-time order.
 
 :func:`load_events` gives the span events (one per request of a batched store or retrieve),
 with the ``run_id`` of the run directory they were read from.
@@ -33,6 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
+from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import SPANS_DIR
 
 SUMMARY_FILE = "summary.json"  # written last by a run (testbed.run): a complete run
@@ -225,6 +228,13 @@ def _spans_of(table: pa.Table, line_runs: np.ndarray) -> pd.DataFrame:
             frame[f"resource.{key}"] = column.array.take(rows)  # keeps nullable dtypes
     for key, column in attributes.items():
         frame[key] = column
+    if f"resource.{a.INSTANCE}" in frame:  # a fleet's servers name their instance per process
+        resource_instance = frame[f"resource.{a.INSTANCE}"]
+        frame[a.INSTANCE] = (
+            frame[a.INSTANCE].combine_first(resource_instance)
+            if a.INSTANCE in frame
+            else resource_instance
+        )
     frame[_RUN_INDEX] = line_runs[line_index.to_numpy()]
     return frame[BASE_COLUMNS + [c for c in frame.columns if c not in BASE_COLUMNS]]
 

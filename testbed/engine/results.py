@@ -26,6 +26,8 @@ class RequestRecord:
     prompt_tokens: int
     arrival_s: float
     output_tokens: int = 0
+    scheduled_s: float | None = None
+    """When the engine first scheduled the request (its queueing ends; replay and fleet)."""
     first_token_s: float | None = None
     finish_s: float | None = None
     hit_tokens: int | None = None
@@ -48,6 +50,7 @@ class RequestRecord:
             "arrival_s": self.arrival_s,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
+            "scheduled_s": self.scheduled_s,
             "ttft_ms": self.ttft_ms,
             "finish_s": self.finish_s,
         }
@@ -94,6 +97,8 @@ def open_request(request: WorkloadRequest, arrival_s: float) -> tuple[RequestRec
 def close_request(record: RequestRecord, span: Span, integrity_errors: int = 0) -> None:
     """Ends the request's span with what the engine saw of it."""
     attributes: dict[str, Any] = {a.OUTPUT_TOKENS: record.output_tokens}
+    if record.scheduled_s is not None:
+        attributes[a.SCHEDULED_S] = record.scheduled_s
     if record.ttft_ms is not None:
         attributes[a.TTFT_MS] = record.ttft_ms
     if integrity_errors:

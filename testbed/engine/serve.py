@@ -1,4 +1,4 @@
-"""The ``serve`` engine: a workload sent over HTTP to a running OpenAI-compatible vLLM server.
+"""The ``serve`` engine: a workload sent over HTTP to running OpenAI-compatible vLLM servers.
 
 The server runs our connector (``kv_connector: KVTBConnector``) against a ``kvtb server``;
 this engine only plays the clients. Each request is a streamed ``/v1/completions`` call with
@@ -8,39 +8,51 @@ span: vLLM hands the header to the request, so the connector's spans (which the 
 writes where ``kvtb.span_dir`` / ``KVTB_SPAN_DIR`` says) are children of it, one trace per
 request. The engine records what a client sees: time to first token, end, generated tokens,
 and the ``cached_tokens`` vLLM reports in the usage (``--enable-prompt-tokens-details``).
+With several servers (a fleet), a router decides each request's server as it arrives
+(:mod:`testbed.fleet.serve_routing`), and each server has ``max_concurrency`` slots. A
+request's span opens at its arrival: its TTFT counts waiting for a slot, as a server's queue.
 What the request got from the caches is then read from the telemetry, as for every engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from testbed import telemetry
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.telemetry import attributes as a
 from testbed.workloads import WorkloadRequest
 
+if TYPE_CHECKING:
+    from testbed.fleet.serve_routing import ServeRouting
+
 
 @dataclass(frozen=True)
 class ServeSpec:
-    endpoint: str
-    """The vLLM server's base URL, e.g. ``http://127.0.0.1:8000``."""
+    endpoints: tuple[str, ...]
+    """The vLLM servers' base URLs, e.g. ``http://127.0.0.1:8000`` (several: a fleet, routed
+    by the engine's :class:`~testbed.fleet.serve_routing.ServeRouting`)."""
     model: str | None = None
     """The served model's name; ``None``: the first one ``/v1/models`` lists."""
     max_concurrency: int = 16
+    """Requests in flight per server at most."""
     arrival: str = "trace"
     """``trace``: each request at its arrival time; ``all``: as fast as concurrency allows."""
     timeout_s: float = 600.0
     """Longest wait for one response."""
 
     def __post_init__(self) -> None:
-        if not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint {self.endpoint!r} must be an http(s):// URL")
+        if not self.endpoints:
+            raise ValueError("give at least one endpoint")
+        for endpoint in self.endpoints:
+            if not endpoint.startswith(("http://", "https://")):
+                raise ValueError(f"endpoint {endpoint!r} must be an http(s):// URL")
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
         if self.arrival not in ("trace", "all"):
@@ -48,10 +60,14 @@ class ServeSpec:
 
 
 class ServeEngine:
-    """Context manager (nothing to close: the server is someone else's)."""
+    """Context manager (nothing to close: the servers are someone else's). With several
+    endpoints, ``routing`` decides each request's server."""
 
-    def __init__(self, spec: ServeSpec) -> None:
+    def __init__(self, spec: ServeSpec, routing: ServeRouting | None = None) -> None:
+        if len(spec.endpoints) > 1 and routing is None:
+            raise ValueError(f"{len(spec.endpoints)} endpoints need a router")
         self.spec = spec
+        self.routing = routing
 
     def __enter__(self) -> ServeEngine:
         return self
@@ -75,19 +91,34 @@ class ServeEngine:
 
         result = EngineResult(engine="serve")
         timeout = aiohttp.ClientTimeout(total=self.spec.timeout_s)
-        slots = asyncio.Semaphore(self.spec.max_concurrency)
+        endpoints = self.spec.endpoints
+        slots = [asyncio.Semaphore(self.spec.max_concurrency) for _ in endpoints]
         started = time.perf_counter()
-        async with aiohttp.ClientSession(base_url=self.spec.endpoint, timeout=timeout) as http:
-            model = self.spec.model or await _first_model(http)
-            result.effective = {"endpoint": self.spec.endpoint, "served_model": model}
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(
+                    aiohttp.ClientSession(base_url=endpoint, timeout=timeout)
+                )
+                for endpoint in endpoints
+            ]
+            model = self.spec.model or await _first_model(clients[0])
+            result.effective = {"endpoints": list(endpoints), "served_model": model}
+            if len(endpoints) == 1:
+                result.effective["endpoint"] = endpoints[0]
 
             async def one(request: WorkloadRequest) -> None:
                 if self.spec.arrival == "trace":
                     delay = request.arrival_s - (time.perf_counter() - started)
                     if delay > 0:
                         await asyncio.sleep(delay)
-                async with slots:
-                    record = await self._send(http, model, request, started)
+                record, span = open_request(request, time.perf_counter() - started)
+                instance = 0
+                if self.routing is not None:
+                    instance = self.routing.place(request, span, record.arrival_s)
+                async with slots[instance]:
+                    await self._send(clients[instance], model, request, record, span, started)
+                if self.routing is not None:
+                    self.routing.finished(request.request_id)
                 result.records.append(record)
                 if on_finish is not None:
                     on_finish(record)
@@ -98,9 +129,14 @@ class ServeEngine:
         return result
 
     async def _send(
-        self, http: Any, model: str, request: WorkloadRequest, started: float
-    ) -> RequestRecord:
-        record, span = open_request(request, time.perf_counter() - started)
+        self,
+        http: Any,
+        model: str,
+        request: WorkloadRequest,
+        record: RequestRecord,
+        span: Any,
+        started: float,
+    ) -> None:
         headers = {"X-Request-Id": request.request_id}
         traceparent = telemetry.traceparent_of(span)
         if traceparent:
@@ -131,6 +167,8 @@ class ServeEngine:
                         span.set_attribute(a.CLIENT_REQUEST_ID, client_id)
                     if event.get("choices") and record.first_token_s is None:
                         record.first_token_s = time.perf_counter() - started
+                        if self.routing is not None:
+                            self.routing.first_token(request.request_id)
                     if event.get("usage"):
                         usage = event["usage"]
         except Exception as exc:
@@ -142,7 +180,6 @@ class ServeEngine:
         if details.get("cached_tokens") is not None:
             span.set_attribute(a.VLLM_CACHED_TOKENS, int(details["cached_tokens"]))
         close_request(record, span)
-        return record
 
 
 async def _first_model(http: Any) -> str:

@@ -51,7 +51,12 @@ class LaunchSpec:
 
 
 class VllmServerProcess:
-    """vLLM's OpenAI server on a free loopback port. Context manager."""
+    """vLLM's OpenAI server on a free loopback port. Context manager.
+
+    ``instance``: the server is instance ``instance`` of a fleet: its processes name it in
+    their OpenTelemetry resource (``kvcache.instance``, through ``OTEL_RESOURCE_ATTRIBUTES``),
+    its log is ``vllm-<instance>.log``, and with ``kv_events_endpoint`` vLLM's ZeroMQ
+    publisher sends its KV events there under the topic ``"<instance>"``."""
 
     def __init__(
         self,
@@ -60,6 +65,9 @@ class VllmServerProcess:
         otlp_endpoint: str | None = None,
         env: Mapping[str, str] | None = None,
         on_wait: Callable[[str], None] | None = None,
+        *,
+        instance: int | None = None,
+        kv_events_endpoint: str | None = None,
     ) -> None:
         self.spec = spec
         self.run_dir = run_dir
@@ -70,10 +78,20 @@ class VllmServerProcess:
         """More environment variables for vLLM's processes (the run's trace sampler)."""
         self.on_wait = on_wait
         """Called about once a second while the server starts, with what it waits for."""
+        self.instance = instance
+        self.kv_events_endpoint = kv_events_endpoint
+        self.log_path = run_dir / ("vllm.log" if instance is None else f"vllm-{instance}.log")
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     def start(self) -> VllmServerProcess:
+        """Starts the server and waits until it answers."""
+        self.spawn()
+        self.wait_healthy()
+        return self
+
+    def spawn(self) -> VllmServerProcess:
+        """Starts the server's process without waiting for it (:meth:`wait_healthy`)."""
         spec = self.spec
         model = spec.model
         if model is None:
@@ -115,16 +133,30 @@ class VllmServerProcess:
         if self.otlp_endpoint is not None:
             command += ["--otlp-traces-endpoint", self.otlp_endpoint]
             env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
-        log = open(self.run_dir / "vllm.log", "ab")  # noqa: SIM115 (the child holds it)
+        if self.instance is not None:
+            named = f"kvcache.instance={self.instance}"
+            env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
+                filter(None, [os.environ.get("OTEL_RESOURCE_ATTRIBUTES"), named])
+            )
+        if self.kv_events_endpoint is not None:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.kv_events_endpoint,  # no "*": vLLM connects to the router
+                "topic": str(self.instance if self.instance is not None else 0),
+            }
+            command += ["--kv-events-config", json.dumps(events)]
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
         self.process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
         log.close()
         self.url = f"http://127.0.0.1:{port}"
-        self._wait_healthy()
         return self
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
+        """Waits until the server answers ``/health``; raises with its log's tail if it exits
+        or does not answer in time."""
         assert self.process is not None
         started = time.monotonic()
         deadline = started + _STARTUP_TIMEOUT_S
@@ -135,7 +167,7 @@ class VllmServerProcess:
                     f"waiting for {self.url}/health ({self._last_log_line()})"
                 )
             if self.process.poll() is not None:
-                tail = (self.run_dir / "vllm.log").read_text(errors="replace")[-3000:]
+                tail = self.log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"vLLM's server exited ({self.process.returncode}):\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
@@ -149,7 +181,7 @@ class VllmServerProcess:
     def _last_log_line(self) -> str:
         """The newest line of ``vllm.log``, shortened: what vLLM says it is doing."""
         try:
-            with open(self.run_dir / "vllm.log", "rb") as log:
+            with open(self.log_path, "rb") as log:
                 log.seek(max(0, log.seek(0, os.SEEK_END) - 2048))
                 lines = log.read().decode(errors="replace").strip().splitlines()
         except OSError:
@@ -167,6 +199,20 @@ class VllmServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_fleet(servers: list[VllmServerProcess]) -> list[VllmServerProcess]:
+    """Starts every server at once and waits for all of them; if one fails, all are stopped."""
+    try:
+        for server in servers:
+            server.spawn()
+        for server in servers:
+            server.wait_healthy()
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+    return servers
 
 
 def _free_port() -> int:

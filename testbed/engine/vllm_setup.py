@@ -46,6 +46,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from testbed.keys import KeyExtras  # noqa: E402
+from testbed.workloads import WorkloadRequest  # noqa: E402
 
 # Standalone, vLLM's warnings would go to logging's last-resort handler as bare lines.
 logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -69,7 +70,7 @@ class SchedulerSpec:
     kv_events: bool = False
     """vLLM's KV events (its own blocks' and the connector's): the scheduler collects them
     each step and hands them to its publisher (vLLM's null publisher here: replace
-    ``scheduler.kv_event_publisher`` to receive them)."""
+    ``scheduler.kv_event_publisher`` to receive them, as :mod:`testbed.fleet.kv_events` does)."""
 
 
 def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
@@ -178,6 +179,17 @@ class RequestFactory:
         assert kv_cache_config.hash_block_size is not None
         self._hasher = get_request_block_hasher(kv_cache_config.hash_block_size, hash_fn)
         self._lora_ids: dict[tuple[str, str], int] = {}
+
+    def for_workload(self, request: WorkloadRequest, traceparent: str = "") -> Request:
+        """vLLM's ``Request`` for a workload request: its prompt, output length and the keys'
+        extras (LoRA adapter, multimodal inputs), carrying ``traceparent``."""
+        return self.make(
+            request.request_id,
+            request.prompt_token_ids.tolist(),
+            request.max_output_tokens,
+            traceparent=traceparent,
+            extras=request.key_extras,
+        )
 
     def make(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from opentelemetry import trace
@@ -36,6 +37,7 @@ __all__ = [
     "fail",
     "inject",
     "installed",
+    "instance_scope",
     "links_from",
     "span_id_of",
     "start_span",
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 _TRACER_NAME = "kvtestbed"
+current_instance: ContextVar[int | None] = ContextVar("kvtb_instance", default=None)
+"""The fleet instance whose work runs now (:func:`instance_scope`); ``None`` outside fleets."""
 _propagator = TraceContextTextMapPropagator()
 _provider: trace.TracerProvider | None = None
 _tracer: trace.Tracer | None = None
@@ -127,6 +131,18 @@ def start_span(
         attributes=attributes,
         start_time=start_time_ns,
     )
+
+
+@contextmanager
+def instance_scope(instance: int) -> Iterator[None]:
+    """Spans started inside belong to fleet instance ``instance``: the SDK that
+    :mod:`testbed.telemetry.setup` installs stamps them with ``kvcache.instance``. A fleet runs
+    its instances in one process, and their connectors trace through this one module."""
+    token = current_instance.set(instance)
+    try:
+        yield
+    finally:
+        current_instance.reset(token)
 
 
 def traceparent_of(span: Span) -> str:

@@ -103,6 +103,7 @@ REQUEST_FINISHED = "kvcache.request.finished"  # connector: False if the engine 
 REQUEST_ATTEMPT = "kvcache.request.attempt"  # which admission planned an op (0: the first)
 INTEGRITY_ERRORS = "kvcache.request.integrity_errors"
 ARRIVAL_S = "kvcache.request.arrival_s"
+SCHEDULED_S = "kvcache.request.scheduled_s"  # first scheduled (engine clock): queueing ends
 VLLM_CACHED_TOKENS = "kvcache.request.vllm_cached_tokens"  # serve: usage.cached_tokens
 CLIENT_REQUEST_ID = "kvcache.request.client_id"  # serve: the response's id, as a client sees it
 PROMISED_TOKENS = "kvcache.load.promised_tokens"  # L: tokens vLLM agreed to load
@@ -112,6 +113,16 @@ BLOCK_SIZE = "kvcache.block_size"
 BYTES_PER_TOKEN = "kvcache.bytes_per_token"  # register: KV bytes one rank holds per token
 OBJECT_BYTES = "kvcache.object_bytes"  # register: bytes of one chunk object of the rank
 GEN_AI_CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+
+# --- fleet ------------------------------------------------------------------------------------
+ROUTE = "kvcache.route"  # span: one routing decision (child of the request's span)
+INSTANCE = "kvcache.instance"  # the fleet instance a span belongs to (request: where it went)
+INSTANCES = "kvcache.instances"  # resource: the fleet's size
+ROUTER = "kvcache.route.router"
+ROUTE_COSTS = "kvcache.route.costs"  # per instance, the router's cost (the lowest wins)
+ROUTE_CACHED_TOKENS = "kvcache.route.cached_tokens"  # per instance, prefix its cache held
+ROUTE_LOAD_TOKENS = "kvcache.route.load_tokens"  # per instance, queued + running tokens
+ROUTE_CLOCK_S = "kvcache.route.clock_s"  # the engine clock at the decision
 
 # --- resource ---------------------------------------------------------------------------------
 SERVICE_NAME = "service.name"

@@ -159,6 +159,16 @@ class _EndCounter(SpanProcessor):
             self.ended += 1
 
 
+class _InstanceStamp(SpanProcessor):
+    """Stamps spans started inside :func:`testbed.telemetry.instance_scope` with the fleet
+    instance (``kvcache.instance``), as ``kvcache.rank`` tells TP ranks apart in a process."""
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        instance = telemetry.current_instance.get()
+        if instance is not None:
+            span.set_attribute(a.INSTANCE, instance)
+
+
 class Tracing:
     """The installed SDK of one process. :meth:`shutdown` flushes everything (idempotent)."""
 
@@ -187,6 +197,7 @@ class Tracing:
         )
         self._ends = _EndCounter()
         self.provider.add_span_processor(self._ends)
+        self.provider.add_span_processor(_InstanceStamp())
         self.exporters = {name: _CountingExporter(name, e) for name, e in exporters.items()}
         self.span_file = span_file
         self._counts_fd: int | None = None

@@ -75,6 +75,8 @@ class Admission:
     """Per complete chunk: hit, in_flight or absent at lookup."""
     committed_before: list[bool] = field(default_factory=list)
     """Per complete chunk: whether an object of it had been committed before the lookup."""
+    route: tuple[int, tuple[int, ...]] | None = None
+    """A fleet's routing decision: the chosen instance and each instance's cached tokens."""
     span: Any = None
 
 
@@ -356,6 +358,7 @@ class SyntheticRun:
         workload_id: str | None = None,
         evict: Sequence[bytes] = (),
         lookup_error: str = "cache server unavailable: no reply within 5.0 s",
+        route: tuple[int, Sequence[int]] | None = None,
     ) -> Admission:
         """One request's first admission and its stores, as the connector would trace them.
 
@@ -365,6 +368,8 @@ class SyntheticRun:
         ``None`` (loaded everything), a first failed token, or ``"missing"`` (no item).
         ``store``: commit (store the chunks it computed), reserve (reserved, committed later
         by :meth:`commit`), abort, or none. ``evict``: chunks the store evicts for room first.
+        ``route``: a fleet's decision (chosen instance, cached tokens per instance), recorded
+        as the fleet records it (a ``kvcache.route`` span under the request's span).
         """
         C = self.chunk_size
         P = prompt.tokens(C)
@@ -377,6 +382,16 @@ class SyntheticRun:
                 **({a.REQUEST_GROUP: group} if group else {}),
             },
         )  # fmt: skip
+        if route is not None:
+            self._span(
+                self.engine, a.ROUTE, parent=engine_span,
+                attributes={
+                    a.REQUEST_ID: workload_id or f"w-{request_id}", a.ROUTER: "synthetic",
+                    a.INSTANCE: route[0], a.ROUTE_CLOCK_S: 0.0,
+                    a.ROUTE_CACHED_TOKENS: list(route[1]),
+                    a.ROUTE_LOAD_TOKENS: [0] * len(route[1]),
+                },
+            )  # fmt: skip
         request_span = self._span(self.engine, a.CONNECTOR_REQUEST, parent=engine_span, end=False)
         if not hashes:
             lookup = acc.LOOKUP_NONE
@@ -396,6 +411,7 @@ class SyntheticRun:
             admission = Admission("", session_id, 0, 0, lookup, None, 0, {})
             admission.chunk_status = []
         admission.request_id = request_id
+        admission.route = None if route is None else (route[0], tuple(route[1]))
         admission.prompt_tokens = P
         admission.engine_hit_tokens = engine_hit
         usable = min(admission.server_hit_tokens or 0, P - 1)

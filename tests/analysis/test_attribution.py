@@ -328,6 +328,12 @@ def reference(admission: Admission, chunk_size: int, tp: int) -> dict[str, int]:
             return "capacity" if admission.committed_before[j] else "cold"
         raise AssertionError("a hit with no miss before it, beyond the server's hit")
 
+    held_here = held_elsewhere = 0
+    if admission.route is not None:
+        chosen, cached = admission.route
+        held_here = cached[chosen]
+        held_elsewhere = max((c for i, c in enumerate(cached) if i != chosen), default=0)
+
     for t in range(P):
         if t < E:
             cause = "engine"
@@ -337,6 +343,8 @@ def reference(admission: Admission, chunk_size: int, tp: int) -> dict[str, int]:
             cause = "last_token"
         elif t < E + L:
             cause = "load_failed"
+        elif held_here <= t < held_elsewhere:
+            cause = "routing"
         elif t >= (P // chunk_size) * chunk_size:
             cause = "partial_chunk"
         elif admission.lookup_status in ("unavailable", "refused"):
@@ -352,6 +360,7 @@ def reference(admission: Admission, chunk_size: int, tp: int) -> dict[str, int]:
 @pytest.mark.parametrize("seed", range(4))
 def test_random_runs_put_every_token_in_exactly_one_category(tmp_path, seed):
     rng = random.Random(seed)
+    routes = random.Random(seed + 1000)
     tp = rng.choice([1, 2])
     run = SyntheticRun(tmp_path / "run", chunk_size=C, tp=tp, mla=rng.random() < 0.3)
     documents = [tuple(f"{d}.{i}" for i in range(rng.randint(0, 6))) for d in range(5)]
@@ -374,6 +383,10 @@ def test_random_runs_put_every_token_in_exactly_one_category(tmp_path, seed):
                 retrieve[rank] = engine_hit + C // 2 * rng.randint(0, 2 * len(prompt.labels))
         store = rng.choice(["commit"] * 6 + ["reserve", "abort", "none"])
         request_id = f"r{number}"
+        route = None  # a fleet's decision, drawn apart so that the draws above stay the same
+        if routes.random() < 0.7:
+            cached = [routes.randint(0, 2 * P) // 16 * 16 for _ in range(routes.randint(2, 4))]
+            route = (routes.randrange(len(cached)), cached)
         admission = run.request(
             request_id,
             prompt,
@@ -382,6 +395,7 @@ def test_random_runs_put_every_token_in_exactly_one_category(tmp_path, seed):
             retrieve=retrieve,
             store=store,
             promised=0 if rng.random() < 0.1 else None,
+            route=route,
         )
         assert admission.prompt_tokens == P
         if store == "reserve":
@@ -400,5 +414,6 @@ def test_random_runs_put_every_token_in_exactly_one_category(tmp_path, seed):
         expected = reference(admission, C, tp)
         got = {name: int(table.loc[request_id, name]) for name in acc.CATEGORIES}
         assert got == expected, (request_id, admission)
-    # The runs are varied enough to reach most categories.
-    assert (table[list(acc.CATEGORIES)].sum() > 0).sum() >= 8
+    # The runs are varied enough to reach most categories, routing losses among them.
+    assert (table[list(acc.CATEGORIES)].sum() > 0).sum() >= 9
+    assert table["routing"].sum() > 0

@@ -117,3 +117,28 @@ def test_kvtb_explain_prints_the_story(story_run, capsys):
     assert "first miss: token 4 (chunk 1): capacity" in out
     assert main(["explain", str(story_run), "nope"]) == 2
     assert "no request 'nope'" in capsys.readouterr().err
+
+
+def test_a_routing_miss_names_the_instance_that_held_the_prefix_and_the_routers_costs(tmp_path):
+    run = SyntheticRun(tmp_path / "run", chunk_size=C, tp=1)
+    prompt = Prompt(("p", "q", "r"), tail=3)
+    # r1: instance 2 held 10 tokens of the prompt when it arrived; it went to instance 0 (6
+    # held) and the cache server has none of it: tokens [6, 10) were computed though held
+    # elsewhere. r2: the chosen instance held nothing: its first miss is the routing one.
+    run.request("r1", prompt, route=(0, [6, 4, 10]), store="none")
+    run.request("r2", Prompt(("s", "t"), tail=1), route=(1, [8, 0]))
+    run_dir = run.close()
+    story = explain(run_dir, "r1")
+    assert story.route is not None and story.route.instance == 0
+    assert [(s.start_token, s.end_token, s.category) for s in story.segments] == [
+        (0, 6, "cold"),
+        (6, 10, "routing"),
+        (10, 12, "cold"),
+        (12, 14, "partial_chunk"),
+        (14, 15, "last_token"),
+    ]
+    assert acc.attribution(run_dir).set_index("request_id").loc["r1", "routing"] == 4
+    assert "routed by synthetic to instance 0" in str(story)
+    miss = explain(run_dir, "r2").first_miss
+    assert miss is not None and miss.cause == "routing" and miss.holder_instance == 0
+    assert miss.start_token == 0 and "instance 0's prefix cache held" in miss.reason

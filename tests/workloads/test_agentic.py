@@ -228,11 +228,12 @@ def test_bad_files_paths_and_params_are_refused(tmp_path):
 def test_closed_loop_users_need_an_engine_that_releases_requests_on_completion():
     users = {"workload": "agentic:some/dir", "workload_params": {"users": 4}}
     for engine in ("vllm", "serve"):
-        with pytest.raises(ValueError, match=f"need the replay or oracle engine: the {engine}"):
+        with pytest.raises(ValueError, match=f"the replay, fleet or oracle engine: the {engine}"):
             RunSpec(engine=engine, **users)
     with pytest.raises(ValueError, match="arrival 'all' sends every request at once"):
         RunSpec(arrival="all", **users)
     RunSpec(engine="oracle", **users)
+    RunSpec(engine="fleet", instances=2, **users)
     RunSpec(engine="vllm", workload="agentic:some/dir")  # the trace's own times: any engine
 
 
