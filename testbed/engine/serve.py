@@ -48,6 +48,8 @@ class ServeSpec:
     """Longest wait for one response."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.endpoints, str):
+            raise TypeError("endpoints is a sequence of URLs: give (url,) for one server")
         if not self.endpoints:
             raise ValueError("give at least one endpoint")
         for endpoint in self.endpoints:

@@ -74,7 +74,7 @@ def served(tmp_path_factory) -> Served:
         with EventSubscriber() as subscriber:
             spec = launch_spec(server, run_dir, subscriber.port)
             with VllmServerProcess(spec, run_dir) as vllm:
-                ServeEngine(ServeSpec(vllm.url, arrival="all", max_concurrency=1)).run(workload)
+                ServeEngine(ServeSpec((vllm.url,), arrival="all", max_concurrency=1)).run(workload)
                 metrics = settled_metrics(vllm.url)
                 time.sleep(1.0)  # the publisher's thread sends what the last step published
         with connect(server) as observer:
