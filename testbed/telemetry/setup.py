@@ -262,7 +262,7 @@ def configure_tracing(
         span_file = (
             Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
         )
-        exporters["file"] = JsonLinesSpanExporter(span_file)
+        exporters["file"] = JsonLinesSpanExporter(span_file, columnar=True)
     otlp = (
         otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
         if config.otlp_from_env or config.otlp_endpoint

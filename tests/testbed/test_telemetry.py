@@ -134,7 +134,7 @@ def test_evictions_and_expired_locks_have_their_spans(start_server, tmp_path):
     (store_a,) = _spans_with(spans, a.SERVER_STORE)[
         lambda f: (f[a.OP] == "store_begin") & (f["trace_id"] == "ab" * 16)
     ]["span_id"]
-    assert evict["links"] == [f"{'ab' * 16}:{store_a}"]  # the store that wrote the object
+    assert evict["links"] == (f"{'ab' * 16}:{store_a}",)  # the store that wrote the object
     assert list(evict[a.SESSION_IDS]) == ["engine:a"]  # and the request it stored for
     expiry = _spans_with(spans, a.SERVER_LOCK_EXPIRE).iloc[0]
     assert expiry[a.CHUNKS] == 2 and expiry[a.LOCKS_RELEASED] == 2
