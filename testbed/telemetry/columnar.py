@@ -20,8 +20,10 @@ which hold every span, are what the run has.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,10 @@ class ColumnarSpanWriter:
         self._resource_rows: list[int] = []
         self._resources: dict[int, tuple[int, Any]] = {}
         self._stages: tuple[_Stage, _Stage] | None = None
+        # pyarrow.compute takes a while to import: not at shutdown, on a run's critical path.
+        threading.Thread(
+            target=importlib.import_module, args=("pyarrow.compute",), daemon=True
+        ).start()
         try:
             self._stages = (_Stage(spans_path, sort_by="start"), _Stage(events_path))
         except OSError as exc:
