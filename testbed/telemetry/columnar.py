@@ -97,8 +97,9 @@ class _Stage:
         os.close(self._fd)
         self._fd = -1
         source = pa.memory_map(str(self.scratch))
+        mapped = source.read_buffer()  # zero-copy: the tables below point into the mapping
         tables = [
-            pa.ipc.open_stream(source.read_at(length, offset)).read_all()
+            pa.ipc.open_stream(mapped.slice(offset, length)).read_all()
             for offset, length in self.segments
         ]
         tables = st.unify(tables) if tables else []

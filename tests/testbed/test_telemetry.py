@@ -215,3 +215,28 @@ def test_traced_works_as_a_decorator_and_marks_errors(memory_tracing):
     spans = [s for s in exporter.get_finished_spans() if s.name == "kvcache.test.decorated"]
     assert [s.status.status_code.name for s in spans] == ["UNSET", "ERROR"]
     assert all(s.attributes[a.CHUNKS] == 3 for s in spans)
+
+
+def test_span_ids_differ_across_forked_and_seeded_processes():
+    """vLLM seeds Python's global ``random`` alike in every process, and forks: ids must come
+    from neither the global generator nor a copy of the parent's."""
+    import os
+    import random
+
+    from testbed.telemetry.setup import SystemIdGenerator
+
+    ids = SystemIdGenerator()
+    ids.generate_span_id()  # the parent's generator exists before the fork
+    children = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: seeded as vLLM seeds it, then one id
+            random.seed(0)
+            os.write(write, ids.generate_span_id().to_bytes(8, "big"))
+            os._exit(0)
+        os.close(write)
+        children.append(int.from_bytes(os.read(read, 8), "big"))
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert len({*children, ids.generate_span_id()}) == 3
