@@ -24,8 +24,8 @@ _SCALAR_FIELDS = {
     "intValue": pa.int64(),
     "doubleValue": pa.float64(),
     "boolValue": pa.bool_(),
-    "stringValue": pa.string(),
-    "bytesValue": pa.string(),  # hex, as the columnar writer keeps bytes
+    "stringValue": st.STRING,
+    "bytesValue": st.STRING,  # hex, as the columnar writer keeps bytes
 }
 
 
@@ -80,7 +80,7 @@ def _events(spans: pa.StructArray) -> pa.Table:
         "trace_id": pc.take(pc.struct_field(spans, "traceId"), parent),
         "span_id": pc.take(pc.struct_field(spans, "spanId"), parent),
         "span_name": pc.take(pc.struct_field(spans, "name"), parent),
-        "event": pc.struct_field(events, "name") if len(events) else pa.array([], pa.string()),
+        "event": pc.struct_field(events, "name") if len(events) else pa.array([], st.STRING),
         "time": pc.struct_field(events, "timeUnixNano")
         if len(events)
         else pa.array([], pa.int64()),
@@ -147,7 +147,7 @@ def _python(row: dict[str, Any] | None) -> Any:
 def _links(spans: pa.StructArray) -> pa.Array:
     links = _field(spans, "links")
     if links is None:
-        return pa.nulls(len(spans), pa.list_(pa.string()))
+        return pa.nulls(len(spans), pa.list_(st.STRING))
     links = _chunk(links)
     flat = pc.list_flatten(links)
     pairs = pc.binary_join_element_wise(

@@ -28,6 +28,7 @@ those alone, so a run loads to the same DataFrame either way.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -203,16 +204,21 @@ def _span_frame(table: pa.Table) -> pd.DataFrame:
             attribute_rank = pd.Series(_column(table.column(name)))
         elif name.startswith(st.ATTRIBUTE):
             data[name.removeprefix(st.ATTRIBUTE)] = _column(table.column(name))
+    if data["rank"] is None:  # no process has a rank
+        data["rank"] = pd.arrays.IntegerArray(
+            np.zeros(table.num_rows, np.int64), np.ones(table.num_rows, bool)
+        )
     spans = pd.DataFrame(data)
     if attribute_rank is not None:
         spans["rank"] = attribute_rank.combine_first(spans["rank"])
-    spans["rank"] = pd.to_numeric(spans["rank"]).astype("Int64")
+    if spans["rank"].dtype != "Int64":
+        spans["rank"] = pd.to_numeric(spans["rank"]).astype("Int64")
     return spans
 
 
 def _names(codes: pa.ChunkedArray, names: dict[int, str]) -> Any:
     """OTLP enum integers as their names (a string column)."""
-    lookup = pa.array([names.get(code, str(code)) for code in range(max(names) + 1)])
+    lookup = pa.array([names.get(code, str(code)) for code in range(max(names) + 1)], st.STRING)
     return _column(lookup.take(codes))
 
 
@@ -232,15 +238,14 @@ def _column(column: pa.ChunkedArray | pa.Array) -> Any:
 _PANDAS_TYPES = {
     pa.int64(): pd.Int64Dtype(),
     pa.bool_(): pd.BooleanDtype(),
-    pa.string(): pd.StringDtype("pyarrow", na_value=np.nan),  # pandas' ``str``
+    st.STRING: pd.StringDtype("pyarrow", na_value=np.nan),  # pandas' ``str``
 }
 
 
 def _lists(column: pa.ChunkedArray) -> np.ndarray:
     """Python lists; NaN where a span has none."""
     result = np.full(len(column), np.nan, dtype=object)
-    valid = np.flatnonzero(pc.is_valid(column).to_numpy(zero_copy_only=False))
-    for row, value in zip(valid, column.drop_null().to_pylist(), strict=True):
+    for row, value in _valid_lists(column):
         result[row] = value
     return result
 
@@ -249,10 +254,27 @@ def _links(column: pa.ChunkedArray) -> np.ndarray:
     """Tuples of ``"trace_id:span_id"``; one shared empty tuple where a span has none."""
     result = np.empty(len(column), dtype=object)
     result.fill(())
-    valid = np.flatnonzero(pc.is_valid(column).to_numpy(zero_copy_only=False))
-    for row, value in zip(valid, column.drop_null().to_pylist(), strict=True):
+    for row, value in _valid_lists(column):
         result[row] = tuple(value)
     return result
+
+
+def _valid_lists(column: pa.ChunkedArray) -> Iterator[tuple[int, list[Any]]]:
+    """(row, Python list) of each non-null list: the values converted in one pass, then
+    sliced (``to_pylist`` builds them one scalar at a time)."""
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    valid = np.flatnonzero(pc.is_valid(lists).to_numpy(zero_copy_only=False))
+    if len(valid) == 0:
+        return iter(())
+    lists = lists.drop_null()
+    offsets = pc.subtract(lists.offsets, lists.offsets[0]).to_numpy()
+    values = pc.list_flatten(lists)
+    flat = values.to_numpy(zero_copy_only=False).tolist() if len(values) else []
+    return zip(
+        valid.tolist(),
+        (flat[start:end] for start, end in zip(offsets[:-1], offsets[1:], strict=True)),
+        strict=True,
+    )
 
 
 def _mixed(column: pa.ChunkedArray) -> Any:

@@ -103,7 +103,10 @@ class _Stage:
             for offset, length in self.segments
         ]
         tables = st.unify(tables) if tables else []
-        schema = tables[0].schema if tables else pa.schema([])
+        schema = (tables[0].schema if tables else pa.schema([])).with_metadata(
+            {st.LAYOUT_KEY: st.LAYOUT}
+        )
+        tables = [table.replace_schema_metadata(schema.metadata) for table in tables]
         temporary = self.final.with_name(self.final.name + ".tmp")
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as out:
             if tables and self.sort_by is not None:

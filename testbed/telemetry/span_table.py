@@ -13,7 +13,8 @@ when none); then ``r:<key>`` per resource attribute and ``a:<key>`` per span att
 order of first appearance. Event tables: ``trace_id, span_id, span_name, event, time`` and
 ``a:<key>`` per event attribute.
 
-An attribute column has the one type all its values share: int64, float64, bool, string, or a
+An attribute column has the one type all its values share: int64, float64, bool, (large)
+string, or a
 list of one of those. A key whose values differ in type (or a list mixing types) is stored as
 :data:`MIXED`: each value as JSON text, decoded to Python values when loaded.
 
@@ -32,6 +33,9 @@ import numpy as np
 import pyarrow as pa
 from opentelemetry.trace import SpanKind, StatusCode
 
+LAYOUT_KEY, LAYOUT = b"kvtb.span_table", b"1"
+"""Schema metadata of a columnar copy: the layout it was written in. A reader uses only
+copies of its own layout (others load from their JSON lines)."""
 SPANS_SUFFIX = ".spans.arrow"
 EVENTS_SUFFIX = ".events.arrow"
 RESOURCE = "r:"
@@ -39,23 +43,25 @@ ATTRIBUTE = "a:"
 MIXED = pa.large_binary()
 """The type of a column whose values differ in type: JSON text per value."""
 
+STRING = pa.large_string()
+"""Strings are large strings: what pandas' ``str`` columns hold, taken without a cast."""
 SPAN_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
-    ("trace_id", pa.string()),
-    ("span_id", pa.string()),
-    ("parent_span_id", pa.string()),
-    ("name", pa.string()),
+    ("trace_id", STRING),
+    ("span_id", STRING),
+    ("parent_span_id", STRING),
+    ("name", STRING),
     ("kind", pa.int64()),
     ("status", pa.int64()),
     ("start", pa.int64()),
     ("end", pa.int64()),
-    ("status_message", pa.string()),
-    ("links", pa.list_(pa.string())),
+    ("status_message", STRING),
+    ("links", pa.list_(STRING)),
 )
 EVENT_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
-    ("trace_id", pa.string()),
-    ("span_id", pa.string()),
-    ("span_name", pa.string()),
-    ("event", pa.string()),
+    ("trace_id", STRING),
+    ("span_id", STRING),
+    ("span_name", STRING),
+    ("event", STRING),
     ("time", pa.int64()),
 )
 KIND = {
@@ -72,7 +78,7 @@ _SCALARS: dict[type, pa.DataType] = {
     bool: pa.bool_(),
     int: pa.int64(),
     float: pa.float64(),
-    str: pa.string(),
+    str: STRING,
 }
 
 
@@ -184,5 +190,7 @@ def read_columnar(span_file: Path) -> tuple[pa.Table, pa.Table] | None:
             for path in (spans_path, events_path)
         )
     except (OSError, pa.ArrowInvalid):
+        return None
+    if any((table.schema.metadata or {}).get(LAYOUT_KEY) != LAYOUT for table in tables):
         return None
     return tables[0], tables[1]
