@@ -12,7 +12,6 @@ and written later, never torn; what is finally lost is counted (:attr:`lost_span
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from testbed.append_file import AppendFile
 from testbed.telemetry.columnar import ColumnarSpanWriter
+from testbed.telemetry.otlp_text import traces_data_text
 from testbed.telemetry.span_table import KIND, STATUS
 
 
@@ -152,7 +152,7 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         groups = group_spans(spans)
-        line = (json.dumps(encode_traces_data(groups), separators=(",", ":")) + "\n").encode()
+        line = (traces_data_text(groups) + "\n").encode()  # encode_traces_data, as text
         with self._lock:
             written = self._file.append(line, len(spans))
             if written and self._columnar is not None:

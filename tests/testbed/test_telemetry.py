@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -240,3 +241,32 @@ def test_span_ids_differ_across_forked_and_seeded_processes():
         os.close(read)
         os.waitpid(pid, 0)
     assert len({*children, ids.generate_span_id()}) == 3
+
+
+def test_span_file_lines_are_the_otlp_json_documents_of_their_spans():
+    """The exporter writes its lines as text; parsed, each is exactly ``encode_traces_data``."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import StatusCode
+
+    from testbed.telemetry.otlp_json import encode_traces_data, group_spans
+    from testbed.telemetry.otlp_text import traces_data_text
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t", "1.2")
+    values = {"s": 'quote " and é\n', "i": -(2**62), "f": 1 / 3, "inf": math.inf, "b": True,
+              "l": ["a", "b"], "li": [1, 2], "e": [], "by": b"\x00\xff"}  # fmt: skip
+    with tracer.start_as_current_span("root", attributes=values) as root:
+        with tracer.start_as_current_span("child", links=[trace.Link(root.get_span_context())]):
+            trace.get_current_span().add_event("ev", {"k": 1})
+        failed = tracer.start_span("failed")
+        failed.set_status(StatusCode.ERROR, "why")
+        failed.end()
+    spans = exporter.get_finished_spans()
+    groups = group_spans(spans)
+    assert json.loads(traces_data_text(groups)) == json.loads(
+        json.dumps(encode_traces_data(groups))
+    )
