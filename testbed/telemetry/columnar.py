@@ -113,7 +113,7 @@ class _Stage:
                 table = pa.concat_tables(tables)  # the segments stay mapped, not copied
                 order = np.argsort(table.column(self.sort_by).to_numpy(), kind="stable")
                 for first in range(0, len(order), FLUSH_ROWS):
-                    out.write_table(table.take(order[first : first + FLUSH_ROWS]))
+                    out.write_table(_take(table, order[first : first + FLUSH_ROWS]))
             else:
                 for table in tables:
                     out.write_table(table)
@@ -129,6 +129,15 @@ class _Stage:
         for path in (self.scratch, self.final.with_name(self.final.name + ".tmp"), self.final):
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table.take(rows)`` from the slice of ``table`` the rows fall in: a take joins the
+    chunks it reads from, and spans end soon after they start, so a slice of the start order
+    comes from a few neighbouring segments, not all of them."""
+    low = int(rows.min())
+    window = table.slice(low, int(rows.max()) - low + 1)
+    return window.take(rows - low)
 
 
 class ColumnarSpanWriter:
