@@ -13,19 +13,25 @@ and ``traced(..., parent=traceparent)`` makes the server span its child.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ContextDecorator, contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from opentelemetry import context as context_api
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import (
     INVALID_SPAN,
     Link,
+    NonRecordingSpan,
     NoOpTracerProvider,
     ProxyTracerProvider,
     Span,
+    SpanContext,
     SpanKind,
+    Status,
     StatusCode,
+    TraceFlags,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -78,7 +84,6 @@ def _get_tracer() -> trace.Tracer:
     return _tracer if _tracer is not None else trace.get_tracer(_TRACER_NAME)
 
 
-@contextmanager
 def traced(
     name: str,
     *,
@@ -87,26 +92,57 @@ def traced(
     tracestate: str = "",
     links: Sequence[str] = (),
     attributes: Mapping[str, Any] | None = None,
-) -> Iterator[Span]:
-    """A span around the block; with tracing off, a no-op span.
+) -> _Traced:
+    """A span around the block (``with traced(...) as span``); with tracing off, a no-op span.
 
     ``parent``: a W3C ``traceparent`` to parent the span on (a server span's client); when
     empty the span is a child of the current span. ``links``: ``traceparent`` strings of the
     operations a batched span serves. Exceptions mark the span as an error and propagate.
     Also usable as a decorator (``@traced("name")``).
     """
-    if not enabled():
-        yield INVALID_SPAN
-        return
-    context = _extract(parent, tracestate) if parent else None
-    with _get_tracer().start_as_current_span(
-        name,
-        context=context,
-        kind=kind,
-        links=links_from(links),
-        attributes=attributes,
-    ) as span:
-        yield span
+    return _Traced(name, kind, parent, tracestate, links, attributes)
+
+
+class _Traced(ContextDecorator):
+    """What ``start_as_current_span`` does (start, make current, record an exception, end),
+    as one plain context manager: a span is started and ended once per cache operation, and
+    the SDK's three nested generator-based managers cost more than the span itself."""
+
+    __slots__ = ("_args", "_span", "_token")
+
+    def __init__(self, *args: Any) -> None:
+        self._args = args
+        self._span: Span | None = None
+        self._token: object = None
+
+    def _recreate_cm(self) -> _Traced:
+        return _Traced(*self._args)  # a decorated function's every call: a span of its own
+
+    def __enter__(self) -> Span:
+        if not enabled():
+            return INVALID_SPAN
+        name, kind, parent, tracestate, links, attributes = self._args
+        span = _get_tracer().start_span(
+            name,
+            context=_extract(parent, tracestate) if parent else None,
+            kind=kind,
+            links=links_from(links) if links else None,
+            attributes=attributes,
+        )
+        self._span = span
+        self._token = context_api.attach(trace.set_span_in_context(span))
+        return span
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        span, self._span = self._span, None
+        if span is None:
+            return
+        context_api.detach(self._token)  # type: ignore[arg-type]
+        # As the SDK's use_span: Exception subclasses only (not GeneratorExit and the like).
+        if isinstance(exc, Exception) and span.is_recording():
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        span.end()
 
 
 def start_span(
@@ -169,25 +205,59 @@ def inject() -> tuple[str, str]:
     """``(traceparent, tracestate)`` of the current span, or empty strings when none."""
     if not enabled():
         return "", ""
-    carrier: dict[str, str] = {}
-    _propagator.inject(carrier)
-    return carrier.get("traceparent", ""), carrier.get("tracestate", "")
+    span_context = trace.get_current_span().get_span_context()
+    if not span_context.is_valid:
+        return "", ""
+    return (
+        f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-"
+        f"{span_context.trace_flags:02x}",
+        span_context.trace_state.to_header() if span_context.trace_state else "",
+    )
 
 
 def links_from(traceparents: Sequence[str]) -> list[Link]:
     """Links to the spans named by ``traceparents``; malformed or empty ones are skipped."""
     links = []
     for traceparent in traceparents:
-        if not traceparent:
-            continue
-        span_context = trace.get_current_span(_extract(traceparent, "")).get_span_context()
-        if span_context.is_valid:
+        span_context = _span_context(traceparent) if traceparent else None
+        if span_context is not None:
             links.append(Link(span_context))
     return links
 
 
-def _extract(traceparent: str, tracestate: str) -> Any:
+def _span_context(traceparent: str) -> SpanContext | None:
+    """The remote span a W3C ``traceparent`` names, read in place (``None``: malformed),
+    as the W3C propagator reads it."""
+    shaped = len(traceparent) == 55 and traceparent[2] == traceparent[35] == traceparent[52] == "-"
+    if not shaped or not traceparent.startswith("00-"):
+        return _propagated(traceparent, "")  # another version, or malformed: the W3C rules
+    _, trace_hex, span_hex, flags_hex = traceparent.split("-")
+    try:
+        trace_id, span_id, flags = int(trace_hex, 16), int(span_hex, 16), int(flags_hex, 16)
+    except ValueError:
+        return None
+    if not trace_id or not span_id or not _LOWER_HEX.issuperset(traceparent):
+        return None
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags))
+
+
+def _propagated(traceparent: str, tracestate: str) -> SpanContext | None:
     carrier = {"traceparent": traceparent}
     if tracestate:
         carrier["tracestate"] = tracestate
-    return _propagator.extract(carrier)
+    span_context = trace.get_current_span(_propagator.extract(carrier)).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+def _extract(traceparent: str, tracestate: str) -> Any:
+    """A context whose current span is the remote one ``traceparent`` names (an empty
+    context, as the propagator gives, when it is malformed)."""
+    span_context = (
+        _propagated(traceparent, tracestate) if tracestate else _span_context(traceparent)
+    )
+    if span_context is None:
+        return Context()
+    return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
+
+
+_LOWER_HEX = frozenset("0123456789abcdef-")

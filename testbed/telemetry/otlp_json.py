@@ -12,7 +12,6 @@ and written later, never torn; what is finally lost is counted (:attr:`lost_span
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,19 +19,11 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import SpanKind, StatusCode
 
 from testbed.append_file import AppendFile
-
-# OTLP's SpanKind and StatusCode enum values.
-_KIND = {
-    SpanKind.INTERNAL: 1,
-    SpanKind.SERVER: 2,
-    SpanKind.CLIENT: 3,
-    SpanKind.PRODUCER: 4,
-    SpanKind.CONSUMER: 5,
-}
-_STATUS = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
+from testbed.telemetry.columnar import ColumnarSpanWriter
+from testbed.telemetry.otlp_text import traces_data_text
+from testbed.telemetry.span_table import KIND, STATUS
 
 
 def any_value(value: Any) -> dict[str, Any]:
@@ -61,11 +52,11 @@ def encode_span(span: ReadableSpan) -> dict[str, Any]:
         "spanId": f"{context.span_id:016x}",
         "parentSpanId": f"{span.parent.span_id:016x}" if span.parent else "",
         "name": span.name,
-        "kind": _KIND[span.kind],
+        "kind": KIND[span.kind],
         "startTimeUnixNano": str(span.start_time),
         "endTimeUnixNano": str(span.end_time),
         "attributes": key_values(span.attributes),
-        "status": {"code": _STATUS[span.status.status_code]},
+        "status": {"code": STATUS[span.status.status_code]},
     }
     if context.trace_state:
         encoded["traceState"] = context.trace_state.to_header()
@@ -103,14 +94,24 @@ _DROPPED = {
 }
 
 
-def encode_traces_data(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
-    """One OTLP ``TracesData`` object holding ``spans``, grouped by resource and scope."""
-    by_resource: dict[int, tuple[Any, dict[tuple[str, str], list[ReadableSpan]]]] = {}
+_Groups = dict[int, tuple[Any, dict[tuple[str, str], list[ReadableSpan]]]]
+
+
+def group_spans(spans: Sequence[ReadableSpan]) -> _Groups:
+    """``spans`` by resource, then by instrumentation scope (name, version), in order of first
+    appearance: the order a ``TracesData`` object holds them in."""
+    by_resource: _Groups = {}
     for span in spans:
         resource_group = by_resource.setdefault(id(span.resource), (span.resource, {}))
         scope = span.instrumentation_scope
         scope_key = (scope.name, scope.version or "") if scope else ("", "")
         resource_group[1].setdefault(scope_key, []).append(span)
+    return by_resource
+
+
+def encode_traces_data(spans: Sequence[ReadableSpan] | _Groups) -> dict[str, Any]:
+    """One OTLP ``TracesData`` object holding ``spans`` (or their :func:`group_spans`)."""
+    by_resource = spans if isinstance(spans, dict) else group_spans(spans)
     return {
         "resourceSpans": [
             {
@@ -129,13 +130,16 @@ def encode_traces_data(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
 
 
 class JsonLinesSpanExporter(SpanExporter):
-    """Appends each exported batch as one OTLP JSON line to ``path``."""
+    """Appends each exported batch as one OTLP JSON line to ``path``; with ``columnar``, also
+    keeps the columnar copy of the file (:mod:`testbed.telemetry.columnar`), finished when
+    the exporter shuts down."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, columnar: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = AppendFile(path, "spans")
         self._lock = threading.Lock()
+        self._columnar = ColumnarSpanWriter(path) if columnar else None
 
     @property
     def lost_spans(self) -> int:
@@ -147,14 +151,30 @@ class JsonLinesSpanExporter(SpanExporter):
         return self._file.first_error
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        line = (json.dumps(encode_traces_data(spans), separators=(",", ":")) + "\n").encode()
+        groups = group_spans(spans)
+        line = (traces_data_text(groups) + "\n").encode()  # encode_traces_data, as text
         with self._lock:
             written = self._file.append(line, len(spans))
+            if written and self._columnar is not None:
+                self._columnar.add(
+                    [
+                        span
+                        for _, scopes in groups.values()
+                        for group in scopes.values()
+                        for span in group
+                    ]
+                )
         return SpanExportResult.SUCCESS if written else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
         with self._lock:
             self._file.close()
+            if self._columnar is not None:
+                if self._file.lost_items:  # the copy would hold spans the file lacks
+                    self._columnar.discard()
+                else:
+                    self._columnar.close()
+                self._columnar = None
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         with self._lock:

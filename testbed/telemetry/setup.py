@@ -86,12 +86,14 @@ class TracingConfig:
 
 
 class SystemIdGenerator(IdGenerator):
-    """Trace and span ids from the operating system's randomness. The SDK's default draws
-    them from Python's global ``random``, which vLLM seeds (``--seed``) in its processes:
-    every process would then make the same ids."""
+    """Trace and span ids from a generator of this process's own, seeded from the operating
+    system's randomness (and seeded again in a forked child). The SDK's default draws them
+    from Python's global ``random``, which vLLM seeds (``--seed``) in its processes: every
+    process would then make the same ids. Drawing each id from the operating system instead
+    costs a system call per span."""
 
     def __init__(self) -> None:
-        self._random = random.SystemRandom()
+        self._random = _process_random()
 
     def generate_span_id(self) -> int:
         span_id = self._random.getrandbits(64)
@@ -104,6 +106,18 @@ class SystemIdGenerator(IdGenerator):
         while trace_id == INVALID_TRACE_ID:
             trace_id = self._random.getrandbits(128)
         return trace_id
+
+
+_random: random.Random | None = None
+
+
+def _process_random() -> random.Random:
+    """This process's id generator (created on first use, seeded again after a fork)."""
+    global _random
+    if _random is None:
+        _random = random.Random(os.urandom(32))
+        os.register_at_fork(after_in_child=lambda: _process_random().seed(os.urandom(32)))
+    return _random
 
 
 class _CountingExporter(SpanExporter):
@@ -273,7 +287,7 @@ def configure_tracing(
         span_file = (
             Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
         )
-        exporters["file"] = JsonLinesSpanExporter(span_file)
+        exporters["file"] = JsonLinesSpanExporter(span_file, columnar=True)
     otlp = (
         otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
         if config.otlp_from_env or config.otlp_endpoint

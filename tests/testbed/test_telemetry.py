@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -134,7 +135,7 @@ def test_evictions_and_expired_locks_have_their_spans(start_server, tmp_path):
     (store_a,) = _spans_with(spans, a.SERVER_STORE)[
         lambda f: (f[a.OP] == "store_begin") & (f["trace_id"] == "ab" * 16)
     ]["span_id"]
-    assert evict["links"] == [f"{'ab' * 16}:{store_a}"]  # the store that wrote the object
+    assert evict["links"] == (f"{'ab' * 16}:{store_a}",)  # the store that wrote the object
     assert list(evict[a.SESSION_IDS]) == ["engine:a"]  # and the request it stored for
     expiry = _spans_with(spans, a.SERVER_LOCK_EXPIRE).iloc[0]
     assert expiry[a.CHUNKS] == 2 and expiry[a.LOCKS_RELEASED] == 2
@@ -215,3 +216,57 @@ def test_traced_works_as_a_decorator_and_marks_errors(memory_tracing):
     spans = [s for s in exporter.get_finished_spans() if s.name == "kvcache.test.decorated"]
     assert [s.status.status_code.name for s in spans] == ["UNSET", "ERROR"]
     assert all(s.attributes[a.CHUNKS] == 3 for s in spans)
+
+
+def test_span_ids_differ_across_forked_and_seeded_processes():
+    """vLLM seeds Python's global ``random`` alike in every process, and forks: ids must come
+    from neither the global generator nor a copy of the parent's."""
+    import os
+    import random
+
+    from testbed.telemetry.setup import SystemIdGenerator
+
+    ids = SystemIdGenerator()
+    ids.generate_span_id()  # the parent's generator exists before the fork
+    children = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: seeded as vLLM seeds it, then one id
+            random.seed(0)
+            os.write(write, ids.generate_span_id().to_bytes(8, "big"))
+            os._exit(0)
+        os.close(write)
+        children.append(int.from_bytes(os.read(read, 8), "big"))
+        os.close(read)
+        os.waitpid(pid, 0)
+    assert len({*children, ids.generate_span_id()}) == 3
+
+
+def test_span_file_lines_are_the_otlp_json_documents_of_their_spans():
+    """The exporter writes its lines as text; parsed, each is exactly ``encode_traces_data``."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import StatusCode
+
+    from testbed.telemetry.otlp_json import encode_traces_data, group_spans
+    from testbed.telemetry.otlp_text import traces_data_text
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t", "1.2")
+    values = {"s": 'quote " and é\n', "i": -(2**62), "f": 1 / 3, "inf": math.inf, "b": True,
+              "l": ["a", "b"], "li": [1, 2], "e": [], "by": b"\x00\xff"}  # fmt: skip
+    with tracer.start_as_current_span("root", attributes=values) as root:
+        with tracer.start_as_current_span("child", links=[trace.Link(root.get_span_context())]):
+            trace.get_current_span().add_event("ev", {"k": 1})
+        failed = tracer.start_span("failed")
+        failed.set_status(StatusCode.ERROR, "why")
+        failed.end()
+    spans = exporter.get_finished_spans()
+    groups = group_spans(spans)
+    assert json.loads(traces_data_text(groups)) == json.loads(
+        json.dumps(encode_traces_data(groups))
+    )

@@ -1,0 +1,120 @@
+"""OTLP JSON text written directly from finished spans (the span files' lines).
+
+The same document as ``json.dumps(encode_traces_data(...))`` of
+:mod:`testbed.telemetry.otlp_json` (equal once parsed), built as text: no dictionary per span,
+per attribute and per value on the way, and each attribute key's ``{"key":...,"value":``
+prefix made once per process. It runs on the SDK's export thread, which shares the
+interpreter with the engine's. Spans with a trace state or dropped counts (rare) take the
+dictionary route.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from json.encoder import encode_basestring_ascii as _string
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from testbed.telemetry.span_table import KIND, STATUS
+
+_prefixes: dict[str, str] = {}
+
+
+def traces_data_text(
+    groups: Mapping[int, tuple[Any, Mapping[tuple[str, str], list[ReadableSpan]]]],
+) -> str:
+    """The ``TracesData`` of spans grouped as ``otlp_json.group_spans`` groups them."""
+    from testbed.telemetry.otlp_json import key_values
+
+    resources = []
+    for resource, scopes in groups.values():
+        scope_texts = []
+        for (name, version), spans in scopes.items():
+            scope = (
+                '{"name":' + _string(name) + (',"version":' + _string(version) if version else "")
+            )
+            scope_texts.append(
+                '{"scope":' + scope + '},"spans":[' + ",".join(map(span_text, spans)) + "]}"
+            )
+        attributes = json.dumps(key_values(resource.attributes), separators=(",", ":"))
+        resources.append(
+            '{"resource":{"attributes":'
+            + attributes
+            + '},"scopeSpans":['
+            + ",".join(scope_texts)
+            + "]}"
+        )
+    return '{"resourceSpans":[' + ",".join(resources) + "]}"
+
+
+def span_text(span: ReadableSpan) -> str:
+    """One span's OTLP JSON object."""
+    context = span.get_span_context()
+    assert context is not None
+    if context.trace_state or _has_dropped(span):
+        from testbed.telemetry.otlp_json import encode_span
+
+        return json.dumps(encode_span(span), separators=(",", ":"))
+    status = span.status
+    parent = f"{span.parent.span_id:016x}" if span.parent else ""
+    text = (
+        f'{{"traceId":"{context.trace_id:032x}","spanId":"{context.span_id:016x}",'
+        f'"parentSpanId":"{parent}","name":{_string(span.name)},"kind":{KIND[span.kind]},'
+        f'"startTimeUnixNano":"{span.start_time}","endTimeUnixNano":"{span.end_time}",'
+        f'"attributes":{attributes_text(span.attributes)},'
+        f'"status":{{"code":{STATUS[status.status_code]}'
+        + (f',"message":{_string(status.description)}}}' if status.description else "}")
+    )
+    if span.events:
+        events = (
+            f'{{"timeUnixNano":"{event.timestamp}","name":{_string(event.name)},'
+            f'"attributes":{attributes_text(event.attributes)}}}'
+            for event in span.events
+        )
+        text += ',"events":[' + ",".join(events) + "]"
+    if span.links:
+        links = (
+            f'{{"traceId":"{link.context.trace_id:032x}","spanId":"{link.context.span_id:016x}",'
+            f'"attributes":{attributes_text(link.attributes)}}}'
+            for link in span.links
+        )
+        text += ',"links":[' + ",".join(links) + "]"
+    return text + "}"
+
+
+def attributes_text(attributes: Mapping[str, Any] | None) -> str:
+    """OTLP ``KeyValue`` list of ``attributes``."""
+    if not attributes:
+        return "[]"
+    parts = []
+    for key, value in attributes.items():
+        prefix = _prefixes.get(key)
+        if prefix is None:
+            prefix = _prefixes[key] = '{"key":' + _string(key) + ',"value":'
+        parts.append(prefix + value_text(value) + "}")
+    return "[" + ",".join(parts) + "]"
+
+
+def value_text(value: Any) -> str:
+    """An OTLP ``AnyValue``, as ``otlp_json.any_value`` makes it."""
+    kind = type(value)
+    if kind is str:
+        return '{"stringValue":' + _string(value) + "}"
+    if kind is int:
+        return f'{{"intValue":"{value}"}}'
+    if kind is float and math.isfinite(value):
+        return f'{{"doubleValue":{value!r}}}'
+    if kind is bool:
+        return '{"boolValue":true}' if value else '{"boolValue":false}'
+    if kind is tuple or kind is list:
+        return '{"arrayValue":{"values":[' + ",".join(map(value_text, value)) + "]}}"
+    from testbed.telemetry.otlp_json import any_value
+
+    return json.dumps(any_value(value), separators=(",", ":"))
+
+
+def _has_dropped(span: ReadableSpan) -> bool:
+    return bool(span.dropped_attributes or span.dropped_events or span.dropped_links)
