@@ -79,7 +79,11 @@ def test_replay_and_vllm_engines_agree_per_request_and_per_chunk(tmp_path):
     assert len(a) == len(b) == 60
     mismatched = a.index[(a != b).any(axis=1)].tolist()
     diff = [c for c in COLUMNS if (a[c] != b[c]).any()]
-    assert not mismatched, (diff, a.loc[mismatched, diff].T.to_string(), b.loc[mismatched, diff].T.to_string())
+    assert not mismatched, (
+        diff,
+        a.loc[mismatched, diff].T.to_string(),
+        b.loc[mismatched, diff].T.to_string(),
+    )
     # The run exercised what it is meant to: both caches, and failed loads.
     assert a["engine"].sum() > 0 and a["external"].sum() > 0 and a["load_failed"].sum() > 0
     # vLLM's first-failed-block rule: a request loads a prefix of its promise or nothing more.
