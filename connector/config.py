@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.bounds import Bound, out_of_bounds
+from testbed.typed_values import convert, hints
 
 PREFIX = "kvtb."
 _HOUR_S = 3600.0
@@ -140,8 +141,9 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
-        """Reads the ``kvtb.*`` keys of ``kv_connector_extra_config`` (others are ignored)."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        """Reads the ``kvtb.*`` keys of ``kv_connector_extra_config`` (others are ignored);
+        text values are read as their field's type (``"false"``, ``"5.0"``)."""
+        fields = hints(cls)
         values: dict[str, Any] = {}
         for key, value in (extra or {}).items():
             if not key.startswith(PREFIX):
@@ -150,30 +152,8 @@ class ConnectorConfig:
             if name not in fields:
                 valid = ", ".join(PREFIX + n for n in fields)
                 raise ValueError(f"unknown connector config key {key!r}; valid keys: {valid}")
-            values[name] = _coerce(key, value, fields[name].type)
+            values[name] = convert(value, fields[name], f"connector config key {key!r}")
         return cls(**values)
 
     def to_extra_config(self) -> dict[str, Any]:
         return {PREFIX + f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    text = str(annotation)
-    try:
-        if text.startswith("bool"):
-            if value is None and "None" in text:
-                return None
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                return value.lower() in ("true", "1")
-            return bool(value)
-        if text == "float":
-            return float(value)
-        if text == "int":
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return int(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"connector config key {key!r}: cannot use {value!r} as {text}") from None

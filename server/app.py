@@ -45,11 +45,10 @@ from server.connections import (
     descriptor_limit,
     source_fd,
 )
+from server.flags import add_config_arguments, config_from_args
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed import protocol as p
-from testbed.sizes import parse_bytes
-from testbed.spec_inputs import absolute_path
 from testbed.telemetry import attributes as a
 from testbed.telemetry.setup import TracingConfig, configure_tracing
 
@@ -233,112 +232,13 @@ def handle_frames(
 # ---------------------------------------------------------------------------------------------
 
 
-_INT_LIMITS = (
-    "max_chunks_per_request",
-    "max_sessions",
-    "max_sessions_per_client",
-    "max_tracked_chunks",
-    "max_pending_lookups_per_client",
-    "max_inflight_ops_per_client",
-    "min_object_bytes",
-)
-_OPTIONAL_LIMITS = {
-    "max_tracked_chunks_per_client": "chunks one client's lock groups and sessions may "
-    "track at once (default: a quarter of --max-tracked-chunks)",
-    "max_unauthenticated": "connections not yet authenticated open at once (default: a "
-    "quarter of the descriptor limit, at most 256)",
-}
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """``kvtb server``'s flags: one per :class:`ServerConfig` field (``server.flags``), and
+    the process's own (logging, its parent, telemetry)."""
     parser = parser or argparse.ArgumentParser(
         prog="kvtb server", description=__doc__.split("\n")[0]
     )
-    d = ServerConfig()
-    parser.add_argument("--host", default=d.host, help="interface to bind (default: %(default)s)")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=d.port,
-        help="TCP port; 0 picks a free one (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--chunk-size",
-        type=int,
-        default=d.chunk_size,
-        help="tokens per chunk (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--capacity",
-        default=str(d.capacity_bytes),
-        help="capacity in bytes, e.g. 512MiB (default: 1GiB)",
-    )
-    parser.add_argument(
-        "--metadata-only", action="store_true", help="account sizes only; no pool, no copies"
-    )
-    parser.add_argument(
-        "--pool",
-        choices=p.POOL_MEDIA,
-        help="where the pool lives: shm (/dev/shm), disk (--pool-dir; copies then measure a "
-        "disk-backed pool), pinned-host (page-locked shared memory: server-driven copies of CUDA "
-        "KV), gpu (device memory; CUDA KV only); its memory is reserved at start; default: "
-        "pinned-host where a CUDA device is visible, else shm",
-    )
-    parser.add_argument(
-        "--pool-dir", type=Path, help="directory of a --pool disk pool (default: the temp dir)"
-    )
-    parser.add_argument(
-        "--pool-device", type=int, default=d.pool_device, help="GPU of a gpu pool (default: 0)"
-    )
-    parser.add_argument(
-        "--policy", default=d.policy, help="eviction policy: lru, fifo, lfu (default: %(default)s)"
-    )
-    ttls = parser.add_argument_group("deadlines (seconds)")
-    for flag, name in (
-        ("--read-lock-ttl", "read_lock_ttl_s"),
-        ("--session-ttl", "session_ttl_s"),
-        ("--client-timeout", "client_timeout_s"),
-        ("--lookup-pending-timeout", "lookup_pending_timeout_s"),
-        ("--op-ttl", "op_ttl_s"),
-        ("--auth-timeout", "auth_timeout_s"),
-    ):
-        ttls.add_argument(
-            flag, type=float, default=getattr(d, name), help=f"(default: {getattr(d, name):g})"
-        )
-    limits = parser.add_argument_group("limits (memory outside the pool, time per request)")
-    limits.add_argument(
-        "--max-message-bytes",
-        default=str(d.max_message_bytes),
-        help="largest frame (default: 64MiB)",
-    )
-    parser.add_argument(
-        "--prefault",
-        default=str(d.prefault_bytes),
-        help="allocate and map pools up to this size at start (default: 512MiB; 0: never)",
-    )
-
-    for name in _INT_LIMITS:
-        limits.add_argument(
-            "--" + name.replace("_", "-"),
-            type=int,
-            default=getattr(d, name),
-            help=f"(default: {getattr(d, name)})",
-        )
-    for name, help_text in _OPTIONAL_LIMITS.items():
-        limits.add_argument("--" + name.replace("_", "-"), type=int, help=help_text)
-    security = parser.add_argument_group("credentials")
-    security.add_argument(
-        "--token-file",
-        type=absolute_path,
-        help="keep the client and admin tokens in this 0600 file (created if missing, reused "
-        "if present); default: a new file beside the pool, removed on exit",
-    )
-    security.add_argument(
-        "--curve-dir",
-        type=absolute_path,
-        help="ZeroMQ CURVE keys (server.key_secret, allowed clients' *.key); required with a "
-        "non-loopback --host",
-    )
+    add_config_arguments(parser)
     parser.add_argument(
         "--log-level", default="WARNING", help="logging level (default: %(default)s)"
     )
@@ -348,12 +248,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="stop when the process that started the server exits (launchers use this)",
     )
     tracing = parser.add_argument_group("telemetry")
-    tracing.add_argument(
-        "--run-dir",
-        type=absolute_path,
-        help="write spans to RUN_DIR/spans/ (OTLP JSON lines) and the chunk event log to "
-        "RUN_DIR/chunks/",
-    )
     tracing.add_argument("--run-id", default="", help="kvcache.run_id resource attribute")
     tracing.add_argument(
         "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
@@ -364,39 +258,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL",
     )
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        chunk_size=args.chunk_size,
-        capacity_bytes=_size("--capacity", args.capacity),
-        metadata_only=args.metadata_only,
-        pool_medium=args.pool,
-        pool_dir=args.pool_dir,
-        pool_device=args.pool_device,
-        policy=args.policy,
-        read_lock_ttl_s=args.read_lock_ttl,
-        session_ttl_s=args.session_ttl,
-        client_timeout_s=args.client_timeout,
-        lookup_pending_timeout_s=args.lookup_pending_timeout,
-        op_ttl_s=args.op_ttl,
-        auth_timeout_s=args.auth_timeout,
-        max_message_bytes=_size("--max-message-bytes", args.max_message_bytes),
-        **{name: getattr(args, name) for name in (*_INT_LIMITS, *_OPTIONAL_LIMITS)},
-        prefault_bytes=_size("--prefault", args.prefault),
-        token_file=args.token_file,
-        curve_dir=args.curve_dir,
-        run_dir=args.run_dir,
-    )
-
-
-def _size(flag: str, text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise ValueError(f"{flag} {text!r}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -419,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     tracing = configure_tracing(
         TracingConfig(
             service_name="kvtb-server",
-            run_dir=args.run_dir,
+            run_dir=config.run_dir,
             run_id=args.run_id,
             resource={
                 a.CHUNK_SIZE: config.chunk_size,

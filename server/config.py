@@ -125,10 +125,11 @@ class ServerConfig:
     """ZeroMQ CURVE keys: ``server.key_secret`` and the allowed clients' public ``*.key``."""
 
     run_dir: Path | None = None
-    """Where the chunk event log goes (``RUN_DIR/chunks/``); ``None``: no chunk log."""
+    """Where the server's telemetry goes: its spans (``RUN_DIR/spans/``, OTLP JSON lines) and
+    the chunk event log (``RUN_DIR/chunks/``); ``None``: no chunk log, spans only over OTLP."""
 
     def __post_init__(self) -> None:
-        problems = out_of_bounds(self, BOUNDS, _flag)
+        problems = out_of_bounds(self, BOUNDS, flag_name)
         if self.policy not in POLICIES:
             problems.append(
                 f"--policy {self.policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}"
@@ -181,8 +182,9 @@ BOUNDS: dict[str, Bound] = {
 }
 """Declared ranges of the numeric fields (RELIABILITY.md lists the limits)."""
 
-_FLAGS = {"capacity_bytes": "--capacity", "prefault_bytes": "--prefault"}
+_FLAGS = {"capacity_bytes": "--capacity", "prefault_bytes": "--prefault", "pool_medium": "--pool"}
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
+    """The ``kvtb server`` flag of field ``name`` (``read_lock_ttl_s``: ``--read-lock-ttl``)."""
     return _FLAGS.get(name) or "--" + name.removesuffix("_s").replace("_", "-")

@@ -180,11 +180,14 @@ def check_run(
     *,
     own_server: bool,
     out_dir: Path,
+    engine_kv_bytes: Callable[[RunSpec, int, int], int] | None = None,
     exact: bool = False,
 ) -> None:
     """Checks a run of ``spec`` against this machine (:func:`check`): on all its requests
     (``exact``), or on its first ones, extrapolated to ``spec.requests``. ``bytes_per_token``:
-    what the cache stores per token; ``own_server``: whether the run starts its server."""
+    what the cache stores per token; ``own_server``: whether the run starts its server;
+    ``engine_kv_bytes``: the memory of the engine's own KV pool for (spec, blocks, bytes per
+    token), ``None`` for an engine without one."""
     if not requests:
         return  # nothing to check: loading the workload says it is empty
     tokens = [(r.num_prompt_tokens, r.max_output_tokens) for r in requests]
@@ -195,11 +198,12 @@ def check_run(
     medium: PoolMedium | None = None
     if own_server and not spec.metadata_only:
         medium = "disk" if spec.pool_medium == "disk" else "shm"
-    kv = ENGINE_KV.get(spec.engine)
     footprint = estimate(
         num_requests=num_requests,
         sample_tokens=tokens,
-        engine_kv_bytes=0 if kv is None else kv(spec, pool_blocks(spec, requests), bytes_per_token),
+        engine_kv_bytes=0
+        if engine_kv_bytes is None
+        else engine_kv_bytes(spec, pool_blocks(spec, requests), bytes_per_token),
         capacity_bytes=capacity,
         bytes_per_token=bytes_per_token,
         pool_medium=medium,
@@ -220,27 +224,3 @@ def pool_blocks(spec: RunSpec, requests: Sequence[RequestShape]) -> int:
         return spec.engine_blocks
     longest = max(r.num_prompt_tokens + r.max_output_tokens for r in requests)
     return POOL_REQUESTS * -(-longest // spec.block_size) + 1
-
-
-def _replay_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
-    """The replay's worker harnesses: one int16 KV tensor per layer and TP rank."""
-    per_rank = spec.kv_profile.bytes_per_token(spec.tp)
-    return blocks * spec.block_size * per_rank * spec.tp
-
-
-def _vllm_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
-    """vLLM's KV cache (``kv_cache_memory_bytes``) on every TP rank."""
-    return blocks * spec.block_size * bytes_per_token
-
-
-def _fleet_kv_bytes(spec: RunSpec, blocks: int, bytes_per_token: int) -> int:
-    """Every instance's worker harnesses."""
-    return spec.instances * _replay_kv_bytes(spec, blocks, bytes_per_token)
-
-
-ENGINE_KV: dict[str, Callable[[RunSpec, int, int], int]] = {
-    "replay": _replay_kv_bytes,
-    "fleet": _fleet_kv_bytes,
-    "vllm": _vllm_kv_bytes,
-}
-"""Per engine, the bytes of its own KV pool (engines without one: absent)."""

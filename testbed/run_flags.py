@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from testbed.spec_inputs import (
     resolve_values,
     with_sampling_from_environment,
 )
+from testbed.typed_values import convert
 
 _PARAM_FLAGS = {
     "workload_params": ("--workload-param", "workload generator"),
@@ -131,23 +131,17 @@ def assignments(items: list[str]) -> dict[str, Any]:
 
 
 def _parse_flag(name: str, raw: str, annotation: Any) -> Any:
+    """A flag's text as its field's type (``none``/``unlimited``: ``None``; sizes for
+    ``capacity_bytes``)."""
     if raw.lower() in ("none", "unlimited"):
         return None
-    options = (
-        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    )
     if name == "capacity_bytes":
         return parse_bytes(raw)
-    if int in options:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(
-                f"--{name.replace('_', '-')} expects an integer, got {raw!r}"
-            ) from None
-    if float in options:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"--{name.replace('_', '-')} expects a number, got {raw!r}") from None
-    return raw
+    expected = {int: "an integer", float: "a number"}
+    wanted = next(
+        (expected[t] for t in (int, float) if t in typing.get_args(annotation) or t is annotation),
+        None,
+    )
+    flag = "--" + name.replace("_", "-")
+    message = f"{flag} expects {wanted}, got {raw!r}" if wanted else None
+    return convert(raw, annotation, flag, message=message)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +35,7 @@ from testbed.protocol import POOL_MEDIA
 from testbed.sizes import parse_bytes
 from testbed.telemetry import sampling
 from testbed.telemetry.sampling import DEFAULT_SAMPLER
+from testbed.typed_values import convert, hints, type_name
 
 ENGINES = ("replay", "fleet", "vllm", "serve", "oracle")
 FLEET_SERVERS = ("shared", "per-instance")
@@ -329,14 +328,20 @@ class RunSpec:
         resolved = dict(values)
         if "capacity_bytes" in resolved and isinstance(resolved["capacity_bytes"], str):
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
-        hints = typing.get_type_hints(cls)
+        types = hints(cls)
         for name, value in list(resolved.items()):
             if value in ("none", "unlimited"):
-                resolved[name] = value = None
-            if not _matches(value, hints[name]):
-                raise ValueError(f"{source}: {name} = {value!r} is not {_type_name(hints[name])}")
-            if hints[name] is float and isinstance(value, int):
-                resolved[name] = float(value)  # 1 and 1.0 must name the same run
+                value = None
+            # strict: TOML values are typed; an int for a float field becomes one (1 and 1.0
+            # must name the same run)
+            resolved[name] = convert(
+                value,
+                types[name],
+                name,
+                strict=True,
+                message=f"{source}: {name} = {value!r} is not a value of type "
+                + type_name(types[name]),
+            )
         try:
             return cls(**resolved)
         except (TypeError, ValueError) as exc:
@@ -392,31 +397,3 @@ def _as_stored(value: Any) -> Any:
     """``value`` as ``spec.json`` holds it (JSON types), so that comparisons see what a
     finished run's file says."""
     return json.loads(json.dumps(value, sort_keys=True, default=str))
-
-
-def _matches(value: Any, annotation: Any) -> bool:
-    """Whether a TOML value fits a field's annotation (int, float, bool, str, dict, or X | None)."""
-    options = (
-        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    )
-    for option in options:
-        origin = typing.get_origin(option) or option
-        if option is type(None) and value is None:
-            return True
-        if origin is bool and isinstance(value, bool):
-            return True
-        if origin is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if origin is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return True
-        if origin in (str, dict) and isinstance(value, origin):
-            return True
-    return False
-
-
-def _type_name(annotation: Any) -> str:
-    options = (
-        typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    )
-    names = [("None" if o is type(None) else getattr(o, "__name__", str(o))) for o in options]
-    return "a value of type " + " or ".join(names)

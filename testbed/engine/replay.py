@@ -33,7 +33,6 @@ from testbed.engine.time_model import TimeModel, make_time_model
 from testbed.engine.virtual_clock import drive
 from testbed.engine.vllm_setup import RequestFactory
 from testbed.engine.worker_harness import StepOutcome
-from testbed.runspec import RunSpec
 from testbed.workloads import ArrivalProcess, WorkloadRequest
 
 
@@ -85,33 +84,6 @@ class ReplaySpec:
         if not 0.0 <= self.fault_drop_fraction <= 1.0:
             raise ValueError("fault_drop_fraction must be in [0, 1]")
         self.profile.heads_per_rank(self.tp)  # raises if TP cannot split the heads
-
-    @classmethod
-    def from_run_spec(cls, spec: RunSpec, max_model_len: int, engine_blocks: int) -> ReplaySpec:
-        """The engine's spec for a run; ``engine_blocks``: its KV pool, resolved
-        (``testbed.footprint.pool_blocks``)."""
-        return cls(
-            profile=spec.kv_profile,
-            chunk_size=spec.chunk_size,
-            tp=spec.tp,
-            block_size=spec.block_size,
-            engine_blocks=engine_blocks,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            max_num_seqs=spec.max_num_seqs,
-            max_model_len=max_model_len,
-            load_async=spec.load_async,
-            prefix_caching=spec.prefix_caching,
-            transfer_mode=spec.transfer_mode,
-            store_wait=spec.store_wait,
-            arrival=spec.arrival,
-            fault_drop_fraction=spec.fault_drop_fraction,
-            seed=spec.seed,
-            metadata_only=spec.metadata_only,
-            timeout_s=spec.server_timeout_s,
-            time_profile=spec.time_profile,
-            compute_profile=spec.compute_profile,
-            run_id=spec.run_id,
-        )
 
     def time_model(self) -> TimeModel:
         return make_time_model(

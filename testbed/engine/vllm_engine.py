@@ -8,7 +8,7 @@ the tokens. On a GPU machine ``model`` names a real model. The engine runs in th
 
 The engine only drives: it reads nothing out of vLLM's internals and counts no hits; the run's
 accounting comes from the connector's and the server's telemetry, as for any vLLM
-deployment. Spec values it cannot honour are refused up front (:func:`check_spec`); values
+deployment. Spec values it cannot honour are refused before a run (``testbed.run.vllm``); values
 vLLM derives itself (the KV pool's size in blocks) are recorded as ``effective``.
 """
 
@@ -29,10 +29,7 @@ from testbed.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.engine.vllm_compat import kernel_scan_safe
-from testbed.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
-
-_CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend
 
 
 def tiny_bytes_per_token(model: TinyModel | None = None) -> int:
@@ -65,63 +62,6 @@ class VllmEngineSpec:
     not depend on this machine's speed and both engines see the same steps."""
     fault_drop_fraction: float = 0.0
     """Fault injection (the connector's ``kvtb.fault_drop_fraction``; needs the admin token)."""
-
-    @classmethod
-    def from_run_spec(cls, spec: RunSpec, max_model_len: int, engine_blocks: int) -> VllmEngineSpec:
-        """The engine's spec for a run; ``engine_blocks``: its KV pool, resolved
-        (``testbed.footprint.pool_blocks``)."""
-        return cls(
-            chunk_size=spec.chunk_size,
-            model=spec.model,
-            block_size=spec.block_size,
-            engine_blocks=engine_blocks,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            tp=spec.tp,
-            load_async=spec.load_async,
-            prefix_caching=spec.prefix_caching,
-            transfer_mode=spec.transfer_mode,
-            store_wait=spec.store_wait,
-            seed=spec.seed,
-            timeout_s=spec.server_timeout_s,
-            run_id=spec.run_id,
-            fault_drop_fraction=spec.fault_drop_fraction,
-        )
-
-
-def check_spec(spec: RunSpec) -> None:
-    """Refuses, before any work, what the vllm engine cannot run as asked."""
-    problems = []
-    if spec.metadata_only:
-        problems.append(
-            "metadata_only does not apply to the vllm engine (a real model needs the KV bytes); "
-            "use the replay engine for metadata-only capacity sweeps"
-        )
-    if spec.model is None and spec.block_size % _CPU_BLOCK_MULTIPLE:
-        problems.append(
-            f"block_size {spec.block_size} is not a multiple of {_CPU_BLOCK_MULTIPLE}, which "
-            "vLLM's CPU attention needs; use e.g. --block-size 32 or 64"
-        )
-    if spec.mla or spec.profile != "tiny":
-        problems.append(
-            "the vllm engine's KV shape is its model's: profile and mla apply to the replay "
-            "engine (leave them at their defaults)"
-        )
-    if problems:
-        raise ValueError("invalid run spec for the vllm engine: " + "; ".join(problems))
-
-
-def bytes_per_token(spec: RunSpec) -> int:
-    """KV bytes the cache stores per token for this spec's model (all TP ranks)."""
-    if spec.model is None:
-        return tiny_bytes_per_token()
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(spec.model)
-    heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * heads * head_dim * 2  # bf16/fp16
 
 
 class VllmEngine:

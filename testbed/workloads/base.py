@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from testbed.keys import KeyExtras, MultiModalInput
+from testbed.typed_values import convert
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -194,42 +195,15 @@ def parse_params(params_cls: type[Any], values: Mapping[str, object] | None, wor
 
 
 def _coerce(what: str, value: object, hint: Any) -> object:
+    """``value`` as ``hint`` (:func:`testbed.typed_values.convert`, text read as the type):
+    ``"none"`` is ``None`` for an optional field, ``"a,b"`` a pair."""
     optional = type(None) in typing.get_args(hint)
-    if optional:
-        if value is None or (isinstance(value, str) and value.lower() == "none"):
-            return None
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-    try:
-        if typing.get_origin(hint) is tuple:
-            items = value.split(",") if isinstance(value, str) else value
-            if not isinstance(items, (list, tuple)) or len(items) != len(typing.get_args(hint)):
-                raise ValueError
-            return tuple(
-                _scalar(item, arg) for item, arg in zip(items, typing.get_args(hint), strict=True)
-            )
-        return _scalar(value, hint)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: cannot use {value!r} as {_hint_name(hint)}") from None
-
-
-def _scalar(value: object, hint: type) -> object:
-    if isinstance(value, bool):
-        raise TypeError("booleans are not numbers here")
-    if hint is int:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError(value)
-        return int(value.strip()) if isinstance(value, str) else int(value)  # type: ignore[call-overload]
-    if hint is float:
-        return float(value)  # type: ignore[arg-type]
-    raise TypeError(f"unsupported parameter type {hint}")
-
-
-def _hint_name(hint: Any) -> str:
-    if typing.get_origin(hint) is tuple:
-        return "a [min, max] pair of " + "/".join(
-            sorted({a.__name__ for a in typing.get_args(hint)})
-        )
-    return getattr(hint, "__name__", str(hint))
+    if optional and isinstance(value, str) and value.lower() == "none":
+        return None
+    options = typing.get_args(hint) if optional else (hint,)
+    if any(typing.get_origin(option) is tuple for option in options) and isinstance(value, str):
+        value = value.split(",")
+    return convert(value, hint, what)
 
 
 def check_range(problems: list[str], name: str, bounds: tuple[int, int], minimum: int) -> None:

@@ -1,0 +1,52 @@
+"""The oracle engine's run: prefix arithmetic over the servable requests, no server."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from testbed.engine.results import EngineResult, RequestRecord
+from testbed.run.interface import CacheServers, EngineEntry, EngineRun
+from testbed.workloads import RequestShape
+
+
+def run(job: EngineRun) -> EngineResult:
+    """Every request's hits under the spec's policy and capacity (an unlimited cache when
+    the spec has none), and what an unlimited cache would have hit."""
+    from testbed.engine.oracle import KeyTrace, simulate_keys
+
+    spec, requests = job.spec, job.plan.served
+    capacity = spec.capacity()
+    chunk_bytes = spec.chunk_size * spec.kv_profile.stored_bytes_per_token(spec.tp)
+    policy = "infinite" if capacity is None else spec.policy
+    keys = KeyTrace.of(requests, spec.chunk_size)
+    oracle = simulate_keys(
+        keys, policy=policy, capacity_chunks=None if capacity is None else capacity // chunk_bytes
+    )
+    # An unlimited cache misses only what no earlier request had: its misses are the cold
+    # ones, and what it would have hit beyond the limited cache is the capacity miss.
+    unlimited = oracle if capacity is None else simulate_keys(keys)
+    result = EngineResult(engine="oracle")
+    shapes: Sequence[RequestShape] = requests
+    for request, hit, unlimited_hit in zip(
+        shapes, oracle.per_request_hit_tokens, unlimited.per_request_hit_tokens, strict=True
+    ):
+        result.records.append(
+            RequestRecord(
+                request_id=request.request_id,
+                group=request.group,
+                prompt_tokens=request.num_prompt_tokens,
+                arrival_s=request.arrival_s,
+                hit_tokens=hit,
+                unlimited_hit_tokens=unlimited_hit,
+            )
+        )
+    job.progress.advance(len(requests))
+    return result
+
+
+ENTRY = EngineEntry(
+    run=run,
+    cache_servers=lambda options: CacheServers.NONE,
+    engine_pool=False,
+    block_ids=True,
+)

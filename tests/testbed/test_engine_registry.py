@@ -1,0 +1,15 @@
+from testbed.run.interface import CacheServers
+from testbed.run.options import RunOptions
+from testbed.run.registry import ENGINES
+from testbed.runspec import ENGINES as SPEC_ENGINES
+
+
+def test_every_engine_a_spec_may_name_has_a_registry_entry():
+    assert sorted(ENGINES) == sorted(SPEC_ENGINES)
+
+
+def test_the_serve_engine_talks_to_the_runs_server_only_when_it_launches_vllm():
+    serve = ENGINES["serve"]
+    assert serve.cache_servers(RunOptions(launch=True)) is CacheServers.RUN
+    assert serve.cache_servers(RunOptions(endpoint="http://h:1")) is CacheServers.OBSERVED
+    assert ENGINES["oracle"].cache_servers(RunOptions()) is CacheServers.NONE
