@@ -314,7 +314,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument(
         "--prefault",
         default=str(d.prefault_bytes),
-        help="allocate and map pools up to this size at start (default: 512MiB; 0: never)",
+        help="map pools up to this size into memory before the server is ready, so no "
+        "request pays first-touch page faults (default: every pool; 0: never)",
     )
 
     for name in _INT_LIMITS:
