@@ -14,6 +14,11 @@ down: a server that was only frozen or slow reads them when it resumes, right af
 lookups they concern (one connection keeps their order), so the locks and session a late
 lookup created go within moments of its answer instead of at their TTLs; a server that is gone
 lost them anyway.
+
+With ``defer_releases`` (vLLM's connector), releases and ends of sessions wait in the RPC
+client (``RpcClient.defer``) and go in one frame with the next lookup, or at :meth:`flush`
+(the connector flushes at the end of ``schedule`` and of ``update_from_output``): one frame
+per step where there was one per request, in the same order on the connection.
 """
 
 from __future__ import annotations
@@ -84,8 +89,10 @@ class SchedulerClient:
         poll_interval_s: float = 0.001,
         track_evictions: bool = False,
         eviction_seq: int = 0,
+        defer_releases: bool = False,
     ) -> None:
         self.rpc = rpc
+        self.defer_releases = defer_releases
         self.model = model
         self.world_size = world_size
         self.num_readers = num_readers
@@ -302,12 +309,19 @@ class SchedulerClient:
         ) as span:
             self._fire(p.EndSession(session_id=session_id), span)
 
+    def flush(self) -> None:
+        """Sends the deferred releases and ends of sessions now."""
+        self.rpc.flush()
+
     def _fire(self, request: p.FreeLocks | p.EndSession, span: telemetry.Span) -> None:
         """Sends without waiting, also while the server looks down (see the module docstring).
         ``kvcache.ok``: the server was answering when it was sent."""
         request.traceparent, request.tracestate = telemetry.inject()
         answering = self.rpc.alive
-        self.rpc.submit(request)
+        if self.defer_releases:
+            self.rpc.defer(request)
+        else:
+            self.rpc.submit(request)
         span.set_attribute(a.OK, answering)
         if not answering:
             telemetry.fail(span, "sent while the cache server was not answering")

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from connector import tracing, vllm_telemetry
 from connector.config import ConnectorConfig
@@ -181,6 +182,7 @@ class KVTBConnector(KVConnectorBase_V1):
             chunk_size=chunk_size,
             track_evictions=self._kv_events,
             eviction_seq=eviction_seq,
+            defer_releases=True,
         )
         if self._kv_events:
             self.announcer = ChunkAnnouncer(num_writers=world_size)
@@ -411,6 +413,7 @@ class KVTBConnector(KVConnectorBase_V1):
                         self.announcer.planned(key, stored, removed)
             for request_id in plan.delayed_request_ids:  # finished: no store planned after
                 self._requests.pop(request_id, None)
+        side.client.flush()  # this step's lock releases, before the workers' operations
         return KVTBConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -424,7 +427,10 @@ class KVTBConnector(KVConnectorBase_V1):
 
     def take_events(self) -> list[KVCacheEvent]:
         """Chunks stored in and removed from the cache server since the last call, as vLLM KV
-        events (medium ``kvtb``) for vLLM's publisher."""
+        events (medium ``kvtb``) for vLLM's publisher. vLLM calls it once at the end of each
+        ``update_from_output``: the step's ends of sessions are sent then (one frame)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.client.flush()
         if self.announcer is None:
             return []
         assert self.scheduler_side is not None
@@ -439,6 +445,8 @@ class KVTBConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
         delayed = self.scheduler_side.request_finished(request.request_id)
+        if request.status == RequestStatus.FINISHED_ABORTED:  # outside a step: no flush follows
+            self.scheduler_side.client.flush()
         if not delayed:
             self._requests.pop(request.request_id, None)
         return delayed, None

@@ -24,6 +24,7 @@ logged), never the service.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import signal
@@ -182,11 +183,14 @@ def _loop(
 
 
 def _send(socket: zmq.Socket, service: CacheService, replies: list[Reply]) -> None:
-    for identity, reply in replies:
+    """Sends ``replies``; consecutive ones to the same client go as one ``Replies`` frame."""
+    for identity, group in itertools.groupby(replies, key=lambda reply: reply[0]):
+        ready = [reply for _, reply in group]
+        message = ready[0] if len(ready) == 1 else p.Replies(replies=ready, epoch=service.epoch)
         try:
-            socket.send_multipart([identity, p.encode(reply)], zmq.NOBLOCK)
+            socket.send_multipart([identity, p.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError:  # the peer's queue is full or it went away
-            service.counters.dropped_frames += 1
+            service.counters.dropped_frames += len(ready)  # every reply it carried
 
 
 def handle_frames(

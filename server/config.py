@@ -18,6 +18,8 @@ from testbed.bounds import Bound, out_of_bounds
 from testbed.protocol import POOL_MEDIA, PoolMedium
 
 DEFAULT_PORT = 5555
+PREFAULT_ALL = 1 << 50
+"""``prefault_bytes`` that covers any pool: every pool is mapped at start (the default)."""
 
 
 @dataclass(frozen=True)
@@ -110,10 +112,11 @@ class ServerConfig:
     """Smallest object (chunk_size x bytes per token) a worker may register: bounds the number
     of objects, hence the index memory, to capacity / min_object_bytes."""
 
-    prefault_bytes: int = 512 << 20
-    """Pools up to this size are allocated and mapped at start (the readiness line says how
-    long it took), so stores pay no first-touch page faults; larger pools, e.g. the
-    "unlimited" capacity of a long trace, fill lazily. 0: never."""
+    prefault_bytes: int = PREFAULT_ALL
+    """Pools up to this size are mapped at start, before the server says it is ready (the
+    readiness line's ``prefault_ms`` is what it took), so no request pays first-touch page
+    faults; by default every pool, whatever its size (their memory is reserved when they are
+    made in any case: ``server.pool``). 0: never."""
 
     reap_interval_s: float = 0.1
     """How often TTLs, deadlines and liveness are checked."""
@@ -174,7 +177,7 @@ BOUNDS: dict[str, Bound] = {
     "max_pending_lookups_per_client": Bound(0, 1 << 20, "lookups"),
     "max_inflight_ops_per_client": Bound(1, 1 << 20, "operations"),
     "min_object_bytes": Bound(1, 1 << 30, "bytes"),
-    "prefault_bytes": Bound(0, 1 << 50, "bytes"),
+    "prefault_bytes": Bound(0, PREFAULT_ALL, "bytes"),
     "reap_interval_s": Bound(1e-3, 60.0, "s"),
     "auth_timeout_s": Bound(1e-3, _HOUR_S, "s"),
     "max_unauthenticated": Bound(1, 1 << 20, "connections"),

@@ -22,8 +22,9 @@ free. Its owner lock marks the file live for ``kvtb clean`` and other servers' r
 
 Page tables. Reserved pages are still mapped on first touch (a minor fault each): a 32 MiB
 copy into a pool not yet mapped took 3-5x as long as into a mapped one on the development
-machine. :meth:`SharedMemoryPool.prefault` maps every page in the server; workers map the
-file with ``MAP_POPULATE`` (``connector.kv_copy.PoolMapping``).
+machine. :meth:`SharedMemoryPool.prefault` maps every page in the server, before it says it is
+ready (every pool, whatever its size, unless ``--prefault`` caps it); workers map the file
+with ``MAP_POPULATE`` (``connector.kv_copy.PoolMapping``).
 """
 
 from __future__ import annotations

@@ -204,9 +204,15 @@ class CacheService:
     # Entry points
     # -----------------------------------------------------------------------------------------
 
-    def handle(self, client_id: bytes, request: p.Request) -> list[tuple[bytes, p.Reply]]:
+    def handle(self, client_id: bytes, request: p.Request | p.Batch) -> list[tuple[bytes, p.Reply]]:
         """Replies ready now for one decoded request (none if it waits behind the client's
-        earlier request, or was split into slices: :meth:`advance` finishes it)."""
+        earlier request, or was split into slices: :meth:`advance` finishes it). A batch's
+        requests are handled one by one, in order, as if each had come alone."""
+        if isinstance(request, p.Batch):
+            refusal = self._refusal(request)
+            if refusal is not None:
+                return [(client_id, self._refused(item, refusal)) for item in request.requests]
+            return [reply for item in request.requests for reply in self.handle(client_id, item)]
         refusal = self._refusal(request)
         if refusal is not None:
             return [(client_id, refusal)]
@@ -447,7 +453,13 @@ class CacheService:
     # Internal
     # -----------------------------------------------------------------------------------------
 
-    def _refusal(self, request: p.Request) -> p.Error | None:
+    def _refused(self, request: p.Request, refusal: p.Error) -> p.Error:
+        """``refusal`` (of the batch ``request`` came in) as the reply to ``request``."""
+        return p.Error(
+            rid=request.rid, code=refusal.code, message=refusal.message, epoch=self.epoch
+        )
+
+    def _refusal(self, request: p.Request | p.Batch) -> p.Error | None:
         """An error for a request that must not reach any state (version, credential)."""
         if request.v != p.PROTOCOL_VERSION:
             return self.error(

@@ -12,6 +12,10 @@ decoded deeper than the schema. Nothing is pickled. Each request carries
 - ``traceparent`` / ``tracestate``: W3C trace context, so a server span can be the child of
   the connector span that caused it (empty when tracing is off).
 
+A :class:`Batch` carries several requests in one frame (a client's fire-and-forget releases
+and ends of sessions ride with its next lookup); the server handles them one by one, exactly
+as if they had come alone, and sends the replies ready together as one :class:`Replies`.
+
 Every reply carries the server's ``epoch``: a random id chosen at each server start. A
 worker that sees a new epoch has talked to another server instance (a restart): it
 registers again and maps the new pool; worker operations name the epoch they were planned
@@ -369,6 +373,16 @@ Request = (
     | GetHeld
 )
 
+
+class Batch(_Request, tag="batch", kw_only=True):
+    """Several requests in one frame, handled in order as if each had come alone: each carries
+    its own ``rid``, credential and trace context, gets its own span and its own reply (the
+    replies that are ready together come back as one :class:`Replies`). The batch's own
+    credential authenticates the connection; a batch is never nested."""
+
+    requests: Annotated[list[Request], msgspec.Meta(min_length=1, max_length=MAX_ITEMS_PER_BATCH)]
+
+
 ADMIN_REQUESTS = (DropObjects,)
 """Requests that need the admin credential."""
 
@@ -609,9 +623,16 @@ Reply = (
     | Error
 )
 
+
+class Replies(_Reply, tag="replies", kw_only=True):
+    """Replies to one client that were ready together (those of a :class:`Batch`), in order."""
+
+    replies: Annotated[list[Reply], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
+
+
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_request_decoder = msgspec.msgpack.Decoder(Request | Batch)
+_reply_decoder = msgspec.msgpack.Decoder(Reply | Replies)
 # fixmap (up to 15 fields) or map16 header, then the fixstr key "op": the tag comes first.
 _OP_KEY = b"\xa2op"
 
@@ -620,19 +641,19 @@ def encode(message: _Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_request(frame: bytes) -> Request:
+def decode_request(frame: bytes) -> Request | Batch:
     """Decodes one request frame; raises ``msgspec.DecodeError`` / ``ValidationError``.
 
     The frame must be a map whose first key is the ``op`` tag (as :func:`encode` writes it).
     With the tag first and unknown fields refused, decoding never descends deeper than the
-    schema (at most four levels), whatever the frame holds.
+    schema (at most five levels, a batch included), whatever the frame holds.
     """
     if not _tag_first(frame):
         raise msgspec.DecodeError("a request must be a map whose first key is 'op'")
     return _request_decoder.decode(frame)
 
 
-def decode_reply(frame: bytes) -> Reply:
+def decode_reply(frame: bytes) -> Reply | Replies:
     return _reply_decoder.decode(frame)
 
 

@@ -14,6 +14,11 @@ A background thread, holding the socket only briefly, sends heartbeats, retries 
 yet sendable, expires timed-out ones and reads replies nobody asks for. Every use of the socket
 is under one lock.
 
+Fire-and-forget requests may be *deferred* (:meth:`RpcClient.defer`): they wait in the client
+and go in the same frame as its next request (a :class:`~testbed.protocol.Batch`), or at
+:meth:`RpcClient.flush`, so the server sees every request in the order it was made while a
+scheduler step sends one frame where it made several requests.
+
 Liveness is shared by every client of one server URL in a process: once any of them saw a
 timeout, the server is *down* (:attr:`RpcClient.alive` is False) for all of them until a
 heartbeat is answered again, so callers degrade to "miss and recompute" at once instead of
@@ -220,6 +225,7 @@ class RpcClient:
         """Guards the socket and the request tables below (any thread may do the I/O)."""
         self._socket = self._open_socket()
         self._waiting: dict[int, _Outgoing] = {}  # sent, awaiting a reply
+        self._deferred: list[p.Request] = []  # fire-and-forget, sent with the next request
         self._unsent: list[_Outgoing] = []  # not connected yet: retried until their deadline
         # The first heartbeat goes at once: a server closes connections that send no
         # authenticated request soon after they connect (``server.connections``).
@@ -248,20 +254,49 @@ class RpcClient:
         if self._closed.is_set():
             future.set_exception(ServerUnavailable("client is closed"))
             return future
-        request.rid = next(self._rids)
-        if not isinstance(request, p.Ping):
-            request.auth = self.token
-        frame = p.encode(request)
-        now = time.monotonic()
-        future.sent_at = now
-        out = _Outgoing(request.rid, frame, future, now + (timeout_s or self.timeout_s))
+        self._stamp(request)
         with self._lock:
             if self._closed.is_set():
                 future.set_exception(ServerUnavailable("client is closed"))
                 return future
-            self._unsent.append(out)
-            self._flush()
+            self._queue(request, future, timeout_s)
         return future
+
+    def defer(self, request: p.Request) -> None:
+        """Queues a fire-and-forget ``request`` (its reply is dropped): it goes in one frame
+        with the next request submitted, or at :meth:`flush`."""
+        self._stamp(request)
+        with self._lock:
+            if not self._closed.is_set():
+                self._deferred.append(request)
+
+    def flush(self) -> None:
+        """Sends the deferred requests now (one frame)."""
+        with self._lock:
+            if self._deferred and not self._closed.is_set():
+                self._queue(None, Future(), None)
+
+    def _stamp(self, request: p.Request) -> None:
+        request.rid = next(self._rids)
+        if not isinstance(request, p.Ping):
+            request.auth = self.token
+
+    def _queue(
+        self, request: p.Request | None, future: Future[p.Reply], timeout_s: float | None
+    ) -> None:
+        """Sends ``request`` after the deferred ones, all in one frame (under the lock);
+        ``None``: the deferred ones alone (``future`` stands for the last of them)."""
+        batch = [*self._deferred, *([request] if request is not None else [])]
+        self._deferred = []
+        message: p.Request | p.Batch = batch[0]
+        if len(batch) > 1:
+            message = p.Batch(requests=batch, auth=self.token, rid=batch[-1].rid)
+        now = time.monotonic()
+        if isinstance(future, RpcFuture):
+            future.sent_at = now
+        deadline = now + (timeout_s or self.timeout_s)
+        self._unsent.append(_Outgoing(batch[-1].rid, p.encode(message), future, deadline))
+        self._flush()
 
     def call(self, request: p.Request, timeout_s: float | None = None) -> p.Reply:
         """Sends and waits; raises :class:`RemoteError` for an ``Error`` reply."""
@@ -279,6 +314,7 @@ class RpcClient:
     def close(self) -> None:
         if self._closed.is_set():
             return
+        self.flush()
         self.health.record_open_outage()
         self._closed.set()
         self._thread.join(5.0)
@@ -347,17 +383,22 @@ class RpcClient:
             except zmq.Again:
                 return
             try:
-                reply = p.decode_reply(frame)
+                message = p.decode_reply(frame)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # not ours to interpret; the request will time out
             self.health.up()
-            if reply.epoch:
-                self.server_epoch = reply.epoch
-            out = self._waiting.pop(reply.rid, None)
-            if out is not None and not Future.done(out.future):  # not the pumping done()
-                if isinstance(out.future, RpcFuture):
-                    out.future.arrived_at = time.monotonic()
-                out.future.set_result(reply)
+            replies = message.replies if isinstance(message, p.Replies) else [message]
+            for reply in replies:
+                self._deliver(reply)
+
+    def _deliver(self, reply: p.Reply) -> None:
+        if reply.epoch:
+            self.server_epoch = reply.epoch
+        out = self._waiting.pop(reply.rid, None)
+        if out is not None and not Future.done(out.future):  # not the pumping done()
+            if isinstance(out.future, RpcFuture):
+                out.future.arrived_at = time.monotonic()
+            out.future.set_result(reply)
 
     # -----------------------------------------------------------------------------------------
     # Background thread: heartbeats, retries, expiry, replies nobody asks for

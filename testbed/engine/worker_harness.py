@@ -44,17 +44,24 @@ class StepOutcome:
 
 @dataclass
 class _RequestKV:
-    token_ids: np.ndarray
-    hashes: np.ndarray
+    """A request's tokens' KV codes (``kv_content.layer_codes``), prompt and generated, in a
+    buffer that grows by doubling."""
+
+    codes: np.ndarray
+    """uint16 ``(capacity, layers)``; the first ``length`` rows are the request's."""
+    length: int
+    last_hash: int
+    """``H_p`` of the last token (0 before any)."""
     block_ids: list[int] = field(default_factory=list)
 
     def extend(self, token: int) -> None:
-        # H_p = r·H_{p-1} + t_p, continuing kv_content.prefix_hashes by one token.
-        previous = self.hashes[-1] if len(self.hashes) else np.uint64(0)
-        with np.errstate(over="ignore"):
-            value = previous * kv_content._R + np.uint64(token + 1)
-        self.token_ids = np.append(self.token_ids, np.int32(token))
-        self.hashes = np.append(self.hashes, value)
+        self.last_hash = kv_content.next_hash(self.last_hash, token)
+        if self.length == len(self.codes):
+            grown = np.empty((max(16, 2 * len(self.codes)), self.codes.shape[1]), np.uint16)
+            grown[: self.length] = self.codes[: self.length]
+            self.codes = grown
+        self.codes[self.length] = kv_content.layer_codes_of(self.last_hash, self.codes.shape[1])
+        self.length += 1
 
 
 class WorkerHarness:
@@ -77,8 +84,10 @@ class WorkerHarness:
             torch.zeros((num_blocks, block_size, elements), dtype=torch.int16)
             for _ in range(profile.num_layers)
         ]
+        self._num_layers = profile.num_layers
         self._constants = _rank_constants(profile, tp, rank)
         self._requests: dict[str, _RequestKV] = {}
+        self._offsets = np.arange(block_size, dtype=np.int64)
         connector.register_kv_caches(
             {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(self.layers)}
         )
@@ -91,8 +100,14 @@ class WorkerHarness:
     # -----------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, token_ids: np.ndarray) -> None:
-        hashes = kv_content.prefix_hashes(token_ids) if self.write_kv else np.zeros(0, np.uint64)
-        self._requests[request_id] = _RequestKV(token_ids, hashes)
+        if not self.write_kv:
+            state = _RequestKV(np.zeros((0, self._num_layers), np.uint16), 0, 0)
+        else:
+            hashes = kv_content.prefix_hashes(np.asarray(token_ids))
+            codes = kv_content.layer_codes(hashes, self._num_layers)
+            last = int(hashes[-1]) if len(hashes) else 0
+            state = _RequestKV(codes, len(codes), last)
+        self._requests[request_id] = state
 
     def append_output(self, request_id: str, token: int) -> None:
         state = self._requests.get(request_id)
@@ -159,25 +174,36 @@ class WorkerHarness:
         return starts, inherited
 
     def _rows(self, state: _RequestKV, start: int, end: int) -> np.ndarray:
-        positions = np.arange(start, end)
-        blocks = np.asarray(state.block_ids, dtype=np.int64)[positions // self.block_size]
-        return blocks * self.block_size + positions % self.block_size
+        """Rows of the flat KV (block x block size + offset) of positions ``[start, end)``."""
+        size = self.block_size
+        first, last = start // size, (end - 1) // size
+        blocks = np.asarray(state.block_ids[first : last + 1], dtype=np.int64)
+        rows = (blocks[:, None] * size + self._offsets[None, :]).reshape(-1)
+        return rows[start - first * size : end - first * size]
 
     def _forward(self, so, starts: dict[str, tuple[int, int]]) -> None:
+        """Writes the step's computed tokens' KV: every request's rows gathered, then one
+        broadcast per layer."""
+        rows, codes = [], []
         for request_id, (computed, scheduled) in starts.items():
             state = self._requests[request_id]
-            end = min(computed + scheduled, len(state.hashes))
-            if end <= computed:
-                continue
-            rows = self._rows(state, computed, end)
-            hashes = state.hashes[computed:end]
-            for flat, constants in zip(self._flat, self._constants, strict=True):
-                flat[rows] = kv_content.kv_values(hashes, constants)
+            end = min(computed + scheduled, state.length)
+            if end > computed:
+                rows.append(self._rows(state, computed, end))
+                codes.append(state.codes[computed:end])
+        if not rows:
+            return
+        all_rows, all_codes = np.concatenate(rows), np.concatenate(codes)
+        for layer, (flat, constants) in enumerate(zip(self._flat, self._constants, strict=True)):
+            flat[all_rows] = kv_content.kv_values(all_codes[:, layer], constants)
 
     def _verify(
         self, inherited: set[str], starts: dict[str, tuple[int, int]], invalid_block_ids: set[int]
     ) -> int:
-        errors = 0
+        """Integrity errors: blocks of inherited tokens whose KV is not what this engine would
+        have computed (every request's rows checked together, one comparison per layer)."""
+        rows, codes, blocks = [], [], []
+        numbered = 0  # each request's blocks get their own numbers
         for request_id in inherited:
             computed, _ = starts[request_id]
             state = self._requests[request_id]
@@ -188,14 +214,18 @@ class WorkerHarness:
                     break
             if computed <= 0:
                 continue
-            rows = self._rows(state, 0, computed)
-            hashes = state.hashes[:computed]
-            bad = np.zeros(computed, dtype=bool)
-            for flat, constants in zip(self._flat, self._constants, strict=True):
-                bad |= (flat[rows] != kv_content.kv_values(hashes, constants)).any(axis=1)
-            if bad.any():
-                errors += len(np.unique(np.nonzero(bad)[0] // self.block_size))
-        return errors
+            rows.append(self._rows(state, 0, computed))
+            codes.append(state.codes[:computed])
+            blocks.append(numbered + np.arange(computed) // self.block_size)
+            numbered += -(-computed // self.block_size)
+        if not rows:
+            return 0
+        all_rows, all_codes = np.concatenate(rows), np.concatenate(codes)
+        bad = np.zeros(len(all_rows), dtype=bool)
+        for layer, (flat, constants) in enumerate(zip(self._flat, self._constants, strict=True)):
+            expected = kv_content.kv_values(all_codes[:, layer], constants)
+            bad |= (flat[all_rows] != expected).any(axis=1)
+        return len(np.unique(np.concatenate(blocks)[bad]))
 
     def _zero(self, block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long)

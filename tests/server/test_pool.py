@@ -99,3 +99,29 @@ def test_the_smallest_free_extent_that_fits_is_taken():
     assert allocator.allocate(128) == offsets[4]  # exact fit
     assert allocator.allocate(64) == offsets[0]  # only the 640-byte extent is left: split
     assert allocator.allocate(576) == offsets[0] + 64  # its remainder, exactly
+
+
+def _mapped_bytes(pid: int, path_part: str) -> int:
+    """Bytes of ``pid``'s mappings of files whose path contains ``path_part`` that have page
+    table entries now (``Rss`` in ``/proc/PID/smaps``)."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and path_part in fields[5]
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_server_maps_its_whole_pool_before_it_is_ready_whatever_its_size():
+    from testbed.launch import ServerProcess
+
+    size = 544 << 20  # above the 512 MiB up to which pools used to be mapped
+    with ServerProcess(["--chunk-size", "64", "--capacity", str(size)]) as server:
+        pid = int(server.ready["pid"])
+        assert float(server.ready["prefault_ms"]) > 0
+        assert _mapped_bytes(pid, "kvtb-pool-") >= size  # no request pays a first touch
+    with ServerProcess(["--chunk-size", "64", "--capacity", "8MiB", "--prefault", "0"]) as server:
+        assert float(server.ready["prefault_ms"]) == 0
+        assert _mapped_bytes(int(server.ready["pid"]), "kvtb-pool-") < 8 << 20

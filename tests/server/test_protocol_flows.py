@@ -131,3 +131,45 @@ def test_every_reply_names_the_server_instance(start_server):
             assert pong.epoch == stats_reply.epoch == server.epoch == client.server_epoch
             epochs.add(pong.epoch)
     assert len(epochs) == 2
+
+
+def test_deferred_releases_ride_with_the_next_request_and_keep_their_order(start_server):
+    server = start_server("--chunk-size", str(C))
+    hashes = chunk_hashes(list(range(3 * C)), C)
+    with Worker(server) as worker, connect(server, role="scheduler", timeout_s=2.0) as client:
+        worker.store("writer", hashes)
+        assert lookup(client, "a", hashes).num_locks == 3
+        assert lookup(client, "b", hashes).num_locks == 3
+        client.defer(p.FreeLocks(session_id="a", end_token=3 * C))
+        client.defer(p.EndSession(session_id="a"))
+        time.sleep(0.2)
+        assert stats(worker.rpc).num_sessions == 2  # deferred: nothing sent yet
+        # One frame: both deferred requests, then the stats, handled in that order.
+        seen = stats(client)
+        assert seen.num_locks == 3 and seen.num_sessions == 1
+        client.defer(p.EndSession(session_id="b"))
+        client.flush()
+        deadline = time.monotonic() + 2.0
+        while stats(worker.rpc).num_sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stats(worker.rpc).num_sessions == 0
+
+
+def test_a_batch_with_a_wrong_credential_refuses_each_request(start_server):
+    server = start_server("--chunk-size", str(C))
+    items = [p.EndSession(session_id=f"s{i}", rid=10 + i, auth="wrong") for i in range(2)]
+    replies = p.decode_reply(_raw_call(server, p.encode(p.Batch(requests=items, auth="wrong"))))
+    assert isinstance(replies, p.Replies)
+    codes = [(reply.rid, reply.code) for reply in replies.replies]
+    assert codes == [(10, "unauthorized"), (11, "unauthorized")]
+
+
+def _raw_call(server, frame: bytes) -> bytes:
+    import zmq
+
+    with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(server.url)
+        socket.send(frame)
+        assert socket.poll(2000), "no reply"
+        return socket.recv()
