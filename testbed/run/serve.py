@@ -118,7 +118,7 @@ def _launch(job: EngineRun, stack: ExitStack, events: ZmqEventStream | None) -> 
     from testbed.telemetry.collector import SpanCollector
 
     spec = job.spec
-    collector = stack.enter_context(SpanCollector(job.run_dir).start())
+    collector = stack.enter_context(SpanCollector(job.run_dir))
     vllms = []
     for k in range(spec.instances):
         vllms.append(

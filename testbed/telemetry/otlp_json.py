@@ -21,7 +21,6 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from testbed.append_file import AppendFile
-from testbed.telemetry.columnar import ColumnarSpanWriter
 from testbed.telemetry.otlp_text import traces_data_text
 from testbed.telemetry.span_table import KIND, STATUS
 
@@ -139,7 +138,11 @@ class JsonLinesSpanExporter(SpanExporter):
         self.path = path
         self._file = AppendFile(path, "spans")
         self._lock = threading.Lock()
-        self._columnar = ColumnarSpanWriter(path) if columnar else None
+        self._columnar = None
+        if columnar:  # pyarrow, where installed (the lab): imported only when asked for
+            from testbed.telemetry.columnar import ColumnarSpanWriter
+
+            self._columnar = ColumnarSpanWriter(path)
 
     @property
     def lost_spans(self) -> int:

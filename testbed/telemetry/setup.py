@@ -274,6 +274,15 @@ class Tracing:
         self.shutdown()
 
 
+def columnar_available() -> bool:
+    """Whether this process can keep the columnar copy of its span file: pyarrow is part of
+    the lab, not of the base install (the connector and the server run without it, and then
+    leave only the JSON lines, which the loader reads)."""
+    import importlib.util
+
+    return importlib.util.find_spec("pyarrow") is not None
+
+
 def configure_tracing(
     config: TracingConfig, extra_exporters: Mapping[str, SpanExporter] | None = None
 ) -> Tracing | None:
@@ -287,7 +296,7 @@ def configure_tracing(
         span_file = (
             Path(config.run_dir) / SPANS_DIR / f"{config.service_name}{suffix}-{os.getpid()}.jsonl"
         )
-        exporters["file"] = JsonLinesSpanExporter(span_file, columnar=True)
+        exporters["file"] = JsonLinesSpanExporter(span_file, columnar=columnar_available())
     otlp = (
         otlp_exporter(config.otlp_endpoint, config.otlp_protocol)
         if config.otlp_from_env or config.otlp_endpoint
