@@ -33,6 +33,7 @@ import pyarrow as pa
 from opentelemetry.sdk.trace import ReadableSpan
 
 from testbed.telemetry import span_table as st
+from testbed.telemetry.otlp_codes import KIND, STATUS
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +222,8 @@ class ColumnarSpanWriter:
             span_id,
             f"{span.parent.span_id:016x}" if span.parent else "",
             span.name,
-            st.KIND[span.kind],
-            st.STATUS[span.status.status_code],
+            KIND[span.kind],
+            STATUS[span.status.status_code],
             span.start_time,
             span.end_time,
             span.status.description or None,

@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from testbed.append_file import AppendFile
+from testbed.telemetry.otlp_codes import KIND, STATUS
 from testbed.telemetry.otlp_text import traces_data_text
-from testbed.telemetry.span_table import KIND, STATUS
 
 
 def any_value(value: Any) -> dict[str, Any]:

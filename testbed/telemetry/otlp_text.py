@@ -18,7 +18,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from testbed.telemetry.span_table import KIND, STATUS
+from testbed.telemetry.otlp_codes import KIND, STATUS
 
 _prefixes: dict[str, str] = {}
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from opentelemetry.trace import SpanKind, StatusCode
 
 LAYOUT_KEY, LAYOUT = b"kvtb.span_table", b"1"
 """Schema metadata of a columnar copy: the layout it was written in. A reader uses only
@@ -64,16 +63,6 @@ EVENT_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("event", STRING),
     ("time", pa.int64()),
 )
-KIND = {
-    SpanKind.INTERNAL: 1,
-    SpanKind.SERVER: 2,
-    SpanKind.CLIENT: 3,
-    SpanKind.PRODUCER: 4,
-    SpanKind.CONSUMER: 5,
-}
-"""OTLP's ``SpanKind`` enum values."""
-STATUS = {StatusCode.UNSET: 0, StatusCode.OK: 1, StatusCode.ERROR: 2}
-"""OTLP's ``StatusCode`` enum values."""
 _SCALARS: dict[type, pa.DataType] = {
     bool: pa.bool_(),
     int: pa.int64(),
