@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.bounds import Bound, out_of_bounds
+from testbed.core.bounds import Bound, out_of_bounds
 
 PREFIX = "kvtb."
 _HOUR_S = 3600.0

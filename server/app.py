@@ -47,11 +47,11 @@ from server.connections import (
 )
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
-from testbed import protocol as p
-from testbed.sizes import parse_bytes
+from testbed.core import protocol as p
+from testbed.core.sizes import parse_bytes
 from testbed.spec_inputs import absolute_path
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 
 log = logging.getLogger("server")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 
 if TYPE_CHECKING:
     from server.service import CacheService, Call

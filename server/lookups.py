@@ -14,8 +14,8 @@ from server import quotas
 from server.cache import CacheObject, Space
 from server.chunk_log import LOOKUP, TOUCH, namespace
 from server.state import ChunkRun, PendingLookup, Session
-from testbed import protocol as p
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core.telemetry import attributes as a
 
 if TYPE_CHECKING:
     from server.service import CacheService, Call

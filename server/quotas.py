@@ -13,7 +13,7 @@ the others go on:
 - ``max_inflight_ops_per_client``: stores and retrieves begun and not finished (refused);
 - ``max_pending_lookups_per_client``: lookups left pending on in-flight stores (answered).
 
-A refusal is an ``Error`` with code ``quota`` (``testbed.protocol.LIMIT_CODES``) naming the
+A refusal is an ``Error`` with code ``quota`` (``testbed.core.protocol.LIMIT_CODES``) naming the
 quota and its flag; clients count it as a limit refusal, not as a failure of the server. Over
 the pending-lookup quota a lookup is answered at once (the chunk whose store is in flight is
 then a miss, ``in_flight``) instead of waiting: nothing is refused.

@@ -43,7 +43,7 @@ from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.eviction_feed import EvictionFeed
-from server.policies import make_policy
+from testbed.core.policies import make_policy
 from server.pool import ExtentAllocator
 from server.pools import make_pool
 from server.state import (
@@ -57,10 +57,10 @@ from server.state import (
     PendingLookup,
     Session,
 )
-from testbed import protocol as p
-from testbed import telemetry
-from testbed.telemetry import SpanKind
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core import telemetry
+from testbed.core.telemetry import SpanKind
+from testbed.core.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from server import quotas
 from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
 from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
-from testbed import protocol as p
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core.telemetry import attributes as a
 
 if TYPE_CHECKING:
     from server.service import CacheService, Call
@@ -275,7 +275,7 @@ def _server_store_copy(
     (other clients are served in between), after the engine's ready event (CUDA); returns
     ``(True, done descriptor, done event)`` (both ``None`` for CPU copies, which are done). A
     failure drops the reservations once no copy can still write into them."""
-    from testbed.block_copy import item_copies
+    from testbed.core.block_copy import item_copies
 
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
     started = time.perf_counter()
@@ -435,7 +435,7 @@ def _server_retrieve_copy(
     here, so the retrieve ends as ``RetrieveEnd`` would: unpinned, the items' lock units
     released. CUDA copies complete with the plan's done event: the pins hold until the worker's
     ``RetrieveEnd`` (or the deadline). A failed item's chunks count as missing."""
-    from testbed.block_copy import item_copies
+    from testbed.core.block_copy import item_copies
 
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
     engine = worker.engine

@@ -29,9 +29,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from testbed.credentials import ServerEndpoint, client_token
+from testbed.core.credentials import ServerEndpoint, client_token
 from testbed.extras import MissingExtra, require_engines, require_lab
-from testbed.launch import ServerStartError
+from server.launch import ServerStartError
 from testbed.run_flags import (
     add_data_dir_argument,
     add_set_argument,

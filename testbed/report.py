@@ -40,7 +40,7 @@ from testbed.analysis.headline import headline
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import figure_axes
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 TABLE_COLUMNS = [
     "summary_requests",

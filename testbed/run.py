@@ -35,20 +35,20 @@ from tqdm import tqdm
 
 from connector.config import ConnectorConfig
 from testbed import footprint
-from testbed import protocol as p
-from testbed.credentials import ServerEndpoint
+from testbed.core import protocol as p
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.footprint import pool_blocks
-from testbed.launch import ServerProcess
-from testbed.owned_files import ReservedSpace
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from server.launch import ServerProcess
+from testbed.core.owned_files import ReservedSpace
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.run_health import failures
 from testbed.runspec import RunSpec
 from testbed.server_state import merged_states, server_state_after
 from testbed.spec_inputs import check_workload_content
-from testbed.telemetry import attributes as a
-from testbed.telemetry import sampling
-from testbed.telemetry.setup import TracingConfig, configure_tracing, dropped_spans, read_counts
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry import sampling
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing, dropped_spans, read_counts
 from testbed.version import package_version, source_commit
 from testbed.workloads import (
     ArrivalProcess,
@@ -600,7 +600,7 @@ def _run_serve(
         if options.launch:
             from testbed.engine.fleet import instance_engine_id
             from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess, start_fleet
-            from testbed.telemetry.collector import SpanCollector
+            from testbed.core.telemetry.collector import SpanCollector
 
             assert endpoint is not None and server is not None
             collector = SpanCollector(run_dir).start()
@@ -677,7 +677,7 @@ def _run_serve(
 def _run_oracle(
     spec: RunSpec, requests: Sequence[WorkloadRequest] | Sequence[BlockRequest]
 ) -> EngineResult:
-    from testbed.engine.oracle import KeyTrace, simulate_keys
+    from testbed.models.oracle import KeyTrace, simulate_keys
 
     capacity = spec.capacity()
     chunk_bytes = spec.chunk_size * spec.kv_profile.stored_bytes_per_token(spec.tp)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.runspec import DERIVED_KEYS, RunSpec
-from testbed.sizes import parse_bytes
+from testbed.core.sizes import parse_bytes
 from testbed.spec_inputs import (
     DATA_DIR_ENV,
     InputContext,

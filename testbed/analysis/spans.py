@@ -13,7 +13,7 @@ the run directory's name), ``start_time`` (UTC timestamps), ``end_time, duration
 (``UNSET``, ``OK``, ``ERROR``), ``status_message``, ``links`` (list of ``"trace_id:span_id"``),
 ``resource.<key>`` per other resource attribute (the process's: engine, workload, chunk size,
 ...), then one column per span attribute under its own name (``kvcache.tokens.hit``, ...; see
-``testbed.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's, else
+``testbed.core.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's, else
 its process's (a vLLM server of a fleet names its instance in its resource). Rows of a run are
 in start-time order.
 
@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import SPANS_DIR
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import SPANS_DIR
 
 SUMMARY_FILE = "summary.json"  # written last by a run (testbed.run): a complete run
 SWEEP_FILE = "sweep.json"  # a sweep's manifest (testbed.sweep.index): its run ids in order

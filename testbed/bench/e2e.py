@@ -25,7 +25,7 @@ HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hi
 
 
 def section(config: BenchConfig) -> SectionResult:
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
 
     lengths, samples = config.e2e_lengths, config.e2e_samples
     max_len = -(-max(lengths) // BLOCK) * BLOCK
@@ -145,7 +145,7 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
 def rpc_figure(run_dir: Path) -> Figure:
     """A store's round trip inside vLLM, from the worker configuration's spans."""
     from testbed.analysis import load_spans
-    from testbed.telemetry import attributes as a
+    from testbed.core.telemetry import attributes as a
 
     spans = load_spans(run_dir)
     stores = spans[(spans["name"] == a.CONNECTOR_STORE) & spans[a.OK].eq(True)]

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from server.cache import Eviction, KVCache, ObjectKey, Space
-from server.policies import POLICIES, make_policy
+from testbed.core.policies import POLICIES, make_policy
 from testbed.bench.tables import table
 
 OBJECT_BYTES = 4096

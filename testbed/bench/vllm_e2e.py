@@ -42,7 +42,7 @@ from testbed.bench.peer.engine_protocol import (
 from testbed.bench.processes import BenchProcesses
 
 if TYPE_CHECKING:
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
 
 CHILD_CONFIGS = ("no cache", "worker", "server")
 
@@ -51,10 +51,10 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
     """One engine answering ``<length> <seed>`` lines with both passes' TTFT and outputs."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from testbed.credentials import ServerEndpoint
+    from testbed.core.credentials import ServerEndpoint
     from testbed.engine.model_dir import TinyModel
     from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
-    from testbed.telemetry.setup import TracingConfig, configure_tracing
+    from testbed.core.telemetry.setup import TracingConfig, configure_tracing
     from testbed.workloads import WorkloadRequest
 
     spec = VllmEngineSpec(

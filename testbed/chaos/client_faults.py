@@ -20,7 +20,7 @@ import time
 
 import zmq
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 from testbed.chaos.holder import MODEL as HOLDER_MODEL
 from testbed.chaos.holder import STORED as HOLDER_STORED
 from testbed.chaos.lab import CHUNK_SIZE, Lab

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.bounds import Bound, check
+from testbed.core.bounds import Bound, check
 from testbed.chaos import attacks, client_faults, crowds, exhaustion, server_faults, sharing
 from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports

@@ -20,8 +20,8 @@ from typing import Any
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.runs import EngineRun, RunChild
 from testbed.chaos.watch import leftover_files, rss_mib
-from testbed.credentials import ServerEndpoint
-from testbed.launch import ServerProcess
+from testbed.core.credentials import ServerEndpoint
+from server.launch import ServerProcess
 from testbed.runspec import RunSpec
 
 CHUNK_SIZE = 64

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from testbed.chaos.mounts import fill
 from testbed.chaos.probes import ProbeClient
-from testbed.launch import ServerProcess, ServerStartError
+from server.launch import ServerProcess, ServerStartError
 
 SHM = Path("/dev/shm")
 CHUNKS_PER_CYCLE = 512

@@ -26,7 +26,7 @@ from typing import Any
 
 from connector.tracing import SPAN_DIR_ENV
 from testbed.engine.model_dir import TinyModel, write_model_dir
-from testbed.launch import stop_process
+from server.launch import stop_process
 
 _STARTUP_TIMEOUT_S = 600.0
 TINY_MODEL_NAME = "kvtb-tiny"

@@ -45,7 +45,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from testbed.keys import KeyExtras  # noqa: E402
+from testbed.core.keys import KeyExtras  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 
 # Standalone, vLLM's warnings would go to logging's last-resort handler as bare lines.

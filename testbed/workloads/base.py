@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from testbed.keys import KeyExtras, MultiModalInput
+from testbed.core.keys import KeyExtras, MultiModalInput
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -76,7 +76,7 @@ class WorkloadRequest:
 
     @property
     def key_extras(self) -> KeyExtras | None:
-        """What besides the prompt's tokens keys its chunks (``testbed.keys``)."""
+        """What besides the prompt's tokens keys its chunks (``testbed.core.keys``)."""
         if self.lora_adapter is None and not self.mm_inputs:
             return None
         lora = None if self.lora_adapter is None else lora_identity(self.lora_adapter)

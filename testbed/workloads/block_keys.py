@@ -1,7 +1,7 @@
 """Chunk keys of block requests, from their block ids alone (no token is synthesised).
 
 The server keys a prompt's complete chunks of ``C`` tokens by a rolling prefix hash of their
-tokens (``testbed.keys``). For the tokens :class:`~testbed.workloads.block_trace.BlockTokens`
+tokens (``testbed.core.keys``). For the tokens :class:`~testbed.workloads.block_trace.BlockTokens`
 synthesises, the first ``e`` tokens of two prompts are equal exactly when
 
 - the block covering token ``e - 1`` has an id in both and the two prompts' id prefixes up to

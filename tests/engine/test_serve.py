@@ -20,7 +20,7 @@ from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.cli import main as kvtb  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
-from testbed.telemetry import attributes as a  # noqa: E402
+from testbed.core.telemetry import attributes as a  # noqa: E402
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from server.cache import Eviction, KVCache, ObjectKey, Space
-from server.policies import POLICIES, make_policy
+from testbed.core.policies import POLICIES, make_policy
 from server.pool import ALIGNMENT, ExtentAllocator
 
 

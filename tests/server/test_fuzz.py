@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 from testbed.chaos.frame_edits import encode_map, nested
 from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext
 from testbed.chaos.fuzz import FuzzSetup, fuzz_server

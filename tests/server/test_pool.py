@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.pool import ALIGNMENT, ExtentAllocator, SharedMemoryPool
-from testbed.owned_files import is_owned
+from testbed.core.owned_files import is_owned
 
 
 def test_a_pool_has_its_memory_when_made_and_prefault_keeps_the_contents():

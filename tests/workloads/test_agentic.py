@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.engine.oracle import KeyTrace
-from testbed.keys import chunk_hashes
+from testbed.models.oracle import KeyTrace
+from testbed.core.keys import chunk_hashes
 from testbed.runspec import RunSpec
 from testbed.workloads import AgenticWorkload, make_workload
 

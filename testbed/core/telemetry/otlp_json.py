@@ -5,9 +5,9 @@ the OpenTelemetry Collector's file exporter): ``resourceSpans → scopeSpans →
 span ids as lowercase hex, enums as integers, 64-bit integers (times, int attributes) as
 decimal strings. :mod:`testbed.analysis` reads these files back.
 
-Lines go through ``testbed.append_file``: a line that cannot be written (a full disk) is kept
+Lines go through ``testbed.core.append_file``: a line that cannot be written (a full disk) is kept
 and written later, never torn; what is finally lost is counted (:attr:`lost_spans`, which
-``testbed.telemetry.setup`` takes off the exported count), and the process goes on.
+``testbed.core.telemetry.setup`` takes off the exported count), and the process goes on.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
 
-from testbed.append_file import AppendFile
+from testbed.core.append_file import AppendFile
 
 # OTLP's SpanKind and StatusCode enum values.
 _KIND = {

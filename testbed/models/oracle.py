@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from testbed.keys import chunk_hashes
+from testbed.core.keys import chunk_hashes
 from testbed.workloads import BlockRequest, WorkloadRequest
 from testbed.workloads.block_keys import BlockKeys
 

@@ -36,9 +36,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from testbed import protocol as p
-from testbed import telemetry
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
 
 _IDLE_S = 0.05
 """The background thread's period when nothing is outstanding."""
