@@ -48,8 +48,8 @@ from server.connections import (
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed.core import protocol as p
+from testbed.core.paths import absolute_path
 from testbed.core.sizes import parse_bytes
-from testbed.spec_inputs import absolute_path
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from testbed.core.policies import EvictionPolicy
 from server.pool import ExtentAllocator, align
+from testbed.core.policies import EvictionPolicy
 
 # Estimated index memory per object, lock-group chunk and session (CPython objects, dict and
 # heap entries); reported in stats so that memory outside the pool is visible.

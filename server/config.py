@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.auth import is_loopback
-from testbed.core.policies import POLICIES
 from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.policies import POLICIES
 from testbed.core.protocol import POOL_MEDIA, PoolMedium
 
 DEFAULT_PORT = 5555

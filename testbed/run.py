@@ -34,21 +34,27 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from connector.config import ConnectorConfig
+from server.launch import ServerProcess
 from testbed import footprint
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
-from testbed.engine.results import EngineResult, RequestRecord
-from testbed.footprint import pool_blocks
-from server.launch import ServerProcess
 from testbed.core.owned_files import ReservedSpace
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry import sampling
+from testbed.core.telemetry.setup import (
+    TracingConfig,
+    configure_tracing,
+    dropped_spans,
+    read_counts,
+)
+from testbed.engine.results import EngineResult, RequestRecord
+from testbed.footprint import pool_blocks
+from testbed.models.servable import split_servable
 from testbed.run_health import failures
 from testbed.runspec import RunSpec
 from testbed.server_state import merged_states, server_state_after
 from testbed.spec_inputs import check_workload_content
-from testbed.core.telemetry import attributes as a
-from testbed.core.telemetry import sampling
-from testbed.core.telemetry.setup import TracingConfig, configure_tracing, dropped_spans, read_counts
 from testbed.version import package_version, source_commit
 from testbed.workloads import (
     ArrivalProcess,
@@ -598,9 +604,9 @@ def _run_serve(
 
             events = ZmqEventStream() if options.launch else None
         if options.launch:
+            from testbed.core.telemetry.collector import SpanCollector
             from testbed.engine.fleet import instance_engine_id
             from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess, start_fleet
-            from testbed.core.telemetry.collector import SpanCollector
 
             assert endpoint is not None and server is not None
             collector = SpanCollector(run_dir).start()
@@ -677,12 +683,13 @@ def _run_serve(
 def _run_oracle(
     spec: RunSpec, requests: Sequence[WorkloadRequest] | Sequence[BlockRequest]
 ) -> EngineResult:
-    from testbed.models.oracle import KeyTrace, simulate_keys
+    from testbed.models.oracle import simulate_keys
+    from testbed.workloads.block_keys import key_trace
 
     capacity = spec.capacity()
     chunk_bytes = spec.chunk_size * spec.kv_profile.stored_bytes_per_token(spec.tp)
     policy = "infinite" if capacity is None else spec.policy
-    keys = KeyTrace.of(requests, spec.chunk_size)
+    keys = key_trace(requests, spec.chunk_size)
     oracle = simulate_keys(
         keys, policy=policy, capacity_chunks=None if capacity is None else capacity // chunk_bytes
     )
@@ -705,26 +712,6 @@ def _run_oracle(
             )
         )
     return result
-
-
-def split_servable(
-    requests: Iterable[R], block_size: int, engine_blocks: int | None
-) -> tuple[list[R], list[str]]:
-    """The requests an engine with ``engine_blocks`` KV blocks can serve, and the ids of those
-    it never could (vLLM would stall on them). Every engine, the oracle included, gets the same
-    servable requests, so that measured runs and their bounds count the same traffic. A pool
-    sized from the workload (``None``) serves every request."""
-    if engine_blocks is None:
-        return list(requests), []
-    servable: list[R] = []
-    rejected: list[str] = []
-    for request in requests:
-        tokens = request.num_prompt_tokens + request.max_output_tokens
-        if -(-tokens // block_size) <= engine_blocks - 1:  # block 0 is vLLM's null block
-            servable.append(request)
-        else:
-            rejected.append(request.request_id)
-    return servable, rejected
 
 
 def max_model_len(requests: Sequence[RequestShape], block_size: int) -> int:

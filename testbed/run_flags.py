@@ -14,12 +14,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from testbed.runspec import DERIVED_KEYS, RunSpec
+from testbed.core.paths import absolute_path
 from testbed.core.sizes import parse_bytes
+from testbed.runspec import DERIVED_KEYS, RunSpec
 from testbed.spec_inputs import (
     DATA_DIR_ENV,
     InputContext,
-    absolute_path,
     data_dir,
     resolve_values,
     with_sampling_from_environment,

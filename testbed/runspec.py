@@ -30,13 +30,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.core.policies import POLICIES
 from testbed.core.bounds import Bound, out_of_bounds
-from testbed.models.profiles import PROFILES, KVProfile, get_profile
+from testbed.core.policies import POLICIES
 from testbed.core.protocol import POOL_MEDIA
 from testbed.core.sizes import parse_bytes
 from testbed.core.telemetry import sampling
 from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
+from testbed.models.profiles import PROFILES, KVProfile, get_profile
 
 ENGINES = ("replay", "fleet", "vllm", "serve", "oracle")
 FLEET_SERVERS = ("shared", "per-instance")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testbed.core.paths import absolute as _absolute
 from testbed.core.telemetry.sampling import from_environment
 
 DATA_DIR_ENV = "KVTB_DATA_DIR"
@@ -180,14 +181,3 @@ def _trace_path(raw: str, context: InputContext, workload: str) -> Path:
     if not path.exists():
         raise ValueError(f"{context.source}: workload {workload!r}: {path} does not exist{where}")
     return path
-
-
-def absolute_path(text: str | Path) -> Path:
-    """A path flag as an absolute path, against the working directory at parse time
-    (``type=absolute_path`` in argparse): no process later reads it against its own."""
-    return _absolute(Path(text).expanduser(), Path.cwd())
-
-
-def _absolute(path: Path, base: Path) -> Path:
-    """``path`` made absolute against ``base``, ``..`` folded, symbolic links kept."""
-    return Path(os.path.normpath(base / path))

@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from testbed.core.paths import absolute_path
 from testbed.run_flags import add_data_dir_argument
-from testbed.spec_inputs import absolute_path
 
 _WORKLOAD_FLAGS = (
     "requests",

@@ -55,7 +55,8 @@ CHUNK_CAUSES = ("in_flight", "capacity", "cold")
 """The causes read from the chunk log."""
 LOOKUP_OK, LOOKUP_UNAVAILABLE, LOOKUP_NONE = "ok", "unavailable", "none"
 LOOKUP_REFUSED = "refused"
-"""The server answered the lookup with a limit or quota error (``testbed.core.protocol.LIMIT_CODES``):
+"""The server answered the lookup with a limit or quota error
+(``testbed.core.protocol.LIMIT_CODES``):
 up and reachable, it declined to take more for this client."""
 CHUNK_HIT, CHUNK_IN_FLIGHT, CHUNK_ABSENT = "hit", "in_flight", "absent"
 

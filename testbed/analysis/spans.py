@@ -13,7 +13,8 @@ the run directory's name), ``start_time`` (UTC timestamps), ``end_time, duration
 (``UNSET``, ``OK``, ``ERROR``), ``status_message``, ``links`` (list of ``"trace_id:span_id"``),
 ``resource.<key>`` per other resource attribute (the process's: engine, workload, chunk size,
 ...), then one column per span attribute under its own name (``kvcache.tokens.hit``, ...; see
-``testbed.core.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's, else
+``testbed.core.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's,
+else
 its process's (a vLLM server of a fleet names its instance in its resource). Rows of a run are
 in start-time order.
 

@@ -41,8 +41,8 @@ from connector.kv_copy import PagedKV
 from connector.shared_kv import SharedKV
 from server.kv_copier import EngineKV
 from server.pool import SharedMemoryPool
-from testbed.core import protocol as p
 from testbed.bench.tables import table
+from testbed.core import protocol as p
 from testbed.core.block_copy import ChunkCopy
 from testbed.models.profiles import KVProfile, get_profile
 

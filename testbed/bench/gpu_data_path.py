@@ -39,9 +39,9 @@ import torch
 
 from server.cuda_engine import CudaEngineKV
 from server.pools import make_pool
-from testbed.core import protocol as p
 from testbed.bench.gpu_prefill import RandomLlama, prefill_ms
 from testbed.bench.tables import table
+from testbed.core import protocol as p
 from testbed.core.block_runs import ChunkCopy
 from testbed.models.calibration import calibrate, calibration_toml
 from testbed.models.profiles import get_profile

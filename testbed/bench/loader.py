@@ -13,11 +13,11 @@ import json
 import time
 from pathlib import Path
 
-from testbed.core import telemetry
 from testbed.analysis import load_spans
 from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure
 from testbed.bench.stats import Ratio, Spread, interleave
+from testbed.core import telemetry
 from testbed.core.telemetry import SpanKind
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing

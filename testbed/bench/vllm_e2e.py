@@ -41,6 +41,16 @@ from testbed.bench.peer.engine_protocol import (
 )
 from testbed.bench.processes import BenchProcesses
 
+Answers = dict[tuple[int, str], list[dict[str, Any]]]
+"""(prompt length, engine) → one answer per sample: ``first`` and ``second`` passes."""
+PEER_PAIRS = {"worker": "LMCache engine_driven", "server": "LMCache lmcache_driven"}
+"""Our transfer modes and LMCache's equivalents (the worker copies; the server copies)."""
+
+
+def series(answers: Answers, length: int, engine: str, pass_: str, field: str) -> list[float]:
+    return [float(a[pass_][field]) for a in answers[(length, engine)]]
+
+
 if TYPE_CHECKING:
     from server.launch import ServerProcess
 
@@ -52,9 +62,9 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from testbed.core.credentials import ServerEndpoint
+    from testbed.core.telemetry.setup import TracingConfig, configure_tracing
     from testbed.engine.model_dir import TinyModel
     from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
-    from testbed.core.telemetry.setup import TracingConfig, configure_tracing
     from testbed.workloads import WorkloadRequest
 
     spec = VllmEngineSpec(

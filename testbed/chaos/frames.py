@@ -27,7 +27,6 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from testbed.core import protocol as p
 from testbed.chaos.frame_edits import (
     HUGE_HEADERS,
     MAX_UINT64,
@@ -42,6 +41,7 @@ from testbed.chaos.frame_edits import (
     set_path,
     violations,
 )
+from testbed.core import protocol as p
 
 _REQUEST_TYPES: tuple[mi.StructType, ...] = mi.type_info(p.Request).types  # type: ignore[attr-defined]
 REQUEST_OPS: tuple[str, ...] = tuple(str(t.tag) for t in _REQUEST_TYPES)

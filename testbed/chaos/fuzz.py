@@ -25,11 +25,11 @@ from itertools import islice
 import msgspec
 import zmq
 
-from testbed.core import protocol as p
+from server.launch import ServerProcess
 from testbed.chaos.frames import FrameFuzzer, FuzzCase, FuzzContext
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.watch import Held
-from server.launch import ServerProcess
+from testbed.core import protocol as p
 from testbed.core.rpc import RemoteError, ServerUnavailable
 
 _MAX_EXAMPLES = 10

@@ -24,11 +24,11 @@ from testbed.core import telemetry
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
+from testbed.engine.placement import FleetPlacement
 from testbed.engine.replay import ReplaySpec
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.engine.virtual_clock import drive
 from testbed.engine.vllm_setup import RequestFactory
-from testbed.engine.placement import FleetPlacement
 from testbed.fleet.routers import Router
 from testbed.workloads import ArrivalProcess, WorkloadRequest
 

@@ -27,12 +27,12 @@ from vllm.v1.engine import EngineCoreOutputs
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
-from testbed.models.profiles import KVProfile
 from testbed.engine.results import EngineResult, RequestRecord
-from testbed.models.time_model import TimeModel, make_time_model
 from testbed.engine.virtual_clock import drive
 from testbed.engine.vllm_setup import RequestFactory
 from testbed.engine.worker_harness import StepOutcome
+from testbed.models.profiles import KVProfile
+from testbed.models.time_model import TimeModel, make_time_model
 from testbed.runspec import RunSpec
 from testbed.workloads import ArrivalProcess, WorkloadRequest
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from testbed.core import telemetry
-from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.core.telemetry import attributes as a
+from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.workloads import WorkloadRequest
 
 if TYPE_CHECKING:

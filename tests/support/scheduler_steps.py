@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from testbed.core.credentials import ServerEndpoint
-from testbed.models.profiles import get_profile
 from testbed.engine.replay import ReplayEngine, ReplaySpec
+from testbed.models.profiles import get_profile
 from testbed.workloads import WorkloadRequest
 from tests.support.cache_harness import ServerLike
 

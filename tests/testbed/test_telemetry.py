@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from testbed.core import telemetry
 from testbed.analysis import load_spans
+from testbed.core import telemetry
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing, read_counts
 from tests.support.cache_harness import Harness, cache_cycle

@@ -77,7 +77,7 @@ def _workload(spec: RunSpec) -> Workload:
 
 
 def _servable(spec: RunSpec, requests: Iterable[R]) -> list[R]:
-    from testbed.run import split_servable
+    from testbed.models.servable import split_servable
 
     servable, _ = split_servable(requests, spec.block_size, spec.engine_blocks)
     if not servable:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.core.policies import make_policy
 from testbed.analysis.whatif.policies import simulate_policy
 from testbed.analysis.whatif.sources import servable_requests
+from testbed.core.policies import make_policy
 from testbed.models.oracle import KeyTrace
 from testbed.runspec import RunSpec
 
