@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.bounds import Bound, out_of_bounds
-from testbed.typed_values import convert, hints
+from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.typed_values import convert, hints
 
 PREFIX = "kvtb."
 _HOUR_S = 3600.0

@@ -3,7 +3,7 @@
 Runs in each worker process whose KV lives in CUDA memory, in the ``server`` transfer mode
 (the cache server maps the KV and copies, as LMCache's server-driven mode does on GPU):
 
-- :func:`describe_cuda_kv` turns the KV tensors into a :class:`testbed.protocol.CudaKV`: each
+- :func:`describe_cuda_kv` turns the KV tensors into a :class:`testbed.core.protocol.CudaKV`: each
   distinct storage exported once (``UntypedStorage._share_cuda_``: the IPC handle of its
   ``cudaMalloc`` block, where it lies in it, torch's shared reference counter) and every layer
   located in one by its byte offset, shape and strides: views that are not contiguous export
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from connector.kv_copy import PagedKV
-from testbed import protocol as p
+from testbed.core import protocol as p
 
 ShareStorage = Callable[[torch.UntypedStorage], p.CudaStorage]
 """Exports one storage (:func:`share_storage`; tests substitute one for CPU tensors)."""

@@ -15,8 +15,8 @@ import hashlib
 import logging
 
 from connector.ops import RetrieveOp
-from testbed import protocol as p
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core import protocol as p
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Copying KV blocks between a worker's paged KV tensors and slots of the shared pool.
 
 Runs in each worker process (vLLM worker or the replay harness) in the ``worker`` transfer
-mode. The object layout is ``testbed.kv_layout``'s: per layer in order, the chunk's blocks as
+mode. The object layout is ``testbed.core.kv_layout``'s: per layer in order, the chunk's blocks as
 ``layer.index_select(block_dim, block_ids)``, contiguous. A round trip is bit-exact whatever
 the tensors' own strides, and the server-side copier (``server.kv_copier``) reads and writes
 the very same objects.
@@ -9,10 +9,10 @@ the very same objects.
 One call copies a whole operation: :meth:`PagedKV.store_chunks` / :meth:`PagedKV.load_chunks`
 take every chunk of a batch (``ChunkCopy(slot, block_ids, skip_blocks)``) and make one large
 copy per chunk and buffer, not one per block and layer. CPU tensors are copied by
-``testbed.block_copy`` through numpy views of their storage: single-threaded by default, the
+``testbed.core.block_copy`` through numpy views of their storage: single-threaded by default, the
 GIL released, and independent of ``torch.set_num_threads``, which is process-wide and also
 sizes vLLM's forward pass (see that module). CUDA tensors are copied by
-``testbed.torch_block_copy`` (gathered on the device, one copy to or from the host pool per
+``testbed.core.torch_block_copy`` (gathered on the device, one copy to or from the host pool per
 group of slots), synchronously: the pool holds the bytes when a call returns. Server-driven,
 CUDA KV is not copied here at all: the server maps it through CUDA IPC (``connector.cuda_ipc``).
 """
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from testbed import protocol as p
-from testbed.block_copy import BlockCopier, ChunkCopy, SlotLike
-from testbed.kv_layout import PagedLayout
-from testbed.torch_block_copy import TorchBlockCopier
+from testbed.core import protocol as p
+from testbed.core.block_copy import BlockCopier, ChunkCopy, SlotLike
+from testbed.core.kv_layout import PagedLayout
+from testbed.core.torch_block_copy import TorchBlockCopier
 
 PoolBuffer = np.ndarray | torch.Tensor
 """The pool as a flat uint8 numpy array or CPU tensor (``PoolMapping.array`` / ``.tensor``)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from connector.ops import RetrieveOp, StoreOp
 from connector.tracker import Phase, RequestTracker
-from testbed.keys import extend_chunk_hashes
+from testbed.core.keys import extend_chunk_hashes
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ from connector.planner import (
 )
 from connector.scheduler_client import ALL_TOKENS, SchedulerClient
 from connector.tracker import Admission, Phase, RequestTracker
-from testbed import telemetry
-from testbed.keys import KeyExtras, chunk_hashes
-from testbed.telemetry import attributes as a
+from testbed.core import telemetry
+from testbed.core.keys import KeyExtras, chunk_hashes
+from testbed.core.telemetry import attributes as a
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class RequestView:
     cache_salt: str = ""
     traceparent: str = ""
     key_extras: KeyExtras | None = None
-    """LoRA adapter and multimodal inputs: part of every chunk key (``testbed.keys``)."""
+    """LoRA adapter and multimodal inputs: part of every chunk key (``testbed.core.keys``)."""
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from connector.stats import StatsRecorder
-from testbed import protocol as p
-from testbed import telemetry
-from testbed.rpc import RpcClient, reply_timing
-from testbed.telemetry import SpanKind
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core import telemetry
+from testbed.core.rpc import RpcClient, reply_timing
+from testbed.core.telemetry import SpanKind
+from testbed.core.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ moved under the tensors, not the tensors replaced:
 1. one file in ``/dev/shm`` (else the temporary directory) holds every distinct storage of
    the layers, each at a page-aligned offset; its bytes are reserved when it is made (a file
    that does not fit is refused, never a ``SIGBUS`` mid-copy) and the worker holds its owner
-   lock (``testbed.owned_files``); the file is mapped shared and the storages' bytes are
+   lock (``testbed.core.owned_files``); the file is mapped shared and the storages' bytes are
    copied in;
 2. each storage then swaps its data pointer with a storage over its part of the mapping
    (``UntypedStorage._swap_data_ptr_``): every tensor and view of that storage keeps its
@@ -20,7 +20,7 @@ moved under the tensors, not the tensors replaced:
    the tensors (``tensor.numpy()``) still points at the freed allocation, so make such
    arrays after registration.
 
-:attr:`SharedKV.description` (a :class:`testbed.kv_layout.SharedKVFile`) is what a
+:attr:`SharedKV.description` (a :class:`testbed.core.kv_layout.SharedKVFile`) is what a
 registration message carries: the server maps the file with numpy (``server.kv_copier``) and
 copies blocks itself, in the pool object layout of ``connector.kv_copy``. The mapping lives
 as long as the tensors do; :meth:`SharedKV.close` only removes the file's name (the server
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from connector.kv_copy import PagedKV, storage_array
-from testbed.kv_layout import FILE_PREFIX, SharedKVFile
-from testbed.owned_files import create_reserved, owned_name
+from testbed.core.kv_layout import FILE_PREFIX, SharedKVFile
+from testbed.core.owned_files import create_reserved, owned_name
 
 _ALIGNMENT = mmap.PAGESIZE
 

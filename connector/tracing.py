@@ -22,9 +22,9 @@ import os
 import threading
 from pathlib import Path
 
-from testbed import telemetry
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import Tracing, TracingConfig, configure_tracing, otlp_exporter
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import Tracing, TracingConfig, configure_tracing, otlp_exporter
 
 SPAN_DIR_ENV = "KVTB_SPAN_DIR"
 """Environment variable: where the connector writes its spans (``kvtb.span_dir``)."""

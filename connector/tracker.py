@@ -17,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from testbed.keys import KeyExtras
+from testbed.core.keys import KeyExtras
 
 
 @dataclass(frozen=True)

@@ -71,10 +71,10 @@ from connector.worker_client import (
     kv_world_size,
     readers_per_object,
 )
-from testbed import protocol as p
-from testbed.credentials import client_token
-from testbed.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core.credentials import client_token
+from testbed.core.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
+from testbed.core.telemetry import attributes as a
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -2,7 +2,7 @@
 
 Used by :mod:`connector.vllm_connector` in vLLM's scheduler and worker processes; vLLM's types
 appear only in signatures. What comes out (:class:`connector.scheduler.RequestView`,
-:class:`connector.scheduler.ScheduledRequest`, :class:`testbed.keys.KeyExtras`) is plain data
+:class:`connector.scheduler.ScheduledRequest`, :class:`testbed.core.keys.KeyExtras`) is plain data
 the pure core works on.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from connector.scheduler import RequestView, ScheduledRequest
-from testbed.keys import KeyExtras, MultiModalInput
+from testbed.core.keys import KeyExtras, MultiModalInput
 
 if TYPE_CHECKING:
     import torch

@@ -40,12 +40,12 @@ from connector.kv_events import ChunkReport, store_reports
 from connector.ops import RetrieveOp, StoreOp
 from connector.shared_kv import SharedKV
 from connector.stats import StatsRecorder
-from testbed import protocol as p
-from testbed import telemetry
-from testbed.block_copy import ChunkCopy, item_copies
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable, reply_timing
-from testbed.telemetry import SpanKind
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core import telemetry
+from testbed.core.block_copy import ChunkCopy, item_copies
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable, reply_timing
+from testbed.core.telemetry import SpanKind
+from testbed.core.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
 

@@ -69,9 +69,9 @@ SITE=$(mktemp -d)/site
 step install 300 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target "$SITE" "$WHEELHOUSE"/*.whl || finish 1
 export PYTHONPATH=$SITE
-step install-check 120 bash -c "cd /tmp && '$PY' -c 'import server.app, connector.config, testbed.protocol, testbed.rpc; print(\"imports from\", server.app.__file__)' && '$PY' -m testbed.cli server --help >/dev/null" || finish 1
+step install-check 120 bash -c "cd /tmp && '$PY' -c 'import server.app, connector.config, testbed.core.protocol, testbed.core.rpc; print(\"imports from\", server.app.__file__)' && '$PY' -m testbed.cli server --help >/dev/null" || finish 1
 step server-start 120 "$PY" -c "
-from testbed.launch import ServerProcess
+from server.launch import ServerProcess
 with ServerProcess(['--capacity', '64MiB']).start() as server:
     print('server ready:', server.ready)
 " || finish 1

@@ -49,9 +49,9 @@ from server.connections import (
 from server.flags import add_config_arguments, config_from_args
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
-from testbed import protocol as p
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing
+from testbed.core import protocol as p
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 
 log = logging.getLogger("server")
 

@@ -2,11 +2,11 @@
 
 The embedded default: the server draws a client and an admin token at random when it starts
 and writes them to a token file (mode 0600, beside its pool) whose path the readiness line
-prints; launchers read it and pass the tokens on (``testbed.credentials``). ``--token-file
+prints; launchers read it and pass the tokens on (``testbed.core.credentials``). ``--token-file
 PATH`` keeps the tokens in a file of your choosing (created if missing, reused if present: a
 restarted server keeps its clients' credentials; refused if its group or others may read it).
 ``KVTB_TOKEN`` / ``KVTB_ADMIN_TOKEN`` set them explicitly. The server holds its token file's
-owner lock while it runs (``testbed.owned_files``: how ``kvtb clean`` and other servers know
+owner lock while it runs (``testbed.core.owned_files``: how ``kvtb clean`` and other servers know
 the file is live, in any PID namespace).
 
 Beyond loopback, tokens would travel in clear text; binding another interface therefore
@@ -25,14 +25,14 @@ from typing import Any
 
 import zmq
 
-from testbed.credentials import (
+from testbed.core.credentials import (
     ADMIN_TOKEN_ENV,
     TOKEN_ENV,
     Credentials,
     check_token,
     read_token_file,
 )
-from testbed.owned_files import OwnerLock, create_locked
+from testbed.core.owned_files import OwnerLock, create_locked
 
 __all__ = [
     "Credentials",

@@ -14,7 +14,7 @@ on the object of every KV rank, named by a random handle. Units go back by a ret
 unit per reading rank), an explicit free of a token range, the group's TTL, or the death of
 the client that took it. A *pin* protects an object while a worker copies out of it
 (retrieve begin → end). Eviction order comes from the policy's priority keys over one lazy
-heap (see ``server.policies``): O(log n) per eviction for every policy.
+heap (see ``testbed.core.policies``): O(log n) per eviction for every policy.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from server.policies import EvictionPolicy
 from server.pool import ExtentAllocator, align
+from testbed.core.policies import EvictionPolicy
 
 # Estimated index memory per object, lock-group chunk and session (CPython objects, dict and
 # heap entries); reported in stats so that memory outside the pool is visible.

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from testbed.append_file import AppendFile
+from testbed.core.append_file import AppendFile
 
 CHUNKS_DIR = "chunks"
 COLUMNS = (

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.auth import is_loopback
-from server.policies import POLICIES
-from testbed.bounds import Bound, out_of_bounds
-from testbed.protocol import POOL_MEDIA, PoolMedium
+from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.policies import POLICIES
+from testbed.core.protocol import POOL_MEDIA, PoolMedium
 
 DEFAULT_PORT = 5555
 PREFAULT_ALL = 1 << 50
@@ -53,7 +53,7 @@ class ServerConfig:
     """The GPU (local index) of a ``gpu`` pool."""
 
     policy: str = "lru"
-    """Eviction policy name (see ``server.policies.POLICIES``)."""
+    """Eviction policy name (see ``testbed.core.policies.POLICIES``)."""
 
     read_lock_ttl_s: float = 300.0
     """A lookup's read locks are released after this long if no retrieve or free came."""

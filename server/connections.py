@@ -15,7 +15,7 @@ credential; until then it is *pending*. Pending connections are closed
 
 Closing is a ``shutdown()`` of the connection (on a duplicate of ZeroMQ's descriptor, after
 checking it still leads to the same peer); ZeroMQ then sees the end of the stream and drops
-it. A legitimate client loses nothing: a DEALER reconnects by itself, and ``testbed.rpc``
+it. A legitimate client loses nothing: a DEALER reconnects by itself, and ``testbed.core.rpc``
 clients send a heartbeat (authenticated) as soon as they connect. Every close is counted
 (``unauthenticated_closed``) and logged, at most once per :data:`LOG_INTERVAL_S`.
 """

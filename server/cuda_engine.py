@@ -3,7 +3,7 @@
 Runs in the cache server (``server`` transfer mode with CUDA KV: LMCache's server-driven mode
 on GPU), imported only when a worker registers CUDA KV. The worker exported each KV storage
 once (``connector.cuda_ipc``); :class:`CudaEngineKV` opens them on the local device with the
-same UUID and copies with ``testbed.torch_block_copy`` on a stream of its own, in the object
+same UUID and copies with ``testbed.core.torch_block_copy`` on a stream of its own, in the object
 layout every other copy path uses. The pool is a ``pinned-host`` or ``gpu`` pool
 (``server.cuda_pools``): its :attr:`tensor`.
 
@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from testbed import protocol as p
-from testbed.block_runs import ChunkCopy
-from testbed.torch_block_copy import TorchBlockCopier
+from testbed.core import protocol as p
+from testbed.core.block_runs import ChunkCopy
+from testbed.core.torch_block_copy import TorchBlockCopier
 
 DONE_EVENTS = 64
 """Done events per engine (a ring)."""

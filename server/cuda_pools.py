@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from server.pool import SharedMemoryPool
-from testbed.protocol import PoolMedium
+from testbed.core.protocol import PoolMedium
 
 CUDA_HOST_REGISTER_PORTABLE = 1
 """``cudaHostRegisterPortable``: the pages count as pinned for every device's context."""

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig, flag_name
-from testbed import protocol as p
-from testbed.sizes import format_bytes, parse_bytes
-from testbed.typed_values import convert, field_docs, hints
+from testbed.core import protocol as p
+from testbed.core.sizes import format_bytes, parse_bytes
+from testbed.core.typed_values import convert, field_docs, hints
 
 GROUPS = {
     "deadlines (seconds)": lambda name: name.endswith("_s"),

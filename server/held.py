@@ -14,13 +14,13 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import TYPE_CHECKING
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 
 if TYPE_CHECKING:
-    from server.service import CacheService, Call
+    from server.context import Call, Service
 
 
-def held_by(s: CacheService, owner: str) -> p.Held:
+def held_by(s: Service, owner: str) -> p.Held:
     """What the sessions named ``<owner>:...`` hold now."""
     prefix = f"{owner}:"
     held = p.Held()
@@ -41,7 +41,7 @@ def held_by(s: CacheService, owner: str) -> p.Held:
     return held
 
 
-def get_held(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def get_held(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.GetHeld)
     return held_by(s, req.owner)
     yield

@@ -2,8 +2,8 @@
 
 Runs in the cache server (``server`` transfer mode, LMCache's ``lmcache_driven`` on CPU). A
 worker moved its KV tensors into a shared-memory file (``connector.shared_kv``) and
-registered its :class:`~testbed.kv_layout.SharedKVFile`; the server maps that file and does a
-store's or a retrieve's copies itself, with the same engine (``testbed.block_copy``) and in
+registered its :class:`~testbed.core.kv_layout.SharedKVFile`; the server maps that file and does a
+store's or a retrieve's copies itself, with the same engine (``testbed.core.block_copy``) and in
 the same object layout as the worker-side copy: an object stored in either mode retrieves
 bit-exact in the other. No torch here (the base install has none): numpy views of the file.
 
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from testbed import protocol as p
-from testbed.block_copy import BlockCopier, ChunkCopy
-from testbed.kv_layout import FILE_PREFIX, SharedKVFile
+from testbed.core import protocol as p
+from testbed.core.block_copy import BlockCopier, ChunkCopy
+from testbed.core.kv_layout import FILE_PREFIX, SharedKVFile
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 

@@ -14,16 +14,16 @@ from server import quotas
 from server.cache import CacheObject, Space
 from server.chunk_log import LOOKUP, TOUCH, namespace
 from server.state import ChunkRun, PendingLookup, Session
-from testbed import protocol as p
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core.telemetry import attributes as a
 
 if TYPE_CHECKING:
-    from server.service import CacheService, Call
+    from server.context import Call, Service
 
 HIT, IN_FLIGHT, ABSENT = "hit", "in_flight", "absent"
 
 
-def lookup(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def lookup(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.Lookup)
     s.check_chunks(len(req.chunk_hashes) * req.world_size)  # one object per chunk and rank
     session = s.session(call, req.session_id, create=True)
@@ -38,7 +38,7 @@ def lookup(s: CacheService, call: Call, req: p.Request) -> Generator[None, None,
     return (yield from _settle(s, call, session, pending))
 
 
-def lookup_poll(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def lookup_poll(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.LookupPoll)
     session = s.session(call, req.session_id, create=False)
     if session is None or session.pending is None:
@@ -49,13 +49,13 @@ def lookup_poll(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
 
 
 def _unknown_pending(session_id: str) -> Exception:
-    from server.service import ServiceError
+    from server.context import ServiceError
 
     return ServiceError("unknown_id", f"no pending lookup for session {session_id!r}")
 
 
 def _settle(
-    s: CacheService, call: Call, session: Session, pending: PendingLookup
+    s: Service, call: Call, session: Session, pending: PendingLookup
 ) -> Generator[None, None, p.Reply]:
     req = pending.request
     chunk_size = s.config.chunk_size
@@ -135,7 +135,7 @@ def _settle(
 
 
 def _statuses(
-    s: CacheService, call: Call, req: p.Lookup, *, full: bool
+    s: Service, call: Call, req: p.Lookup, *, full: bool
 ) -> Generator[None, None, tuple[list[str], list[CacheObject]]]:
     """Each chunk's state: ``hit`` (committed on every rank), ``in_flight`` (on every rank,
     not all committed), ``absent``; and the objects of the hit prefix, chunk then rank.
@@ -161,7 +161,7 @@ def _statuses(
     return statuses, hit_objects
 
 
-def free_locks(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def free_locks(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.FreeLocks)
     session = s.session(call, req.session_id, create=False)
     chunk_size = s.config.chunk_size
@@ -185,7 +185,7 @@ def free_locks(s: CacheService, call: Call, req: p.Request) -> Generator[None, N
     yield
 
 
-def end_session(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def end_session(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.EndSession)
     session = s.session(call, req.session_id, create=False)
     runs = [] if session is None else session.refresh

@@ -6,7 +6,7 @@ workers (``worker`` transfer mode) or by the server itself through
 allocator coalesces neighbouring free extents, so objects of several sizes (different models
 or layouts on one server) do not fragment the pool for good.
 
-Media. Where the pool lives is a closed set, :data:`testbed.protocol.PoolMedium`
+Media. Where the pool lives is a closed set, :data:`testbed.core.protocol.PoolMedium`
 (``server.pools`` makes a pool of each). The file here lives in one of two of them
 (:data:`FileMedium`): ``shm`` (``/dev/shm``, the default) or ``disk`` (a directory, chosen
 explicitly: copies then go through the page cache of a file system, and their times say so);
@@ -15,7 +15,7 @@ itself; the medium is recorded in the readiness line, the server's configuration
 every run summary (``pool_medium``).
 
 Memory promised is there. The pool's bytes are reserved when it is created
-(``testbed.owned_files.create_reserved``: ``posix_fallocate``, which on tmpfs allocates the
+(``testbed.core.owned_files.create_reserved``: ``posix_fallocate``, which on tmpfs allocates the
 pages), so no copy into it can fault for want of memory later, whatever other processes do
 to ``/dev/shm``; a pool that does not fit is refused at once, naming its size and what is
 free. Its owner lock marks the file live for ``kvtb clean`` and other servers' reclaim.
@@ -43,8 +43,8 @@ from typing import Literal
 
 import numpy as np
 
-from testbed.owned_files import create_reserved, owned_name
-from testbed.protocol import PoolMedium
+from testbed.core.owned_files import create_reserved, owned_name
+from testbed.core.protocol import PoolMedium
 
 FileMedium = Literal["shm", "disk"]
 """Where a pool file lives: ``/dev/shm`` or a directory on disk."""
@@ -171,7 +171,7 @@ class SharedMemoryPool:
     """A file of ``size`` bytes, reserved, that workers map shared, mapped here too.
 
     In ``/dev/shm`` (``medium="shm"``) or in ``directory`` (``medium="disk"``, default: the
-    temporary directory). Raises ``testbed.owned_files.InsufficientSpace`` when the medium
+    temporary directory). Raises ``testbed.core.owned_files.InsufficientSpace`` when the medium
     cannot hold it. Context manager; :meth:`close` unmaps and removes the file.
     """
 

@@ -3,7 +3,7 @@
 Runs in the cache server. A pool is ``capacity_bytes`` of memory that objects are allocated in
 (``server.pool.ExtentAllocator``); capacity, eviction, locks and ownership work the same
 whatever its medium, since they act on slots, never on the memory. The media are a closed set
-(:data:`testbed.protocol.PoolMedium`):
+(:data:`testbed.core.protocol.PoolMedium`):
 
 - ``shm``: a shared-memory file in ``/dev/shm`` (``server.pool.SharedMemoryPool``) that workers
   map; the default on a machine without a CUDA device;
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from server.pool import SharedMemoryPool
-from testbed.protocol import PoolMedium
+from testbed.core.protocol import PoolMedium
 
 NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 """Present where an NVIDIA driver is loaded: checked before importing torch to look for GPUs."""

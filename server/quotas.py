@@ -13,7 +13,7 @@ the others go on:
 - ``max_inflight_ops_per_client``: stores and retrieves begun and not finished (refused);
 - ``max_pending_lookups_per_client``: lookups left pending on in-flight stores (answered).
 
-A refusal is an ``Error`` with code ``quota`` (``testbed.protocol.LIMIT_CODES``) naming the
+A refusal is an ``Error`` with code ``quota`` (``testbed.core.protocol.LIMIT_CODES``) naming the
 quota and its flag; clients count it as a limit refusal, not as a failure of the server. Over
 the pending-lookup quota a lookup is answered at once (the chunk whose store is in flight is
 then a miss, ``in_flight``) instead of waiting: nothing is refused.
@@ -26,37 +26,37 @@ from typing import TYPE_CHECKING
 from server.state import ClientState
 
 if TYPE_CHECKING:
-    from server.service import CacheService, ServiceError
+    from server.context import Service, ServiceError
 
 
-def check_sessions(s: CacheService, client: ClientState) -> None:
+def check_sessions(s: Service, client: ClientState) -> None:
     """Refuses a new session of ``client`` beyond ``max_sessions_per_client``."""
     quota = s.config.max_sessions_per_client
     if len(client.sessions) >= quota:
         raise _refuse(s, "max_sessions_per_client", quota, "live sessions")
 
 
-def tracked_fits(s: CacheService, client: ClientState, added: int) -> bool:
+def tracked_fits(s: Service, client: ClientState, added: int) -> bool:
     """Whether ``client`` may track ``added`` more chunks within
     ``max_tracked_chunks_per_client`` (its lock groups and its sessions' refresh lists)."""
     tracked = s.cache.locked_chunks_of(client.client_id) + client.tracked_chunks
     return added <= 0 or tracked + added <= s.config.tracked_chunks_quota
 
 
-def refuse_tracked(s: CacheService) -> ServiceError:
+def refuse_tracked(s: Service) -> ServiceError:
     """The refusal of a lookup that would take ``client`` over its tracked-chunks quota."""
     quota = s.config.tracked_chunks_quota
     return _refuse(s, "max_tracked_chunks_per_client", quota, "tracked chunks")
 
 
-def check_ops(s: CacheService, client: ClientState) -> None:
+def check_ops(s: Service, client: ClientState) -> None:
     """Refuses a store or retrieve of ``client`` beyond ``max_inflight_ops_per_client``."""
     quota = s.config.max_inflight_ops_per_client
     if len(client.stores) + len(client.retrieves) >= quota:
         raise _refuse(s, "max_inflight_ops_per_client", quota, "operations in flight")
 
 
-def may_wait(s: CacheService, client: ClientState) -> bool:
+def may_wait(s: Service, client: ClientState) -> bool:
     """Whether one more lookup of ``client`` may be left pending (else it settles now)."""
     pending = 0
     for session_id in client.sessions:
@@ -68,8 +68,8 @@ def may_wait(s: CacheService, client: ClientState) -> bool:
     return False
 
 
-def _refuse(s: CacheService, name: str, value: int, what: str) -> ServiceError:
-    from server.service import ServiceError
+def _refuse(s: Service, name: str, value: int, what: str) -> ServiceError:
+    from server.context import ServiceError
 
     s.counters.refused_quotas += 1
     flag = "--" + name.replace("_", "-")

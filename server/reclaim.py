@@ -4,7 +4,8 @@ A server's pool (``kvtb-pool-<pid>-<hex>``, up to its capacity of RAM in ``/dev/
 default token file (``kvtb-token-<pid>-<hex>.json``) and a worker's shared KV file
 (``kvtb-kv-<pid>-<hex>``, server-driven transfers) are each removed on every exit their owner
 can catch. Their owner holds an advisory lock on each for its lifetime
-(``testbed.owned_files``); a server start (and ``kvtb clean``) removes those whose lock is free:
+(``testbed.core.owned_files``); a server start (and ``kvtb clean``) removes those whose lock is
+free:
 their owner is gone, whatever PID namespace it ran in (the pid in the name is only a label: a
 container sharing ``/dev/shm`` has pids of its own). Files of live owners, and of other
 users, are left alone; so are files of earlier versions (8 hex digits: their owners held no
@@ -17,7 +18,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from testbed.owned_files import OWNED_HEX_DIGITS, owned_name, remove_if_abandoned
+from testbed.core.owned_files import OWNED_HEX_DIGITS, owned_name, remove_if_abandoned
 
 SERVER_FILE = re.compile(r"kvtb-(?:pool|token|kv)-(\d+)-([0-9a-f]+)(?:\.json)?")
 """Names of the files servers and workers own: the owner's pid (a label), a random part."""

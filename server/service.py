@@ -42,8 +42,8 @@ from server.auth import Credentials
 from server.cache import Eviction, KVCache, Released
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
+from server.context import Call, ServiceError
 from server.eviction_feed import EvictionFeed
-from server.policies import make_policy
 from server.pool import ExtentAllocator
 from server.pools import make_pool
 from server.state import (
@@ -57,45 +57,19 @@ from server.state import (
     PendingLookup,
     Session,
 )
-from testbed import protocol as p
-from testbed import telemetry
-from testbed.telemetry import SpanKind
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core import telemetry
+from testbed.core.policies import make_policy
+from testbed.core.telemetry import SpanKind
+from testbed.core.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
 
 SERVER_VERSION = "kvtestbed-server/2"
-SLICE_UNITS = 512
 """Chunk operations one request may do before other clients are served (about 1-2 ms)."""
 MAX_LINKS = 64
 
 Handler = Callable[["CacheService", "Call", p.Request], Generator[None, None, p.Reply]]
-
-
-class ServiceError(Exception):
-    def __init__(self, code: p.ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class Call:
-    """One request being handled: who sent it, its span, and its work so far."""
-
-    client: ClientState
-    request: p.Request
-    span: telemetry.Span
-    span_id: str
-    traceparent: str
-    work: int = 0
-
-    def spend(self, units: int = 1) -> bool:
-        """Counts work; True when the request has used its slice (the handler yields)."""
-        self.work += units
-        if self.work >= SLICE_UNITS:
-            self.work = 0
-            return True
-        return False
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from server.cache import CacheObject, ObjectKey, Space
-from testbed import protocol as p
+from testbed.core import protocol as p
 
 SESSION_INDEX_BYTES = 400
 TRACKED_CHUNK_INDEX_BYTES = 60

@@ -15,20 +15,20 @@ from server import quotas
 from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
 from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
-from testbed import protocol as p
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core.telemetry import attributes as a
 
 if TYPE_CHECKING:
-    from server.service import CacheService, Call
+    from server.context import Call, Service
 
 
 def _error(code: p.ErrorCode, message: str) -> Exception:
-    from server.service import ServiceError
+    from server.context import ServiceError
 
     return ServiceError(code, message)
 
 
-def register(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def register(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.RegisterWorker)
     if req.kv_rank >= req.world_size:
         raise _error("invalid", f"kv_rank {req.kv_rank} >= world_size {req.world_size}")
@@ -82,7 +82,7 @@ def register(s: CacheService, call: Call, req: p.Request) -> Generator[None, Non
     yield
 
 
-def _open_engine(s: CacheService, req: p.RegisterWorker) -> tuple[Any, Any]:
+def _open_engine(s: Service, req: p.RegisterWorker) -> tuple[Any, Any]:
     """Server-driven: the worker's KV mapped here and the pool as its engine copies to and
     from it; ``(None, None)`` when the worker copies itself. Refuses what this pool cannot
     serve."""
@@ -124,7 +124,7 @@ def _open_engine(s: CacheService, req: p.RegisterWorker) -> tuple[Any, Any]:
         raise _error("invalid", f"cannot map the worker's shared KV: {exc}") from None
 
 
-def unregister(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def unregister(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     client = call.client
     for op_id in list(client.stores):
         finish_store(s, client, op_id, ok=False)
@@ -137,7 +137,7 @@ def unregister(s: CacheService, call: Call, req: p.Request) -> Generator[None, N
     yield
 
 
-def _worker_op(s: CacheService, call: Call, req: p.StoreBegin | p.RetrieveBegin) -> Worker:
+def _worker_op(s: Service, call: Call, req: p.StoreBegin | p.RetrieveBegin) -> Worker:
     worker = call.client.worker
     if worker is None:
         raise _error(
@@ -162,7 +162,7 @@ def _worker_op(s: CacheService, call: Call, req: p.StoreBegin | p.RetrieveBegin)
 # ---------------------------------------------------------------------------------------------
 
 
-def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def store_begin(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.StoreBegin)
     worker = _worker_op(s, call, req)
     eviction = Eviction(reason="capacity")
@@ -264,7 +264,7 @@ def store_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, 
 
 
 def _server_store_copy(
-    s: CacheService,
+    s: Service,
     call: Call,
     worker: Worker,
     req: p.StoreBegin,
@@ -275,7 +275,7 @@ def _server_store_copy(
     (other clients are served in between), after the engine's ready event (CUDA); returns
     ``(True, done descriptor, done event)`` (both ``None`` for CPU copies, which are done). A
     failure drops the reservations once no copy can still write into them."""
-    from testbed.block_copy import item_copies
+    from testbed.core.block_copy import item_copies
 
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
     started = time.perf_counter()
@@ -313,7 +313,7 @@ def _settle_after_failure(engine: Any) -> None:
         done.synchronize()
 
 
-def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def store_commit(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.StoreCommit)
     store = call.client.stores.get(req.op_id)
     if store is None:
@@ -340,9 +340,7 @@ def store_commit(s: CacheService, call: Call, req: p.Request) -> Generator[None,
     yield
 
 
-def finish_store(
-    s: CacheService, client: ClientState, op_id: int, ok: bool, span_id: str = ""
-) -> int:
+def finish_store(s: Service, client: ClientState, op_id: int, ok: bool, span_id: str = "") -> int:
     """Commits (``ok``) or drops the reservations of a store; returns the objects committed.
     Asynchronous copies into its slots are settled first."""
     store = client.stores.pop(op_id)
@@ -382,7 +380,7 @@ def finish_store(
 # ---------------------------------------------------------------------------------------------
 
 
-def retrieve_begin(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def retrieve_begin(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.RetrieveBegin)
     worker = _worker_op(s, call, req)
     items: list[tuple[str, bytes, list[ObjectKey], list[bool]]] = []
@@ -428,14 +426,14 @@ def retrieve_begin(s: CacheService, call: Call, req: p.Request) -> Generator[Non
 
 
 def _server_retrieve_copy(
-    s: CacheService, call: Call, worker: Worker, req: p.RetrieveBegin, plans: list[p.ItemSlots]
+    s: Service, call: Call, worker: Worker, req: p.RetrieveBegin, plans: list[p.ItemSlots]
 ) -> Generator[None, None, p.Reply]:
     """Server-driven: copies the pinned objects into the engine's blocks (never the first
     ``skip_blocks`` of an item), after the engine's ready event (CUDA). CPU copies are done
     here, so the retrieve ends as ``RetrieveEnd`` would: unpinned, the items' lock units
     released. CUDA copies complete with the plan's done event: the pins hold until the worker's
     ``RetrieveEnd`` (or the deadline). A failed item's chunks count as missing."""
-    from testbed.block_copy import item_copies
+    from testbed.core.block_copy import item_copies
 
     per_chunk = s.config.chunk_size // worker.request.layout.block_size
     engine = worker.engine
@@ -470,7 +468,7 @@ def _server_retrieve_copy(
     return p.RetrievePlan(op_id=req.op_id, items=plans, copied=True, num_locks_released=released)
 
 
-def retrieve_end(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def retrieve_end(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.RetrieveEnd)
     retrieve = call.client.retrieves.get(req.op_id)
     if retrieve is None:
@@ -493,7 +491,7 @@ def retrieve_end(s: CacheService, call: Call, req: p.Request) -> Generator[None,
 
 
 def finish_retrieve(
-    s: CacheService, client: ClientState, op_id: int, ok: list[bool], span_id: str = ""
+    s: Service, client: ClientState, op_id: int, ok: list[bool], span_id: str = ""
 ) -> int:
     """Unpins a retrieve's objects and releases one lock unit per chunk of each item's lock
     group (whatever ``ok`` says: per item, may be short); returns the units released.
@@ -532,7 +530,7 @@ def finish_retrieve(
 # ---------------------------------------------------------------------------------------------
 
 
-def abort(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def abort(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.Abort)
     client = call.client
     aborted = 0
@@ -549,7 +547,7 @@ def abort(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, 
     yield
 
 
-def drop_objects(s: CacheService, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
+def drop_objects(s: Service, call: Call, req: p.Request) -> Generator[None, None, p.Reply]:
     assert isinstance(req, p.DropObjects)
     if req.chunk_hashes:
         keys = [k for h in req.chunk_hashes for k in s.cache.keys_with_hash(h)]

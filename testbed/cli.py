@@ -29,9 +29,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from testbed.credentials import ServerEndpoint, client_token
+from server.launch import ServerStartError
+from testbed.core.credentials import ServerEndpoint, client_token
+from testbed.core.paths import absolute_path
 from testbed.extras import MissingExtra, require_engines, require_lab
-from testbed.launch import ServerStartError
 from testbed.run_flags import (
     add_data_dir_argument,
     add_set_argument,
@@ -39,7 +40,6 @@ from testbed.run_flags import (
     assignments,
     spec_from_args,
 )
-from testbed.spec_inputs import absolute_path
 from testbed.version import package_version
 
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from testbed.owned_files import free_bytes
-from testbed.protocol import PoolMedium
-from testbed.sizes import format_bytes
+from testbed.core.owned_files import free_bytes
+from testbed.core.protocol import PoolMedium
+from testbed.core.sizes import format_bytes
 
 if TYPE_CHECKING:
     from testbed.runspec import RunSpec

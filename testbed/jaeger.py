@@ -34,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.analysis.spans import BASE_COLUMNS, load_events, load_spans
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 _KIND_TAG = {"SERVER": "server", "CLIENT": "client", "PRODUCER": "producer", "CONSUMER": "consumer"}
 _RESOURCE = "resource."

@@ -33,14 +33,12 @@ import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # files only, no display
-
 from testbed.analysis import attribution_plots, capacity_whatif, fleet, fleet_plots, metrics, plots
 from testbed.analysis.headline import headline
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import figure_axes
+from testbed.core.telemetry import attributes as a
 from testbed.sweep.index import COMPLETE, build_index, read_manifest
-from testbed.telemetry import attributes as a
 
 TABLE_COLUMNS = [
     "summary_requests",
@@ -65,6 +63,7 @@ _MAX_CDF_RUNS = 12
 
 def write_report(sweep_dir: Path) -> Path:
     """Writes the report of ``sweep_dir``; returns the path of ``report.md``."""
+    matplotlib.use("Agg")  # files only, no display
     sweep_dir = Path(sweep_dir)
     manifest = read_manifest(sweep_dir)
     index = build_index(sweep_dir)

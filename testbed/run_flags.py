@@ -13,17 +13,17 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from testbed.core.paths import absolute_path
+from testbed.core.sizes import parse_bytes
+from testbed.core.typed_values import convert
 from testbed.runspec import DERIVED_KEYS, RunSpec
-from testbed.sizes import parse_bytes
 from testbed.spec_inputs import (
     DATA_DIR_ENV,
     InputContext,
-    absolute_path,
     data_dir,
     resolve_values,
     with_sampling_from_environment,
 )
-from testbed.typed_values import convert
 
 _PARAM_FLAGS = {
     "workload_params": ("--workload-param", "workload generator"),

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from testbed.telemetry.setup import SPANS_DIR
+from testbed.core.telemetry.setup import SPANS_DIR
 
 SERVER_SERVICE = "kvtb-server"
 

@@ -28,14 +28,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.policies import POLICIES
-from testbed.bounds import Bound, out_of_bounds
-from testbed.engine.profiles import PROFILES, KVProfile, get_profile
-from testbed.protocol import POOL_MEDIA
-from testbed.sizes import parse_bytes
-from testbed.telemetry import sampling
-from testbed.telemetry.sampling import DEFAULT_SAMPLER
-from testbed.typed_values import convert, hints, type_name
+from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.policies import POLICIES
+from testbed.core.protocol import POOL_MEDIA
+from testbed.core.sizes import parse_bytes
+from testbed.core.telemetry import sampling
+from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
+from testbed.core.typed_values import convert, hints, type_name
+from testbed.models.profiles import PROFILES, KVProfile, get_profile
 
 ENGINES = ("replay", "fleet", "vllm", "serve", "oracle")
 FLEET_SERVERS = ("shared", "per-instance")
@@ -217,7 +217,7 @@ class RunSpec:
             )
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
-        from testbed.engine.time_model import FLAT, HARDWARE
+        from testbed.models.time_model import FLAT, HARDWARE
 
         if self.time_profile not in (FLAT, *HARDWARE):
             problems.append(

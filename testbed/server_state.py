@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from testbed import protocol as p
-from testbed.credentials import ServerEndpoint
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core import protocol as p
+from testbed.core.credentials import ServerEndpoint
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 
 def server_state_after(endpoint: ServerEndpoint, owners: Sequence[str]) -> dict[str, Any] | None:

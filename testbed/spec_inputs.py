@@ -14,7 +14,7 @@ sweep file) into values that mean the same from any working directory and in any
   changes them; ``spec.json`` records the path it was read from). A file hashes its bytes; a
   directory its files (hidden ones left out) in sorted order, each with its relative name.
 - **Sampling.** ``OTEL_TRACES_SAMPLER`` / ``_ARG`` become the keys ``trace_sampler`` and
-  ``trace_sampler_ratio`` unless the values set them (:mod:`testbed.telemetry.sampling`).
+  ``trace_sampler_ratio`` unless the values set them (:mod:`testbed.core.telemetry.sampling`).
 
 Nothing here writes; a digest is read once per file version (cached by size and mtime).
 """
@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.telemetry.sampling import from_environment
+from testbed.core.paths import absolute as _absolute
+from testbed.core.telemetry.sampling import from_environment
 
 DATA_DIR_ENV = "KVTB_DATA_DIR"
 """Environment variable: the data directory (the public traces), as ``--data-dir`` sets it."""
@@ -180,14 +181,3 @@ def _trace_path(raw: str, context: InputContext, workload: str) -> Path:
     if not path.exists():
         raise ValueError(f"{context.source}: workload {workload!r}: {path} does not exist{where}")
     return path
-
-
-def absolute_path(text: str | Path) -> Path:
-    """A path flag as an absolute path, against the working directory at parse time
-    (``type=absolute_path`` in argparse): no process later reads it against its own."""
-    return _absolute(Path(text).expanduser(), Path.cwd())
-
-
-def _absolute(path: Path, base: Path) -> Path:
-    """``path`` made absolute against ``base``, ``..`` folded, symbolic links kept."""
-    return Path(os.path.normpath(base / path))

@@ -22,10 +22,10 @@ from testbed.analysis.attribution import CATEGORIES, attribution, token_causes
 from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
 from testbed.analysis.fleet import routed_summary
 from testbed.analysis.tables import Run
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.sampling import describe, records_every_trace
 from testbed.engine.results import EngineResult
 from testbed.runspec import RunSpec
-from testbed.telemetry import attributes as a
-from testbed.telemetry.sampling import describe, records_every_trace
 
 _TIMING_PARTS = {
     "lookup": (("server", a.SERVER_MS), ("poll_wait", a.POLL_WAIT_MS)),

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from testbed.sizes import format_bytes
+from testbed.core.sizes import format_bytes
 
 
 def summary_lines(summary: Mapping[str, Any], run_dir: Path) -> list[str]:

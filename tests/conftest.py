@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.launch import ServerProcess
+from server.launch import ServerProcess
 
 StartServer = Callable[..., ServerProcess]
 SMALL_SWEEP = """

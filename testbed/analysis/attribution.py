@@ -32,7 +32,7 @@ import pandas as pd
 
 from testbed.analysis.routing import overlap, route_table, routing_region
 from testbed.analysis.tables import Run
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 CATEGORIES = (
     "engine",
@@ -55,7 +55,8 @@ CHUNK_CAUSES = ("in_flight", "capacity", "cold")
 """The causes read from the chunk log."""
 LOOKUP_OK, LOOKUP_UNAVAILABLE, LOOKUP_NONE = "ok", "unavailable", "none"
 LOOKUP_REFUSED = "refused"
-"""The server answered the lookup with a limit or quota error (``testbed.protocol.LIMIT_CODES``):
+"""The server answered the lookup with a limit or quota error
+(``testbed.core.protocol.LIMIT_CODES``):
 up and reachable, it declined to take more for this client."""
 CHUNK_HIT, CHUNK_IN_FLIGHT, CHUNK_ABSENT = "hit", "in_flight", "absent"
 

@@ -19,7 +19,7 @@ import pandas as pd
 
 from testbed.analysis import metrics
 from testbed.analysis.tables import Run
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from testbed.analysis.plots import axis_label
 from testbed.analysis.source import ORACLE, Source, value_text
 from testbed.analysis.tables import compare_to_oracle
 from testbed.analysis.ttft import ttft_clock
-from testbed.sizes import format_bytes
-from testbed.telemetry import attributes as a
+from testbed.core.sizes import format_bytes
+from testbed.core.telemetry import attributes as a
 
 MIB = 2**20
 PANELS: dict[str, tuple[str, float]] = {

@@ -33,7 +33,7 @@ from testbed.analysis.request_ids import examples, find_rows
 from testbed.analysis.routing import route_table
 from testbed.analysis.spans import is_run_dir
 from testbed.analysis.tables import Run
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 _HITS = ("engine", "external")
 _REMOVALS = ("evict", "drop", "expire")

@@ -30,7 +30,7 @@ from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
 from testbed.analysis.tables import Run
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 PARTS = {"waiting": a.POLL_WAIT_MS, "server": a.SERVER_MS, "copy": a.COPY_MS}
 """Part name → span attribute, in stacking order."""

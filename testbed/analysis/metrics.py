@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
-from testbed.protocol import LIMIT_CODES, ErrorCode
-from testbed.telemetry import attributes as a
+from testbed.core.protocol import LIMIT_CODES, ErrorCode
+from testbed.core.telemetry import attributes as a
 
 OPERATIONS = {
     "lookup": a.CONNECTOR_LOOKUP,

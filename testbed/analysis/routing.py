@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 ROUTE_COLUMNS = (
     "workload_request_id",

@@ -1,4 +1,4 @@
-"""OTLP JSON lines (a span file) → span and event tables (``testbed.telemetry.span_table``).
+"""OTLP JSON lines (a span file) → span and event tables (``testbed.core.telemetry.span_table``).
 
 The fallback of ``load_spans`` for a process without a columnar copy (one that did not shut
 down, a collector's file, a run written before copies existed). The file is parsed by
@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from testbed.telemetry import span_table as st
+from testbed.core.telemetry import span_table as st
 
 _BLOCK_BYTES = 64 << 20  # larger than any line the exporter writes (one batch of spans)
 _SCALAR_FIELDS = {

@@ -14,7 +14,8 @@ the run directory's name), ``start_time`` (UTC timestamps), ``end_time, duration
 ``"trace_id:span_id"``, empty when none),
 ``resource.<key>`` per other resource attribute (the process's: engine, workload, chunk size,
 ...), then one column per span attribute under its own name (``kvcache.tokens.hit``, ...; see
-``testbed.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's, else
+``testbed.core.telemetry.attributes``). ``kvcache.instance`` (a fleet's instance) is the span's,
+else
 its process's (a vLLM server of a fleet names its instance in its resource). Rows of a run are
 in start-time order.
 
@@ -23,7 +24,7 @@ with the ``run_id`` of the run directory they were read from.
 Each process's spans are read from its columnar copy (``<stem>.spans.arrow`` and
 ``<stem>.events.arrow`` beside ``<stem>.jsonl``, written when its tracing shut down) when it
 has a whole one, else from its OTLP JSON lines (:mod:`testbed.analysis.span_json`); both give
-the span tables of :mod:`testbed.telemetry.span_table`, and the DataFrames are built from
+the span tables of :mod:`testbed.core.telemetry.span_table`, and the DataFrames are built from
 those alone, so a run loads to the same DataFrame either way.
 """
 
@@ -40,10 +41,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from testbed.analysis.span_json import read_tables
-from testbed.telemetry import attributes as a
-from testbed.telemetry import collector
-from testbed.telemetry import span_table as st
-from testbed.telemetry.setup import SPANS_DIR
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry import collector
+from testbed.core.telemetry import span_table as st
+from testbed.core.telemetry.setup import SPANS_DIR
 
 SUMMARY_FILE = "summary.json"  # written last by a run (testbed.run): a complete run
 SWEEP_FILE = "sweep.json"  # a sweep's manifest (testbed.sweep.index): its run ids in order

@@ -12,7 +12,7 @@ import pandas as pd
 
 from testbed.analysis.chunklog import has_chunk_log, load_chunk_log
 from testbed.analysis.spans import load_events, load_spans
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 ENGINE_REQUEST_COLUMNS = {
     a.REQUEST_ID: "request_id",

@@ -18,8 +18,8 @@ from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
 from connector.worker_client import WorkerClient, WorkerIdentity
-from testbed.engine.profiles import KVProfile
-from testbed.rpc import RpcClient
+from testbed.core.rpc import RpcClient
+from testbed.models.profiles import KVProfile
 
 BLOCK_SIZE = 32
 """vLLM's CPU default."""

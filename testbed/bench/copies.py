@@ -41,10 +41,10 @@ from connector.kv_copy import PagedKV
 from connector.shared_kv import SharedKV
 from server.kv_copier import EngineKV
 from server.pool import SharedMemoryPool
-from testbed import protocol as p
 from testbed.bench.tables import table
-from testbed.block_copy import ChunkCopy
-from testbed.engine.profiles import KVProfile, get_profile
+from testbed.core import protocol as p
+from testbed.core.block_copy import ChunkCopy
+from testbed.models.profiles import KVProfile, get_profile
 
 CHUNK_TOKENS = 256
 MODE_ORDER = ["memcpy", "worker", "server", "torch/layer"]

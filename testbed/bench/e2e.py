@@ -8,24 +8,19 @@ import random
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure, missing
 from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
 from testbed.bench.processes import BenchProcesses
 from testbed.bench.stats import Ratio, Spread
-from testbed.bench.vllm_e2e import EngineChild, start_our_engine
+from testbed.bench.vllm_e2e import Answers, EngineChild, series, start_our_engine
 
-Answers = dict[tuple[int, str], list[dict[str, Any]]]
-"""(prompt length, engine) → one answer per sample: ``first`` and ``second`` passes."""
-PEER_PAIRS = {"worker": "LMCache engine_driven", "server": "LMCache lmcache_driven"}
-"""Our transfer modes and LMCache's equivalents (the worker copies; the server copies)."""
 HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hit_16k_vs_recompute"}
 
 
 def section(config: BenchConfig) -> SectionResult:
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
 
     lengths, samples = config.e2e_lengths, config.e2e_samples
     max_len = -(-max(lengths) // BLOCK) * BLOCK
@@ -95,10 +90,6 @@ def ask_all(
     return answers
 
 
-def series(answers: Answers, length: int, engine: str, pass_: str, field: str) -> list[float]:
-    return [float(a[pass_][field]) for a in answers[(length, engine)]]
-
-
 def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure]:
     def ratio(length: int, engine: str, pass_: str) -> Ratio:
         return Ratio.of(
@@ -145,7 +136,7 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
 def rpc_figure(run_dir: Path) -> Figure:
     """A store's round trip inside vLLM, from the worker configuration's spans."""
     from testbed.analysis import load_spans
-    from testbed.telemetry import attributes as a
+    from testbed.core.telemetry import attributes as a
 
     spans = load_spans(run_dir)
     stores = spans[(spans["name"] == a.CONNECTOR_STORE) & spans[a.OK].eq(True)]

@@ -19,8 +19,8 @@ import statistics
 import time
 
 from server.cache import Eviction, KVCache, ObjectKey, Space
-from server.policies import POLICIES, make_policy
 from testbed.bench.tables import table
+from testbed.core.policies import POLICIES, make_policy
 
 OBJECT_BYTES = 4096
 

@@ -16,7 +16,7 @@ pinned host, D2D for GPU memory). All on the engine's stream, timed with CUDA ev
 Calibration: prefill times of a random-weight Llama-3-8B (``testbed.bench.gpu_prefill``) at a few
 prompt lengths, the load time of the same tokens' KV from each pool (the server's copy into
 the engine's blocks), and the H200 profile's measured figures fitted to them
-(``testbed.engine.calibration``), written as ``h200_calibration.toml``.
+(``testbed.models.calibration``), written as ``h200_calibration.toml``.
 
     python -m testbed.bench.gpu_data_path --out DIR [--chunks 8] [--rounds 20]
 """
@@ -39,13 +39,13 @@ import torch
 
 from server.cuda_engine import CudaEngineKV
 from server.pools import make_pool
-from testbed import protocol as p
 from testbed.bench.gpu_prefill import RandomLlama, prefill_ms
 from testbed.bench.tables import table
-from testbed.block_runs import ChunkCopy
-from testbed.engine.calibration import calibrate, calibration_toml
-from testbed.engine.profiles import get_profile
-from testbed.engine.time_model import HARDWARE
+from testbed.core import protocol as p
+from testbed.core.block_runs import ChunkCopy
+from testbed.models.calibration import calibrate, calibration_toml
+from testbed.models.profiles import get_profile
+from testbed.models.time_model import HARDWARE
 
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 16

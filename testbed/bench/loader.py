@@ -16,14 +16,14 @@ import json
 import time
 from pathlib import Path
 
-from testbed import telemetry
 from testbed.analysis import load_spans
 from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure
 from testbed.bench.stats import Ratio, Spread, interleave
-from testbed.telemetry import SpanKind
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing
+from testbed.core import telemetry
+from testbed.core.telemetry import SpanKind
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 
 
 def write_spans(run_dir: Path, count: int) -> int:

@@ -34,8 +34,8 @@ def section(config: BenchConfig) -> SectionResult:
 
 
 def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
-    from testbed.engine.profiles import get_profile
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
+    from testbed.models.profiles import get_profile
 
     rounds = config.rounds
     profile = get_profile("llama3-8b")
@@ -99,10 +99,10 @@ def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
 
 
 def tracing_per_op(config: BenchConfig) -> Table:
-    from testbed import telemetry
-    from testbed.engine.profiles import get_profile
-    from testbed.launch import ServerProcess
-    from testbed.telemetry.setup import TracingConfig, configure_tracing
+    from server.launch import ServerProcess
+    from testbed.core import telemetry
+    from testbed.core.telemetry.setup import TracingConfig, configure_tracing
+    from testbed.models.profiles import get_profile
 
     rounds = 5 if config.quick else 200
     work = config.work_dir / "tracing-per-op"

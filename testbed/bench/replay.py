@@ -38,8 +38,8 @@ CELLS = (
 
 
 def section(config: BenchConfig) -> SectionResult:
-    from testbed.engine.profiles import get_profile
     from testbed.engine.replay import ReplaySpec
+    from testbed.models.profiles import get_profile
     from testbed.run import max_model_len
     from testbed.workloads import make_workload
 
@@ -139,11 +139,11 @@ def _replay(
     import dataclasses
     import time
 
-    from testbed import telemetry
-    from testbed.credentials import ServerEndpoint
+    from server.launch import ServerProcess
+    from testbed.core import telemetry
+    from testbed.core.credentials import ServerEndpoint
+    from testbed.core.telemetry.setup import TracingConfig, configure_tracing
     from testbed.engine.replay import ReplayEngine
-    from testbed.launch import ServerProcess
-    from testbed.telemetry.setup import TracingConfig, configure_tracing
 
     run_dir.mkdir(parents=True, exist_ok=True)
     args = ["--chunk-size", str(CHUNK_SIZE), "--capacity", CAPACITY]

@@ -41,8 +41,18 @@ from testbed.bench.peer.engine_protocol import (
 )
 from testbed.bench.processes import BenchProcesses
 
+Answers = dict[tuple[int, str], list[dict[str, Any]]]
+"""(prompt length, engine) → one answer per sample: ``first`` and ``second`` passes."""
+PEER_PAIRS = {"worker": "LMCache engine_driven", "server": "LMCache lmcache_driven"}
+"""Our transfer modes and LMCache's equivalents (the worker copies; the server copies)."""
+
+
+def series(answers: Answers, length: int, engine: str, pass_: str, field: str) -> list[float]:
+    return [float(a[pass_][field]) for a in answers[(length, engine)]]
+
+
 if TYPE_CHECKING:
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
 
 CHILD_CONFIGS = ("no cache", "worker", "server")
 
@@ -51,10 +61,10 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
     """One engine answering ``<length> <seed>`` lines with both passes' TTFT and outputs."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from testbed.credentials import ServerEndpoint
+    from testbed.core.credentials import ServerEndpoint
+    from testbed.core.telemetry.setup import TracingConfig, configure_tracing
     from testbed.engine.model_dir import TinyModel
     from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
-    from testbed.telemetry.setup import TracingConfig, configure_tracing
     from testbed.workloads import WorkloadRequest
 
     spec = VllmEngineSpec(

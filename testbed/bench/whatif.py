@@ -91,7 +91,7 @@ def main() -> None:
         child = whatif.result()
 
     from testbed.analysis.whatif.sources import servable_requests
-    from testbed.engine.oracle import KeyTrace, simulate, simulate_keys
+    from testbed.models.oracle import KeyTrace, simulate, simulate_keys
     from testbed.runspec import RunSpec
 
     started = time.perf_counter()

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import zmq
 
-from testbed import protocol as p
 from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext
 from testbed.chaos.fuzz import FuzzSetup, fuzz_server, send_cases
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import wait_quiescent
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient
 
 _CASES_PER_OP = 8
 

@@ -20,13 +20,13 @@ import time
 
 import zmq
 
-from testbed import protocol as p
 from testbed.chaos.holder import MODEL as HOLDER_MODEL
 from testbed.chaos.holder import STORED as HOLDER_STORED
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.probes import BYTES_PER_TOKEN, ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import Held, wait_quiescent
+from testbed.core import protocol as p
 
 _HOLDER_TIMEOUT_S = 2.0
 _ENGINE_CLIENT_TIMEOUT_S = 15.0

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.bounds import Bound, check
 from testbed.chaos import attacks, client_faults, crowds, exhaustion, server_faults, sharing
 from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports
-from testbed.spec_inputs import absolute_path
+from testbed.core.bounds import Bound, check
+from testbed.core.paths import absolute_path
 
 TIMEOUT_BOUND = Bound(1e-3, 3600.0, "s")
 """The range of ``--timeout`` (the engines' connector timeout; finite)."""

@@ -14,12 +14,12 @@ import socket
 import time
 from typing import Any
 
-from testbed import protocol as p
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import wait_quiescent
-from testbed.rpc import RemoteError
+from testbed.core import protocol as p
+from testbed.core.rpc import RemoteError
 
 _DESCRIPTORS = 256
 _RUN_TIMEOUT_S = 300.0

@@ -18,14 +18,14 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from testbed import protocol as p
-from testbed.append_file import PENDING_BYTES_ENV
 from testbed.chaos import mounts
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.mounts import Tmpfs
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.shm_probe import CHUNKS_PER_CYCLE
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.append_file import PENDING_BYTES_ENV
+from testbed.core.rpc import RpcClient
 
 SHM = Path("/dev/shm")
 _RUN_TIMEOUT_S = 300.0

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 
 MAX_UINT64 = (1 << 64) - 1
 # Length prefixes claiming 4 GiB (or -1 read as int32) and 64 Ki items, with almost no data.

@@ -1,6 +1,6 @@
 """Structure-aware fuzz frames, made from the protocol's own structs. Pure: no sockets.
 
-:class:`FrameFuzzer` reads the request types of :mod:`testbed.protocol` through
+:class:`FrameFuzzer` reads the request types of :mod:`testbed.core.protocol` through
 ``msgspec.inspect`` and makes, deterministically from a seed, one ZeroMQ message per
 :class:`FuzzCase`: valid requests of every type with random field values (drawn near the
 limits the schema states, and from pools of the client's own and another client's session
@@ -27,7 +27,6 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from testbed import protocol as p
 from testbed.chaos.frame_edits import (
     HUGE_HEADERS,
     MAX_UINT64,
@@ -42,10 +41,11 @@ from testbed.chaos.frame_edits import (
     set_path,
     violations,
 )
+from testbed.core import protocol as p
 
 _REQUEST_TYPES: tuple[mi.StructType, ...] = mi.type_info(p.Request).types  # type: ignore[attr-defined]
 REQUEST_OPS: tuple[str, ...] = tuple(str(t.tag) for t in _REQUEST_TYPES)
-"""Every request op of the protocol, in the order of :data:`testbed.protocol.Request`."""
+"""Every request op of the protocol, in the order of :data:`testbed.core.protocol.Request`."""
 
 _encoder = msgspec.msgpack.Encoder()
 _Made = tuple[list[bytes], bool, bool]

@@ -25,12 +25,12 @@ from itertools import islice
 import msgspec
 import zmq
 
-from testbed import protocol as p
+from server.launch import ServerProcess
 from testbed.chaos.frames import FrameFuzzer, FuzzCase, FuzzContext
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.watch import Held
-from testbed.launch import ServerProcess
-from testbed.rpc import RemoteError, ServerUnavailable
+from testbed.core import protocol as p
+from testbed.core.rpc import RemoteError, ServerUnavailable
 
 _MAX_EXAMPLES = 10
 

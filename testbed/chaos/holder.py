@@ -13,7 +13,7 @@ import sys
 import time
 
 from testbed.chaos.probes import ProbeClient, chunk_hashes
-from testbed.credentials import read_token_file
+from testbed.core.credentials import read_token_file
 
 MODEL = "holder"
 STORED = chunk_hashes("holder/stored", 4)

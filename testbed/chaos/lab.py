@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from server.launch import ServerProcess
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.runs import EngineRun, RunChild
 from testbed.chaos.watch import leftover_files, rss_mib
-from testbed.credentials import ServerEndpoint
-from testbed.launch import ServerProcess
+from testbed.core.credentials import ServerEndpoint
 from testbed.runspec import RunSpec
 
 CHUNK_SIZE = 64

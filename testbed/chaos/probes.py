@@ -15,8 +15,8 @@ import itertools
 import mmap
 import os
 
-from testbed import protocol as p
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient
 
 BYTES_PER_TOKEN = 128
 """The probes' KV layout: 128 bytes per token, 2 layers, blocks of 16 tokens."""

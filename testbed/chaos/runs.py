@@ -31,7 +31,7 @@ from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
-from testbed.credentials import ServerEndpoint
+from testbed.core.credentials import ServerEndpoint
 from testbed.runspec import RunSpec
 
 _PRELOAD = ["testbed.chaos.runs", "testbed.run", "testbed.engine.replay"]

@@ -9,11 +9,11 @@ other runs are still going).
 
 from __future__ import annotations
 
-from testbed import protocol as p
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import ServerWatch, wait_quiescent
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient
 
 WORKLOADS = ("chat", "docqa", "rag", "random")
 _CAPACITY = "4MiB"

@@ -19,9 +19,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from server.launch import ServerProcess, ServerStartError
 from testbed.chaos.mounts import fill
 from testbed.chaos.probes import ProbeClient
-from testbed.launch import ServerProcess, ServerStartError
 
 SHM = Path("/dev/shm")
 CHUNKS_PER_CYCLE = 512

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.reclaim import SERVER_FILE, server_files_dir
-from testbed import protocol as p
-from testbed.owned_files import is_owned
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core import protocol as p
+from testbed.core.owned_files import is_owned
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 
 def rss_mib(pid: int) -> float | None:

@@ -34,8 +34,8 @@ import torch
 from connector.kv_copy import PagedKV
 from connector.ops import RetrieveOp, StoreOp
 from connector.worker_client import WorkerClient, WorkerIdentity
-from testbed import protocol as p
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient
 
 SLEEP_CYCLES = 200_000_000
 """``torch.cuda._sleep`` cycles queued before a write (~0.1 s): long enough that a copy which

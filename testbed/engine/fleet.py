@@ -9,7 +9,7 @@ every replay option applies to each. Instances share one cache server or use one
 drives them all: arrivals at the workload's times (or closed-loop users, told of completions on
 whichever instance served them), each instance's steps lasting what the time model projects,
 instances stepped in virtual-time order. The router (:mod:`testbed.fleet.routers`) decides
-each arrival's instance; :mod:`testbed.fleet.placement` records the decision. With one
+each arrival's instance; :mod:`testbed.engine.placement` records the decision. With one
 instance the fleet is the replay engine, request by request.
 """
 
@@ -20,15 +20,15 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from testbed import telemetry
-from testbed.credentials import ServerEndpoint
+from testbed.core import telemetry
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
+from testbed.engine.placement import FleetPlacement
 from testbed.engine.replay import ReplaySpec
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.engine.virtual_clock import drive
 from testbed.engine.vllm_setup import RequestFactory
-from testbed.fleet.placement import FleetPlacement
 from testbed.fleet.routers import Router
 from testbed.workloads import ArrivalProcess, WorkloadRequest
 

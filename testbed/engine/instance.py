@@ -27,7 +27,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from connector.config import ConnectorConfig
 from connector.ops import FinishingOrder
-from testbed.credentials import ServerEndpoint
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.vllm_setup import (
     SchedulerSpec,
     build_kv_cache_config,

@@ -5,7 +5,7 @@ loads) as they arrive on a virtual clock; each step, one :class:`WorkerHarness` 
 plays the model runner (connector hooks in vLLM's order, deterministic KV instead of a forward
 pass, every inherited block verified), and the scheduler gets the ``ModelRunnerOutput`` the
 real runner would build. The virtual clock advances by a documented time model per step
-(``testbed.engine.time_model``): by default a roofline of the named hardware (``h100``) for
+(``testbed.models.time_model``): by default a roofline of the named hardware (``h100``) for
 the compute model of the run (the tokens each scheduled request computes, its context, the
 tokens loaded from the cache), or the ``flat`` clock ``5 ms + 40 µs x scheduled tokens``; it
 gives projected TTFTs, not measurements. Lookups and loads wait for the server's answers
@@ -24,15 +24,15 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
-from testbed.credentials import ServerEndpoint
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
-from testbed.engine.profiles import KVProfile
 from testbed.engine.results import EngineResult, RequestRecord
-from testbed.engine.time_model import TimeModel, make_time_model
 from testbed.engine.virtual_clock import drive
 from testbed.engine.vllm_setup import RequestFactory
 from testbed.engine.worker_harness import StepOutcome
+from testbed.models.profiles import KVProfile
+from testbed.models.time_model import TimeModel, make_time_model
 from testbed.workloads import ArrivalProcess, WorkloadRequest
 
 
@@ -61,7 +61,7 @@ class ReplaySpec:
     """``trace``: requests enter as their arrival process releases them on the virtual clock
     (their times, or closed-loop users); ``all``: at once."""
     time_profile: str = "flat"
-    """The projected clock's hardware (``testbed.engine.time_model``): flat, h100, ..."""
+    """The projected clock's hardware (``testbed.models.time_model``): flat, h100, ..."""
     compute_profile: KVProfile | None = None
     """The model the clock charges (``None``: ``profile``; it needs a compute shape unless
     the clock is flat)."""

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed import telemetry
-from testbed.telemetry import Span
-from testbed.telemetry import attributes as a
+from testbed.core import telemetry
+from testbed.core.telemetry import Span
+from testbed.core.telemetry import attributes as a
 from testbed.workloads import WorkloadRequest
 
 

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from testbed import telemetry
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
-from testbed.telemetry import attributes as a
 from testbed.workloads import WorkloadRequest
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from connector.tracing import SPAN_DIR_ENV
+from server.launch import stop_process
 from testbed.engine.model_dir import TinyModel, write_model_dir
-from testbed.launch import stop_process
 
 _STARTUP_TIMEOUT_S = 600.0
 TINY_MODEL_NAME = "kvtb-tiny"

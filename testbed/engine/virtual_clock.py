@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from testbed import telemetry
+from testbed.core import telemetry
 from testbed.engine.instance import ReplayInstance, StepReport
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.workloads import ArrivalProcess, OpenLoop, WorkloadRequest

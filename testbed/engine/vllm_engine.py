@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from connector.config import ConnectorConfig
-from testbed import telemetry
-from testbed.credentials import ServerEndpoint
+from testbed.core import telemetry
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.engine.vllm_compat import kernel_scan_safe

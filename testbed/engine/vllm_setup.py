@@ -15,12 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# No hub access: the model directory is local. Replays size max_model_len from the workload.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-
-from vllm.config import (  # noqa: E402
+from vllm.config import (
     CacheConfig,
     KVEventsConfig,
     KVTransferConfig,
@@ -28,28 +23,25 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.encoder_cache_manager import EncoderCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-from testbed.keys import KeyExtras  # noqa: E402
-from testbed.workloads import WorkloadRequest  # noqa: E402
-
-# Standalone, vLLM's warnings would go to logging's last-resort handler as bare lines.
-logging.getLogger("vllm").setLevel(logging.ERROR)
+from testbed.core.keys import KeyExtras
+from testbed.workloads import WorkloadRequest
 
 CONNECTOR_CLASS = "KVTBConnector"
 CONNECTOR_MODULE = "connector.vllm_connector"
@@ -73,7 +65,17 @@ class SchedulerSpec:
     ``scheduler.kv_event_publisher`` to receive them, as :mod:`testbed.fleet.kv_events` does)."""
 
 
+def offline_environment() -> None:
+    """No hub access (the model directory is local), replays size ``max_model_len`` from the
+    workload, and vLLM's warnings stay quiet (standalone they would go to logging's
+    last-resort handler as bare lines). Called before a configuration is built."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
 def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
+    offline_environment()
     model = ModelConfig(
         model=str(spec.model_dir),
         skip_tokenizer_init=True,

@@ -24,7 +24,7 @@ import torch
 
 from connector.ops import FinishingOrder
 from testbed.engine import kv_content
-from testbed.engine.profiles import KVProfile
+from testbed.models.profiles import KVProfile
 
 
 @dataclass

@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from testbed import telemetry
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
 from testbed.fleet.kv_index import KVEventIndex
 from testbed.fleet.load import LoadBook
 from testbed.fleet.routers import FleetView, Router, RouteRequest
-from testbed.telemetry import attributes as a
 
 
 class Dispatcher:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from testbed import footprint
-from testbed.owned_files import ReservedSpace
+from testbed.core.owned_files import ReservedSpace
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 from testbed.run.dispatch import drive_engine
 from testbed.run.options import RunOptions
 from testbed.run.prepare import prepare_run
@@ -38,7 +39,6 @@ from testbed.run.record import (
     write_summary,
 )
 from testbed.runspec import RunSpec
-from testbed.telemetry.setup import TracingConfig, configure_tracing
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from testbed.credentials import ServerEndpoint
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from testbed.credentials import ServerEndpoint
+from testbed.core.credentials import ServerEndpoint
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,14 @@ from testbed.workloads import RequestShape
 def run(job: EngineRun) -> EngineResult:
     """Every request's hits under the spec's policy and capacity (an unlimited cache when
     the spec has none), and what an unlimited cache would have hit."""
-    from testbed.engine.oracle import KeyTrace, simulate_keys
+    from testbed.models.oracle import simulate_keys
+    from testbed.workloads.block_keys import key_trace
 
     spec, requests = job.spec, job.plan.served
     capacity = spec.capacity()
     chunk_bytes = spec.chunk_size * spec.kv_profile.stored_bytes_per_token(spec.tp)
     policy = "infinite" if capacity is None else spec.policy
-    keys = KeyTrace.of(requests, spec.chunk_size)
+    keys = key_trace(requests, spec.chunk_size)
     oracle = simulate_keys(
         keys, policy=policy, capacity_chunks=None if capacity is None else capacity // chunk_bytes
     )

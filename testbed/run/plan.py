@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 from testbed.runspec import RunSpec
 from testbed.workloads import (
     ArrivalProcess,

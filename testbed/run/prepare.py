@@ -14,14 +14,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from testbed import footprint
-from testbed import protocol as p
-from testbed.credentials import ServerEndpoint
-from testbed.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core import protocol as p
+from testbed.core.credentials import ServerEndpoint
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.models.servable import R, split_servable
 from testbed.run.interface import CacheServers, EngineEntry
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.registry import ENGINES
-from testbed.run.servable import R, split_servable
 from testbed.runspec import RunSpec
 from testbed.spec_inputs import check_workload_content
 from testbed.workloads import BlockTraceWorkload, Workload, WorkloadRequest, make_workload

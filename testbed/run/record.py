@@ -11,6 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import dropped_spans, read_counts
 from testbed.footprint import pool_blocks
 from testbed.run.dispatch import EngineOutcome, is_fleet
 from testbed.run.interface import CacheServers
@@ -18,8 +20,6 @@ from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.registry import ENGINES
 from testbed.run_health import failures
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import dropped_spans, read_counts
 from testbed.version import package_version, source_commit
 
 SUMMARY = "summary.json"

@@ -1,33 +1,14 @@
-"""Which requests an engine can serve, and the engines' ``max_model_len`` for them (pure)."""
+"""The engines' ``max_model_len`` for a run's requests (pure); which requests an engine can serve
+at all is :func:`testbed.models.servable.split_servable`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
+from testbed.models.servable import split_servable
 from testbed.workloads import RequestShape
 
-R = TypeVar("R", bound=RequestShape)
-
-
-def split_servable(
-    requests: Iterable[R], block_size: int, engine_blocks: int | None
-) -> tuple[list[R], list[str]]:
-    """The requests an engine with ``engine_blocks`` KV blocks can serve, and the ids of those
-    it never could (vLLM would stall on them). Every engine, the oracle included, gets the same
-    servable requests, so that measured runs and their bounds count the same traffic. A pool
-    sized from the workload (``None``) serves every request."""
-    if engine_blocks is None:
-        return list(requests), []
-    servable: list[R] = []
-    rejected: list[str] = []
-    for request in requests:
-        tokens = request.num_prompt_tokens + request.max_output_tokens
-        if -(-tokens // block_size) <= engine_blocks - 1:  # block 0 is vLLM's null block
-            servable.append(request)
-        else:
-            rejected.append(request.request_id)
-    return servable, rejected
+__all__ = ["max_model_len", "split_servable"]
 
 
 def max_model_len(requests: Sequence[RequestShape], block_size: int) -> int:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from connector.config import ConnectorConfig
+from testbed.core.telemetry import sampling
 from testbed.engine.results import EngineResult
 from testbed.footprint import pool_blocks
 from testbed.run import vllm
@@ -17,7 +18,6 @@ from testbed.run.interface import CacheServers, EngineEntry, EngineRun
 from testbed.run.options import RunOptions
 from testbed.run.servable import max_model_len
 from testbed.runspec import RunSpec
-from testbed.telemetry import sampling
 
 if TYPE_CHECKING:
     from testbed.engine.serve_launch import LaunchSpec
@@ -114,8 +114,8 @@ def launch_spec(job: EngineRun, instance: int) -> LaunchSpec:
 def _launch(job: EngineRun, stack: ExitStack, events: ZmqEventStream | None) -> list[str]:
     """Starts the run's vLLM servers (stopped when ``stack`` closes, before the run's cache
     server, so that their spans are flushed) and returns their URLs once they answer."""
+    from testbed.core.telemetry.collector import SpanCollector
     from testbed.engine.serve_launch import VllmServerProcess, start_fleet
-    from testbed.telemetry.collector import SpanCollector
 
     spec = job.spec
     collector = stack.enter_context(SpanCollector(job.run_dir))

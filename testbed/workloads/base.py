@@ -16,8 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from testbed.keys import KeyExtras, MultiModalInput
-from testbed.typed_values import convert
+from testbed.core.keys import KeyExtras, MultiModalInput
+from testbed.core.typed_values import convert
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -77,7 +77,7 @@ class WorkloadRequest:
 
     @property
     def key_extras(self) -> KeyExtras | None:
-        """What besides the prompt's tokens keys its chunks (``testbed.keys``)."""
+        """What besides the prompt's tokens keys its chunks (``testbed.core.keys``)."""
         if self.lora_adapter is None and not self.mm_inputs:
             return None
         lora = None if self.lora_adapter is None else lora_identity(self.lora_adapter)
@@ -195,7 +195,7 @@ def parse_params(params_cls: type[Any], values: Mapping[str, object] | None, wor
 
 
 def _coerce(what: str, value: object, hint: Any) -> object:
-    """``value`` as ``hint`` (:func:`testbed.typed_values.convert`, text read as the type):
+    """``value`` as ``hint`` (:func:`testbed.core.typed_values.convert`, text read as the type):
     ``"none"`` is ``None`` for an optional field, ``"a,b"`` a pair."""
     optional = type(None) in typing.get_args(hint)
     if optional and isinstance(value, str) and value.lower() == "none":

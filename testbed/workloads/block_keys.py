@@ -1,7 +1,7 @@
 """Chunk keys of block requests, from their block ids alone (no token is synthesised).
 
 The server keys a prompt's complete chunks of ``C`` tokens by a rolling prefix hash of their
-tokens (``testbed.keys``). For the tokens :class:`~testbed.workloads.block_trace.BlockTokens`
+tokens (``testbed.core.keys``). For the tokens :class:`~testbed.workloads.block_trace.BlockTokens`
 synthesises, the first ``e`` tokens of two prompts are equal exactly when
 
 - the block covering token ``e - 1`` has an id in both and the two prompts' id prefixes up to
@@ -21,9 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
+from testbed.models.oracle import KeyTrace
+from testbed.workloads.base import WorkloadRequest
 from testbed.workloads.block_trace import BlockRequest
 
 
@@ -90,3 +93,20 @@ class BlockKeys:
         own = int((~named).sum())  # chunks reaching into a tail: keys no other chunk has
         keys[~named] = np.arange(len(unique), len(unique) + own, dtype=np.int64)
         return ChunkKeys(chunk_size, keys, offsets, len(unique) + own)
+
+
+def block_key_trace(requests: Sequence[BlockRequest], chunk_size: int) -> KeyTrace:
+    """Block-hash trace requests keyed from their block ids, no token synthesised: the
+    keys their synthesised tokens' chunk hashes would give, up to renaming."""
+    keys = BlockKeys(requests).at(chunk_size)
+    return KeyTrace(chunk_size, keys.per_request(), [r.num_prompt_tokens for r in requests])
+
+
+def key_trace(
+    requests: Sequence[WorkloadRequest] | Sequence[BlockRequest], chunk_size: int
+) -> KeyTrace:
+    """:func:`block_key_trace` for block requests, :meth:`KeyTrace.from_requests` (hashing)
+    otherwise."""
+    if requests and isinstance(requests[0], BlockRequest):
+        return block_key_trace(cast(Sequence[BlockRequest], requests), chunk_size)
+    return KeyTrace.from_requests(cast(Sequence[WorkloadRequest], requests), chunk_size)

@@ -3,7 +3,7 @@
 A :class:`SyntheticRun` plays every process of a run in one: the engine and the connector's
 scheduler side (``kvtb-engine``), one worker per TP rank (``kvtb-worker``, resource
 ``kvcache.rank``) and a cache server (``kvtb-server``). Spans go through the real
-OpenTelemetry SDK, installed by :func:`testbed.telemetry.setup.configure_tracing`, into the
+OpenTelemetry SDK, installed by :func:`testbed.core.telemetry.setup.configure_tracing`, into the
 run directory's span files; the server's chunk event log is written as the server writes it
 (msgpack columnar batches under ``chunks/``).
 
@@ -26,8 +26,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from testbed.analysis import attribution as acc
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import Tracing, TracingConfig, configure_tracing
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import Tracing, TracingConfig, configure_tracing
 
 OBJECT_BYTES = 512  # per chunk and KV rank
 NAMESPACE_MODEL = "tiny"

@@ -8,8 +8,8 @@ from matplotlib import pyplot as plt
 
 from testbed.analysis import compare
 from testbed.analysis.source import open_source
+from testbed.core.telemetry import attributes as a
 from testbed.runspec import RunSpec
-from testbed.telemetry import attributes as a
 from tests.analysis.run_dirs import write_run, write_sweep
 
 

@@ -32,7 +32,7 @@ def story_run(tmp_path):
 
 def evict_span_ids(run_dir):
     from testbed.analysis.spans import load_spans
-    from testbed.telemetry import attributes as a
+    from testbed.core.telemetry import attributes as a
 
     spans = load_spans(run_dir)
     return list(spans.loc[spans["name"] == a.SERVER_EVICT, "span_id"])

@@ -7,7 +7,7 @@ import pytest
 from matplotlib import pyplot as plt
 
 from testbed.analysis import latency_split as ls
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 
 
 def op(name: str, duration_ms: float, **parts: float) -> dict:

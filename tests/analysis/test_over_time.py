@@ -8,7 +8,7 @@ from matplotlib import pyplot as plt
 
 from testbed.analysis import cache_timeline as ct
 from testbed.analysis import over_time as ot
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 from tests.analysis.test_per_request import requests_table
 
 T0 = pd.Timestamp("2026-01-01", tz="UTC")

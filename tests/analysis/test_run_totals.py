@@ -7,7 +7,7 @@ import pandas as pd
 
 from testbed.analysis import metrics
 from testbed.analysis.spans import load_events, load_spans
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 from tests.analysis.synthetic import OBJECT_BYTES, Prompt, SyntheticRun
 
 C = 4

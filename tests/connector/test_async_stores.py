@@ -16,8 +16,8 @@ import pytest
 from connector.scheduler import RequestView
 from connector.worker_client import WorkerClient
 from testbed.analysis.spans import load_spans
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 from tests.support.cache_harness import Harness
 
 C = 64

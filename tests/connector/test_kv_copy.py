@@ -11,8 +11,8 @@ import torch
 
 from connector.kv_copy import PagedKV, PoolMapping
 from server.pool import SharedMemoryPool
-from testbed import protocol as p
-from testbed.block_copy import ChunkCopy, item_copies
+from testbed.core import protocol as p
+from testbed.core.block_copy import ChunkCopy, item_copies
 from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
     LAYOUTS,
     blocks_of,

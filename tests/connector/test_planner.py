@@ -12,7 +12,7 @@ from connector.planner import (
     tokens_to_load,
 )
 from connector.tracker import Phase, RequestTracker
-from testbed.keys import chunk_hashes
+from testbed.core.keys import chunk_hashes
 
 G = Geometry(chunk_size=64, block_size=16)
 

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from testbed import protocol as p
-from testbed.keys import chunk_hashes
-from testbed.launch import ServerProcess
+from server.launch import ServerProcess
+from testbed.core import protocol as p
+from testbed.core.keys import chunk_hashes
 from tests.support.cache_harness import BLOCK_SIZE, Harness, connect
 
 C = 64

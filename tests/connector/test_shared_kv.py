@@ -12,9 +12,9 @@ import torch
 
 from connector.kv_copy import PagedKV
 from connector.shared_kv import SharedKV
-from testbed import protocol as p
-from testbed.block_copy import ChunkCopy
-from testbed.kv_layout import SharedKVFile
+from testbed.core import protocol as p
+from testbed.core.block_copy import ChunkCopy
+from testbed.core.kv_layout import SharedKVFile
 from tests.support.paged_kv import LAYOUTS, blocks_of, reference_object
 
 BLOCK_SIZE = 16

@@ -15,9 +15,9 @@ vllm_setup = pytest.importorskip(
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.ops import RetrieveOp, StepPlan  # noqa: E402
 from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noqa: E402
-from testbed import protocol as p  # noqa: E402
+from testbed.core import protocol as p  # noqa: E402
+from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
-from testbed.keys import chunk_hashes  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 
 C, B = 128, 64

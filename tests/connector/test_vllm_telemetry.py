@@ -18,11 +18,11 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
 from connector.vllm_connector import KVTBConnector  # noqa: E402
 from connector.vllm_telemetry import MEDIUM  # noqa: E402
-from testbed import protocol as p  # noqa: E402
 from testbed.analysis.metrics import connector_operation_totals  # noqa: E402
 from testbed.analysis.tables import Run  # noqa: E402
-from testbed.engine.profiles import get_profile  # noqa: E402
-from testbed.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402
+from testbed.core import protocol as p  # noqa: E402
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 from tests.support.scheduler_steps import (  # noqa: E402
     assert_scheduler_empty,

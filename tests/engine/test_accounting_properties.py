@@ -19,9 +19,9 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.engine.instance import ReplayInstance  # noqa: E402
-from testbed.engine.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
-from testbed.run import split_servable  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
+from testbed.models.servable import split_servable  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed.engine.calibration import calibrate, calibration_toml, fit_compute_efficiency, fit_load
-from testbed.engine.profiles import get_profile
-from testbed.engine.time_model import (
+from testbed.models.calibration import calibrate, calibration_toml, fit_compute_efficiency, fit_load
+from testbed.models.profiles import get_profile
+from testbed.models.time_model import (
     HARDWARE,
     RooflineTimeModel,
     break_even_prompt_tokens,

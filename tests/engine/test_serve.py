@@ -18,9 +18,9 @@ from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.analysis.explain import explain  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.cli import main as kvtb  # noqa: E402
+from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
-from testbed.telemetry import attributes as a  # noqa: E402
 
 
 @pytest.mark.slow

@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from testbed.analysis.routing import route_table  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
+from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
-from testbed.telemetry import attributes as a  # noqa: E402
 
 
 def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_path):

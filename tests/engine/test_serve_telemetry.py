@@ -31,13 +31,13 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch  
 from connector import stats  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.vllm_telemetry import MEDIUM, METRIC_PREFIX  # noqa: E402
-from testbed import protocol as p  # noqa: E402
+from server.launch import ServerProcess  # noqa: E402
 from testbed.analysis.metrics import column, connector_operation_totals  # noqa: E402
 from testbed.analysis.spans import load_spans  # noqa: E402
+from testbed.core import protocol as p  # noqa: E402
+from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.engine.serve import ServeEngine, ServeSpec  # noqa: E402
 from testbed.engine.serve_launch import LaunchSpec, VllmServerProcess  # noqa: E402
-from testbed.launch import ServerProcess  # noqa: E402
-from testbed.telemetry import attributes as a  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed.engine.profiles import get_profile
-from testbed.engine.time_model import (
+from testbed.models.profiles import get_profile
+from testbed.models.time_model import (
     HARDWARE,
     FlatTimeModel,
     Hardware,

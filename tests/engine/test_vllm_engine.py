@@ -10,7 +10,7 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 # The what-if analysis loads numba (llvmlite) into many a process that then starts vLLM, as
 # here: the engine must start regardless (testbed.engine.vllm_compat).
 from testbed.analysis.whatif import stack  # noqa: E402, F401
-from testbed.credentials import ServerEndpoint  # noqa: E402
+from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 from tests.support.recorded import Recorded, recorded_engine  # noqa: E402

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 from tests.support.cache_harness import connect
 
 pytestmark = [

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from server.cache import Eviction, KVCache, ObjectKey, Space
-from server.policies import POLICIES, make_policy
 from server.pool import ALIGNMENT, ExtentAllocator
+from testbed.core.policies import POLICIES, make_policy
 
 
 class Clock:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from server.cache import ObjectKey
 from server.eviction_feed import EvictionFeed, FeedSlice
-from testbed import protocol as p
-from testbed.keys import chunk_hashes
+from testbed.core import protocol as p
+from testbed.core.keys import chunk_hashes
 from tests.support.cache_harness import Harness, connect
 
 

@@ -14,10 +14,10 @@ import msgspec
 import pytest
 import zmq
 
-from testbed import protocol as p
 from testbed.chaos.frame_edits import encode_map, nested
 from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext
 from testbed.chaos.fuzz import FuzzSetup, fuzz_server
+from testbed.core import protocol as p
 
 FRAMES = 10_000
 SEED = 8

@@ -14,9 +14,9 @@ from connector.kv_copy import PagedKV
 from connector.shared_kv import SharedKV
 from server.kv_copier import EngineKV
 from server.pool import SharedMemoryPool
-from testbed import protocol as p
-from testbed.block_copy import ChunkCopy
-from testbed.kv_layout import SharedKVFile
+from testbed.core import protocol as p
+from testbed.core.block_copy import ChunkCopy
+from testbed.core.kv_layout import SharedKVFile
 from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
     LAYOUTS,
     blocks_of,
@@ -141,7 +141,8 @@ def test_only_a_shared_kv_file_of_the_right_size_is_opened(tmp_path):
 
 def test_the_server_side_imports_no_torch():
     code = (
-        "import sys, server.kv_copier, server.pool, testbed.block_copy, testbed.kv_layout; "
+        "import sys, server.kv_copier, server.pool, testbed.core.block_copy, "
+        "testbed.core.kv_layout; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -14,7 +14,7 @@ def test_a_server_exits_when_its_launcher_is_killed(tmp_path):
     script = textwrap.dedent(
         """
         import sys, time
-        from testbed.launch import ServerProcess
+        from server.launch import ServerProcess
         server = ServerProcess(["--chunk-size", "64"]).start()
         print(server.pid, flush=True)
         time.sleep(600)

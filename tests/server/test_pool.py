@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from server.pool import ALIGNMENT, ExtentAllocator, SharedMemoryPool
-from testbed.owned_files import is_owned
+from testbed.core.owned_files import is_owned
 
 
 def test_a_pool_has_its_memory_when_made_and_prefault_keeps_the_contents():
@@ -115,7 +115,7 @@ def _mapped_bytes(pid: int, path_part: str) -> int:
 
 
 def test_a_server_maps_its_whole_pool_before_it_is_ready_whatever_its_size():
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
 
     size = 544 << 20  # above the 512 MiB up to which pools used to be mapped
     with ServerProcess(["--chunk-size", "64", "--capacity", str(size)]) as server:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from testbed import protocol as p
-from testbed.keys import chunk_hashes
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.keys import chunk_hashes
+from testbed.core.rpc import RpcClient
 from tests.support.cache_harness import connect
 
 C = 64

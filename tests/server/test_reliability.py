@@ -18,11 +18,11 @@ import msgspec
 import pytest
 import zmq
 
+from server.launch import ServerProcess
 from server.reclaim import server_files_dir
-from testbed import protocol as p
-from testbed.keys import chunk_hashes
-from testbed.launch import ServerProcess
-from testbed.rpc import RemoteError, RpcClient
+from testbed.core import protocol as p
+from testbed.core.keys import chunk_hashes
+from testbed.core.rpc import RemoteError, RpcClient
 from tests.server.test_protocol_flows import Worker, lookup, stats
 from tests.support.cache_harness import Harness, connect
 
@@ -316,7 +316,7 @@ def test_binding_beyond_loopback_needs_curve_and_curve_authenticates(tmp_path):
     keys.mkdir()
     create_certificates(keys, "server")
     client_public, client_secret = create_certificates(keys, "client")
-    from testbed.rpc import CurveKeys
+    from testbed.core.rpc import CurveKeys
 
     with ServerProcess(["--curve-dir", str(keys), "--chunk-size", str(C)]) as server:
         curve = CurveKeys(Path(client_secret), keys / "server.key")

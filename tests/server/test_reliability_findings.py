@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import time
 
-from testbed import protocol as p
 from testbed.chaos.probes import ProbeClient, chunk_hashes
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient
 
 
 def test_a_pending_lookup_nobody_polls_stops_counting_as_in_flight_after_its_timeout(

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from server.launch import ServerProcess, ServerStartError
 from server.reclaim import reclaim_dead_server_files
-from testbed import protocol as p
 from testbed.chaos.mounts import Tmpfs
-from testbed.launch import ServerProcess, ServerStartError
-from testbed.owned_files import create_locked, owned_name
-from testbed.rpc import RemoteError
+from testbed.core import protocol as p
+from testbed.core.owned_files import create_locked, owned_name
+from testbed.core.rpc import RemoteError
 from tests.server.test_protocol_flows import stats
 from tests.support.cache_harness import connect
 
@@ -76,7 +76,7 @@ import json, sys
 from pathlib import Path
 from testbed.chaos.mounts import fill
 from testbed.chaos.probes import ProbeClient
-from testbed.launch import ServerProcess
+from server.launch import ServerProcess
 
 run_dir, log = Path(sys.argv[1]), Path(sys.argv[2])
 args = ["--chunk-size", "64", "--capacity", "16MiB", "--run-dir", str(run_dir)]
@@ -192,7 +192,7 @@ def test_a_token_file_others_may_read_is_refused_with_the_fix(tmp_path):
     tokens.chmod(0o600)
     tokens.write_text(json.dumps({"client": "c" * 300, "admin": "a" * 48}))
     with pytest.raises(ValueError, match="300 characters"):
-        from testbed.credentials import read_token_file
+        from testbed.core.credentials import read_token_file
 
         read_token_file(tokens)
 

@@ -8,7 +8,7 @@ import time
 import msgspec
 import zmq
 
-from testbed import protocol as p
+from testbed.core import protocol as p
 from tests.support.cache_harness import Harness
 
 C = 64

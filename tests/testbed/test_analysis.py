@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from testbed.analysis import load_spans, metrics, tables
-from testbed.telemetry import attributes as a
+from testbed.core.telemetry import attributes as a
 from tests.support.cache_harness import Harness, cache_cycle
 
 C = 64
@@ -33,7 +33,7 @@ def test_request_metrics_follow_their_definitions():
 
 @pytest.fixture(scope="module")
 def server_spans(tmp_path_factory):
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
 
     run_dir = tmp_path_factory.mktemp("spans")
     args = ["--chunk-size", str(C), "--run-dir", str(run_dir)]

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from testbed import telemetry
 from testbed.analysis import load_events, load_spans
-from testbed.telemetry import SpanKind
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import SPANS_DIR, TracingConfig, configure_tracing
-from testbed.telemetry.span_table import columnar_paths
+from testbed.core import telemetry
+from testbed.core.telemetry import SpanKind
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import SPANS_DIR, TracingConfig, configure_tracing
+from testbed.core.telemetry.span_table import columnar_paths
 
 RESOURCE = {"kvcache.chunk_size": 256, "kvcache.mla": False}
 

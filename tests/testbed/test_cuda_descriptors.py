@@ -17,10 +17,10 @@ import torch
 
 from connector.cuda_ipc import describe_cuda_kv
 from connector.kv_copy import PagedKV
-from testbed import protocol as p
-from testbed.block_copy import ChunkCopy
-from testbed.rpc import RemoteError
-from testbed.torch_block_copy import TorchBlockCopier
+from testbed.core import protocol as p
+from testbed.core.block_copy import ChunkCopy
+from testbed.core.rpc import RemoteError
+from testbed.core.torch_block_copy import TorchBlockCopier
 from tests.support.cache_harness import connect
 from tests.support.paged_kv import LAYOUTS, reference_object
 

@@ -65,7 +65,8 @@ def test_a_running_server_has_imported_nothing_heavy(command):
 
 def test_the_connector_core_imports_nothing_heavy():
     core = ["connector", "connector.config", "connector.scheduler", "connector.plugin",
-            "testbed.launch", "testbed.rpc", "testbed.keys", "testbed.telemetry.setup"]  # fmt: skip
+            "server.launch", "testbed.core.rpc", "testbed.core.keys",
+            "testbed.core.telemetry.setup"]  # fmt: skip
     probe = f"import json, sys\nfor m in {core!r}: __import__(m)\nprint(json.dumps([*sys.modules]))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     modules = set(json.loads(done.stdout))

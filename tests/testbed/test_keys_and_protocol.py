@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from connector.config import ConnectorConfig
-from testbed import protocol as p
-from testbed.keys import KeyExtras, MultiModalInput, chunk_hashes, extend_chunk_hashes
-from testbed.sizes import parse_bytes
+from testbed.core import protocol as p
+from testbed.core.keys import KeyExtras, MultiModalInput, chunk_hashes, extend_chunk_hashes
+from testbed.core.sizes import parse_bytes
 
 
 def test_chunk_hashes_chain_prefixes_and_ignore_the_partial_tail():

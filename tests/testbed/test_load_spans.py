@@ -8,13 +8,13 @@ import shutil
 import pandas as pd
 import pytest
 
-from testbed import telemetry
 from testbed.analysis import load_events, load_spans
 from testbed.analysis.spans import run_dirs
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 from testbed.sweep.index import write_manifest
 from testbed.sweep.spec import load_sweep
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing
 
 CHUNK_SIZES = [64, 128, 256]
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from testbed import protocol as p
-from testbed.rpc import RpcClient, ServerUnavailable
+from testbed.core import protocol as p
+from testbed.core.rpc import RpcClient, ServerUnavailable
 
 
 @pytest.fixture

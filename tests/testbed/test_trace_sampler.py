@@ -8,7 +8,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Link
 
-from testbed.telemetry.sampling import make_sampler
+from testbed.core.telemetry.sampling import make_sampler
 
 
 def test_a_batch_linked_to_a_recorded_request_is_recorded_with_it():

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.engine.oracle import KeyTrace
-from testbed.keys import chunk_hashes
+from testbed.core.keys import chunk_hashes
+from testbed.models.oracle import KeyTrace
 from testbed.runspec import RunSpec
 from testbed.workloads import AgenticWorkload, make_workload
+from testbed.workloads.block_keys import block_key_trace
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv-cache-tester"
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="no kv-cache-tester traces")
@@ -146,7 +147,7 @@ def test_keys_from_block_ids_equal_the_hashed_tokens_keys(shipped, chunk_size):
         f"agentic:{shipped}", num_requests=None, params={"max_input_tokens": 30_000}
     )
     assert isinstance(workload, AgenticWorkload)
-    fast = KeyTrace.from_blocks(list(workload.block_requests()), chunk_size)
+    fast = block_key_trace(list(workload.block_requests()), chunk_size)
     hashed = KeyTrace.from_requests(list(workload), chunk_size)
     # The same partition of the chunks (equal keys exactly where the hashes are equal).
     pairs = {

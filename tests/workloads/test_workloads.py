@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from testbed.keys import chunk_hashes
+from testbed.core.keys import chunk_hashes
 from testbed.workloads import WORKLOADS, Workload, WorkloadRequest, make_workload
 
 MOONCAKE_TRACE = (

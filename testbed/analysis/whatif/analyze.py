@@ -23,8 +23,8 @@ from testbed.analysis.whatif.runlog import RunSource
 from testbed.analysis.whatif.stack import stack_distances
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
 from testbed.analysis.whatif.trace import AccessTrace
-from testbed.engine.oracle import KeyTrace
-from testbed.engine.time_model import Hardware
+from testbed.models.oracle import KeyTrace
+from testbed.models.time_model import Hardware
 from testbed.runspec import RunSpec
 
 
@@ -52,7 +52,7 @@ class WhatIfOptions:
     """Time models (``flat``, ``h100``, ...) to project TTFT and break-even prompts under (the
     KV profile needs a compute shape for all but ``flat``)."""
     hardware: Mapping[str, Hardware] | None = None
-    """The hardware table (default :data:`testbed.engine.time_model.HARDWARE`)."""
+    """The hardware table (default :data:`testbed.models.time_model.HARDWARE`)."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 
 from testbed.analysis.palette import CATEGORY_COLOURS
 from testbed.analysis.whatif.results import WhatIf
-from testbed.sizes import format_bytes
+from testbed.core.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ Only LRU has a one-pass curve (:mod:`.stack`); Belady (MIN), FIFO and LFU are si
 the oracle's semantics over each request's first-lookup keys: look up the cached prefix, then
 walk the keys (a cached key is touched, a missing one inserted, evicting while the cache holds
 ``capacity_chunks`` keys). ``lru`` and ``belady`` *are* the oracle
-(:func:`testbed.engine.oracle.simulate_keys`); ``fifo`` and ``lfu`` order victims as the
-server's policies do (``server/policies.py``):
+(:func:`testbed.models.oracle.simulate_keys`); ``fifo`` and ``lfu`` order victims as the
+server's policies do (``testbed/core/policies.py``):
 
 - ``fifo``: first inserted goes first; touches do not refresh;
 - ``lfu``: fewest uses goes first (an insert counts one, each touch one more), ties to the least
@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from testbed.engine.oracle import KeyTrace, simulate_keys
+from testbed.models.oracle import KeyTrace, simulate_keys
 
 POLICIES = ("lru", "belady", "fifo", "lfu")
 """Policies a what-if can simulate beside the LRU curve."""

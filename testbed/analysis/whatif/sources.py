@@ -4,7 +4,7 @@ An oracle run (``kvtb run --engine oracle``) sees ``make_workload(spec.workload,
 vocab_size=32000)`` filtered by ``split_servable``. :func:`workload_traces` builds the same
 requests and either
 
-- hashes their tokens with the oracle's own :class:`~testbed.engine.oracle.KeyTrace` (every
+- hashes their tokens with the oracle's own :class:`~testbed.models.oracle.KeyTrace` (every
   generated workload), once at the greatest common divisor of the chunk sizes asked for, then
   re-chunks (keys are prefix-chained, so that is exact); or
 - for a block-hash trace (Mooncake, agentic), keys chunks from the trace's block ids without
@@ -22,7 +22,7 @@ from typing import TypeVar
 import numpy as np
 
 from testbed.analysis.whatif.trace import AccessTrace, workload_trace
-from testbed.engine.oracle import KeyTrace
+from testbed.models.oracle import KeyTrace
 from testbed.runspec import RunSpec
 from testbed.workloads import (
     BlockTraceWorkload,
@@ -77,7 +77,7 @@ def _workload(spec: RunSpec) -> Workload:
 
 
 def _servable(spec: RunSpec, requests: Iterable[R]) -> list[R]:
-    from testbed.run import split_servable
+    from testbed.models.servable import split_servable
 
     servable, _ = split_servable(requests, spec.block_size, spec.engine_blocks)
     if not servable:

@@ -1,5 +1,5 @@
 """What the hits are worth in time: projected TTFT with and without the cache, compute saved,
-break-even prompt length, under the time models of :mod:`testbed.engine.time_model`.
+break-even prompt length, under the time models of :mod:`testbed.models.time_model`.
 
 Each request is projected alone, its whole prefill in one step (no batching, no queueing, no
 chunked prefill): the per-request cost of a miss, not a serving simulation. A workload's hit
@@ -15,8 +15,8 @@ from typing import Any
 from testbed.analysis.whatif.curves import request_hit_tokens
 from testbed.analysis.whatif.stack import StackResult
 from testbed.analysis.whatif.trace import AccessTrace
-from testbed.engine.profiles import KVProfile
-from testbed.engine.time_model import (
+from testbed.models.profiles import KVProfile
+from testbed.models.time_model import (
     Hardware,
     RooflineTimeModel,
     TimeModel,

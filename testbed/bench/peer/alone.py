@@ -31,8 +31,8 @@ OPS = {
 
 
 def section(config: BenchConfig) -> SectionResult:
-    from testbed.engine.profiles import get_profile
-    from testbed.launch import ServerProcess
+    from server.launch import ServerProcess
+    from testbed.models.profiles import get_profile
 
     profile = get_profile("llama3-8b")
     rounds = 2 if config.quick else 20

@@ -13,14 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.bench.config import BenchConfig
-from testbed.bench.e2e import PEER_PAIRS, Answers, series
 from testbed.bench.figures import Figure
 from testbed.bench.peer import lmcache_launch as lmcache
 from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
 from testbed.bench.peer.env import PeerEnv, default_root
 from testbed.bench.processes import BenchProcesses
 from testbed.bench.stats import Ratio
-from testbed.bench.vllm_e2e import EngineChild
+from testbed.bench.vllm_e2e import PEER_PAIRS, Answers, EngineChild, series
 
 MEASURES = {
     "lookup_vs_lmcache": (

@@ -11,7 +11,7 @@ from testbed.analysis.whatif import WhatIfOptions, lru_curve, stack_distances, w
 from testbed.analysis.whatif.sources import servable_requests, workload_traces
 from testbed.analysis.whatif.stack import COLD
 from testbed.analysis.whatif.trace import workload_trace
-from testbed.engine.oracle import KeyTrace, simulate, simulate_keys
+from testbed.models.oracle import KeyTrace, simulate, simulate_keys
 from testbed.runspec import RunSpec
 
 MOONCAKE_TRACE = (

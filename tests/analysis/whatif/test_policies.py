@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.policies import make_policy
 from testbed.analysis.whatif.policies import simulate_policy
 from testbed.analysis.whatif.sources import servable_requests
-from testbed.engine.oracle import KeyTrace
+from testbed.core.policies import make_policy
+from testbed.models.oracle import KeyTrace
 from testbed.runspec import RunSpec
 
 
 @dataclass
 class _Object:
-    """The fields ``server.policies`` reads (``server.cache.CacheObject`` has them)."""
+    """The fields ``testbed.core.policies`` reads (``server.cache.CacheObject`` has them)."""
 
     inserted: int
     last_access: int
@@ -24,7 +24,7 @@ class _Object:
 
 
 def _with_server_policy(trace: KeyTrace, name: str, capacity: int) -> list[int]:
-    """The oracle's walk, with ``server.policies`` ordering every victim: a touch is a hit
+    """The oracle's walk, with ``testbed.core.policies`` ordering every victim: a touch is a hit
     (the request used the chunk), as the server counts a lookup hit."""
     policy = make_policy(name)
     cached: dict[int, _Object] = {}

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from testbed import telemetry
+from testbed.core import telemetry
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.virtual_clock import Placement
 from testbed.fleet.dispatch import Dispatcher

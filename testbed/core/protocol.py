@@ -60,11 +60,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from testbed.kv_layout import PagedLayout, SharedKVFile
+from testbed.core.kv_layout import PagedLayout, SharedKVFile
 
 PROTOCOL_VERSION = 2
 
-# A chunk hash is the 16-byte rolling prefix hash of testbed.keys.
+# A chunk hash is the 16-byte rolling prefix hash of testbed.core.keys.
 ChunkHash = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 OpId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]

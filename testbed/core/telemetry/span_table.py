@@ -1,8 +1,8 @@
 """The columnar span store's layout: one Arrow table per process, one row per span (or event).
 
-A process's span file ``<stem>.jsonl`` (OTLP JSON lines, :mod:`testbed.telemetry.otlp_json`)
+A process's span file ``<stem>.jsonl`` (OTLP JSON lines, :mod:`testbed.core.telemetry.otlp_json`)
 may have a columnar copy beside it, written when the process's tracing shut down
-(:mod:`testbed.telemetry.columnar`): ``<stem>.spans.arrow`` and ``<stem>.events.arrow``, Arrow
+(:mod:`testbed.core.telemetry.columnar`): ``<stem>.spans.arrow`` and ``<stem>.events.arrow``, Arrow
 IPC files. ``testbed.analysis`` reads both kinds of file into this same layout (a *span table*)
 and builds its DataFrames from span tables only, so a run loads the same either way.
 

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from testbed.telemetry.setup import COUNTS_SUFFIX, SPANS_DIR
+from testbed.core.telemetry.setup import COUNTS_SUFFIX, SPANS_DIR
 
 TRACES_PATH = "/v1/traces"
 FILE_PREFIX = "collected-"

@@ -30,11 +30,11 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol
 
-from testbed.keys import chunk_hashes
-from testbed.workloads import BlockRequest, WorkloadRequest
-from testbed.workloads.block_keys import BlockKeys
+import numpy as np
+
+from testbed.core.keys import KeyExtras, chunk_hashes
 
 # -------------------------------------------------------------------------------------------
 # Public
@@ -63,6 +63,15 @@ class OracleResult:
     """Most keys held at any time (never above ``capacity_chunks``)."""
 
 
+class HashedRequest(Protocol):
+    """What :meth:`KeyTrace.from_requests` reads of a request (a workload request)."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int] | np.ndarray: ...
+    @property
+    def key_extras(self) -> KeyExtras | None: ...
+
+
 @dataclass(frozen=True)
 class KeyTrace:
     """A workload reduced to what the oracle needs: each request's chunk keys and length.
@@ -79,7 +88,7 @@ class KeyTrace:
     """Per request, its prompt length in tokens."""
 
     @classmethod
-    def from_requests(cls, requests: Iterable[WorkloadRequest], chunk_size: int) -> KeyTrace:
+    def from_requests(cls, requests: Iterable[HashedRequest], chunk_size: int) -> KeyTrace:
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         ids: dict[bytes, int] = {}
@@ -91,26 +100,9 @@ class KeyTrace:
             prompt_tokens.append(len(request.prompt_token_ids))
         return cls(chunk_size, keys, prompt_tokens)
 
-    @classmethod
-    def from_blocks(cls, requests: Sequence[BlockRequest], chunk_size: int) -> KeyTrace:
-        """Block-hash trace requests keyed from their block ids, no token synthesised: the
-        keys their synthesised tokens' chunk hashes would give, up to renaming
-        (``testbed.workloads.block_keys``)."""
-        keys = BlockKeys(requests).at(chunk_size)
-        return cls(chunk_size, keys.per_request(), [r.num_prompt_tokens for r in requests])
-
-    @classmethod
-    def of(
-        cls, requests: Sequence[WorkloadRequest] | Sequence[BlockRequest], chunk_size: int
-    ) -> KeyTrace:
-        """:meth:`from_blocks` for block requests, :meth:`from_requests` (hashing) otherwise."""
-        if requests and isinstance(requests[0], BlockRequest):
-            return cls.from_blocks(cast(Sequence[BlockRequest], requests), chunk_size)
-        return cls.from_requests(cast(Sequence[WorkloadRequest], requests), chunk_size)
-
 
 def simulate(
-    requests: Iterable[WorkloadRequest],
+    requests: Iterable[HashedRequest],
     chunk_size: int,
     policy: str = "infinite",
     capacity_chunks: int | None = None,

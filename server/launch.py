@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from server.app import READY_PREFIX
-from testbed.credentials import read_token_file
+from testbed.core.credentials import read_token_file
 
 _STARTUP_TIMEOUT_S = 60.0
 

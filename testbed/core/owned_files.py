@@ -32,7 +32,7 @@ import os
 import secrets
 from pathlib import Path
 
-from testbed.sizes import format_bytes
+from testbed.core.sizes import format_bytes
 
 log = logging.getLogger(__name__)
 

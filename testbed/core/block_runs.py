@@ -1,15 +1,15 @@
 """Where the bytes of paged KV blocks are, counted in *runs*: the index math of every copy engine.
 
-Pure numpy over a :class:`~testbed.kv_layout.PagedLayout` and the identity of the buffers the
+Pure numpy over a :class:`~testbed.core.kv_layout.PagedLayout` and the identity of the buffers the
 layers live in; no buffer is touched. Both copy engines build on it: the numpy one
-(``testbed.block_copy``, CPU KV and shared memory) and the torch one
-(``testbed.torch_block_copy``, CUDA KV mapped through CUDA IPC), so they agree on every
+(``testbed.core.block_copy``, CPU KV and shared memory) and the torch one
+(``testbed.core.torch_block_copy``, CUDA KV mapped through CUDA IPC), so they agree on every
 object's bytes by construction.
 
 A layer's block is cut into *runs*: the largest trailing group of dimensions that is contiguous
 in memory and whose size divides every other stride and offset. The KV is then one flat array
 of runs per buffer, and a chunk is an array of run indices in the pool object's order
-(``testbed.kv_layout``: per layer, that layer's blocks as ``index_select(block_dim, ids)``).
+(``testbed.core.kv_layout``: per layer, that layer's blocks as ``index_select(block_dim, ids)``).
 Consecutive layers in one buffer form a *segment*: one index array covers all of them.
 
 Contract: :meth:`RunGeometry.indices` checks every block id before returning; the indices of a
@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from testbed.kv_layout import PagedLayout
+from testbed.core.kv_layout import PagedLayout
 
 SMALL_OPERATION_RUNS = 256
 """Run indices in an operation up to which plain Python computes them faster than numpy
@@ -33,7 +33,7 @@ SMALL_OPERATION_RUNS = 256
 
 
 class SlotLike(Protocol):
-    """Where an object lives in the pool (``testbed.protocol.Slot`` is one)."""
+    """Where an object lives in the pool (``testbed.core.protocol.Slot`` is one)."""
 
     @property
     def offset(self) -> int: ...

@@ -1,12 +1,12 @@
 """The columnar copy of a process's span file, written as spans are exported (any process).
 
 :class:`ColumnarSpanWriter` takes the batches the JSON-lines exporter wrote
-(:mod:`testbed.telemetry.otlp_json`, on the SDK's export thread) and keeps them as columns:
+(:mod:`testbed.core.telemetry.otlp_json`, on the SDK's export thread) and keeps them as columns:
 one Python list per column, values appended as they come. Every :data:`FLUSH_ROWS` spans the
 columns become an Arrow record batch, appended to a scratch file (``<final>.part``) as one
 IPC stream; memory holds at most one flush's spans. :meth:`ColumnarSpanWriter.close` (at
 tracing's shutdown) rewrites the scratch streams, with one schema
-(:func:`testbed.telemetry.span_table.unify`) and spans in start-time order (read back from
+(:func:`testbed.core.telemetry.span_table.unify`) and spans in start-time order (read back from
 the memory-mapped scratch file, written a slice at a time), into ``<final>.tmp`` and renames
 it into place:
 events first, then spans. A columnar copy therefore exists only once whole; a process that
@@ -32,8 +32,8 @@ import numpy as np
 import pyarrow as pa
 from opentelemetry.sdk.trace import ReadableSpan
 
-from testbed.telemetry import span_table as st
-from testbed.telemetry.otlp_codes import KIND, STATUS
+from testbed.core.telemetry import span_table as st
+from testbed.core.telemetry.otlp_codes import KIND, STATUS
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Appending whole records to a file that may fill up: the writer never fails, nothing is torn.
 
-Used by the span files (``testbed.telemetry.otlp_json``) and the server's chunk log
+Used by the span files (``testbed.core.telemetry.otlp_json``) and the server's chunk log
 (``server.chunk_log``), in whichever process writes them. A record (a line of spans, a batch
 of chunk events) is written whole or not at all: after a failed write (a full disk, an I/O
 error) the file is cut back to its last complete record, so readers never see half of one.

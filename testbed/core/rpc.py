@@ -15,7 +15,7 @@ yet sendable, expires timed-out ones and reads replies nobody asks for. Every us
 is under one lock.
 
 Fire-and-forget requests may be *deferred* (:meth:`RpcClient.defer`): they wait in the client
-and go in the same frame as its next request (a :class:`~testbed.protocol.Batch`), or at
+and go in the same frame as its next request (a :class:`~testbed.core.protocol.Batch`), or at
 :meth:`RpcClient.flush`, so the server sees every request in the order it was made while a
 scheduler step sends one frame where it made several requests.
 
@@ -41,9 +41,9 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from testbed import protocol as p
-from testbed import telemetry
-from testbed.telemetry import attributes as a
+from testbed.core import protocol as p
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
 
 _IDLE_S = 0.05
 """The background thread's period when nothing is outstanding."""

@@ -2,8 +2,8 @@
 
 The copy engine for CUDA KV: the cache server's copies from KV it maps through CUDA IPC
 (``server.cuda_engine``) and the worker's own copies of CUDA KV (``connector.kv_copy``). It
-uses the run index math of ``testbed.block_runs``, as the numpy engine does, so both write and
-read the same pool objects (``testbed.kv_layout``). Written with device-agnostic torch calls:
+uses the run index math of ``testbed.core.block_runs``, as the numpy engine does, so both write and
+read the same pool objects (``testbed.core.kv_layout``). Written with device-agnostic torch calls:
 the same code runs on CPU tensors, which is how it is tested on machines without a GPU.
 
 How it copies one operation (``ChunkCopy`` per chunk):
@@ -25,7 +25,7 @@ vLLM's one-allocation layouts are one segment: a whole group is then one kernel 
 never one copy per block or layer. Separate layer tensors cost one kernel per layer per group.
 
 Ordering is the caller's: the copies are issued on the current stream (``torch.cuda.stream``),
-asynchronous where the memory allows (``non_blocking``). Contract as ``testbed.block_copy``:
+asynchronous where the memory allows (``non_blocking``). Contract as ``testbed.core.block_copy``:
 every id, skip and slot is checked before any byte moves (on a device a bad index would be an
 asynchronous assert, not an exception).
 """
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from testbed.block_runs import ChunkCopy, RunGeometry, Segment
-from testbed.kv_layout import PagedLayout
+from testbed.core.block_runs import ChunkCopy, RunGeometry, Segment
+from testbed.core.kv_layout import PagedLayout
 
 ELEMENT_TYPES: dict[int, torch.dtype] = {
     16: torch.complex128,

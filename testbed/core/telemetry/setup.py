@@ -41,10 +41,10 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
-from testbed import telemetry
-from testbed.telemetry import attributes as a
-from testbed.telemetry.otlp_json import JsonLinesSpanExporter
-from testbed.telemetry.sampling import make_sampler, sampler_from_environment
+from testbed.core import telemetry
+from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.sampling import make_sampler, sampler_from_environment
+from testbed.core.telemetry.span_file import JsonLinesSpanExporter
 
 SPANS_DIR = "spans"
 COUNTS_SUFFIX = ".counts.json"
@@ -81,7 +81,7 @@ class TracingConfig:
     """Write every span to its file as it ends and keep the counts file current, for processes
     that may be stopped without a shutdown (vLLM's engine and worker processes)."""
     sampling: tuple[str, float | None] | None = None
-    """The trace sampler, ``(name, ratio)`` as :mod:`testbed.telemetry.sampling` names it;
+    """The trace sampler, ``(name, ratio)`` as :mod:`testbed.core.telemetry.sampling` names it;
     ``None``: what the ``OTEL_TRACES_SAMPLER*`` variables say, read as that module reads them."""
 
 
@@ -174,7 +174,7 @@ class _EndCounter(SpanProcessor):
 
 
 class _InstanceStamp(SpanProcessor):
-    """Stamps spans started inside :func:`testbed.telemetry.instance_scope` with the fleet
+    """Stamps spans started inside :func:`testbed.core.telemetry.instance_scope` with the fleet
     instance (``kvcache.instance``), as ``kvcache.rank`` tells TP ranks apart in a process."""
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
@@ -359,7 +359,7 @@ def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
 
 def _open_counts(path: Path) -> int | None:
     """The counts file, created with :data:`COUNTS_BYTES` reserved (``None``: no room)."""
-    from testbed.owned_files import reserve
+    from testbed.core.owned_files import reserve
 
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -6,7 +6,7 @@ and a value vector of ``head_dim`` per layer, and tensor parallelism gives each 
 one latent vector of ``head_dim`` per token, replicated on every rank: one copy is stored.
 
 A profile may also carry the model's *compute shape* (parameters, query heads), which the time
-model (:mod:`testbed.engine.time_model`) needs to project prefill time; profiles without it
+model (:mod:`testbed.models.time_model`) needs to project prefill time; profiles without it
 (the tiny ones) only size KV.
 """
 

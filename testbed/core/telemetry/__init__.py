@@ -1,7 +1,7 @@
 """Tracing for library code: the one ``traced`` helper, W3C context in messages, attributes.
 
 Library code (connector, server, engines) calls only the OpenTelemetry *API* through this
-module; entry points install the SDK with :mod:`testbed.telemetry.setup`. Until they do,
+module; entry points install the SDK with :mod:`testbed.core.telemetry.setup`. Until they do,
 :func:`traced` yields a shared non-recording span without touching the context, so tracing
 off costs about a microsecond per operation and the code paths are the same.
 
@@ -172,7 +172,7 @@ def start_span(
 @contextmanager
 def instance_scope(instance: int) -> Iterator[None]:
     """Spans started inside belong to fleet instance ``instance``: the SDK that
-    :mod:`testbed.telemetry.setup` installs stamps them with ``kvcache.instance``. A fleet runs
+    :mod:`testbed.core.telemetry.setup` installs stamps them with ``kvcache.instance``. A fleet runs
     its instances in one process, and their connectors trace through this one module."""
     token = current_instance.set(instance)
     try:

@@ -22,7 +22,7 @@ seconds. Two kinds, behind one method (:meth:`TimeModel.step_s`):
 Figures are from the vendors' datasheets (dense bf16 tensor FLOP/s, i.e. half the "with
 sparsity" number; HBM bandwidth; host link per direction, half the bidirectional PCIe figure).
 The efficiency factors and fixed costs are assumptions until a GPU run calibrates them: a
-profile's ``measured_*`` figures (fitted by :mod:`testbed.engine.calibration` from prefill and
+profile's ``measured_*`` figures (fitted by :mod:`testbed.models.calibration` from prefill and
 KV-load times measured on the device, ``scripts/gpu_check.sh``) replace the compute
 efficiency, the load rate and the load latency when present, and every projection, break-even
 lengths included, follows them (:meth:`Hardware.datasheet` gives the profile without them). Add
@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from testbed.engine.profiles import DTYPE_BYTES, KVProfile
+from testbed.models.profiles import DTYPE_BYTES, KVProfile
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Hardware:
     """Where the figures come from."""
     measured_compute_efficiency: float | None = None
     """Share of ``peak_flops`` a prefill reached on this hardware, fitted to measured prefill
-    times (``testbed.engine.calibration``); replaces ``compute_efficiency`` when given."""
+    times (``testbed.models.calibration``); replaces ``compute_efficiency`` when given."""
     measured_load_bytes_per_s: float | None = None
     """KV load rate measured from the cache server's default pool (pinned host memory) into
     the GPU; replaces ``link_bytes_per_s × link_efficiency`` when given."""

@@ -3,11 +3,11 @@
 The copy engine of both transfer modes: the worker copies between its own KV and the pool
 (``connector.kv_copy``), or the server copies between the engine's KV, mapped from shared
 memory, and its pool (``server.kv_copier``). Both build a :class:`BlockCopier` over the same
-:class:`~testbed.kv_layout.PagedLayout`, so they write and read identical objects (layout:
-``testbed.kv_layout``).
+:class:`~testbed.core.kv_layout.PagedLayout`, so they write and read identical objects (layout:
+``testbed.core.kv_layout``).
 
-How it copies. A layer's block is cut into *runs* (``testbed.block_runs``, whose index math
-the torch engine for CUDA KV, ``testbed.torch_block_copy``, shares). The KV is then one flat
+How it copies. A layer's block is cut into *runs* (``testbed.core.block_runs``, whose index math
+the torch engine for CUDA KV, ``testbed.core.torch_block_copy``, shares). The KV is then one flat
 array of runs per buffer, a chunk is an array of run indices, and a chunk is copied, all
 layers of a buffer at once, by one ``numpy.take`` (store: gather into the object) or one fancy
 assignment (retrieve: scatter out of it): one call per chunk for vLLM's single
@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from testbed.block_runs import ChunkCopy, RunGeometry, SlotLike
-from testbed.kv_layout import PagedLayout
+from testbed.core.block_runs import ChunkCopy, RunGeometry, SlotLike
+from testbed.core.kv_layout import PagedLayout
 
 __all__ = ["BlockCopier", "ChunkCopy", "SlotLike", "item_copies"]
 

@@ -1,7 +1,7 @@
 """OTLP JSON text written directly from finished spans (the span files' lines).
 
 The same document as ``json.dumps(encode_traces_data(...))`` of
-:mod:`testbed.telemetry.otlp_json` (equal once parsed), built as text: no dictionary per span,
+:mod:`testbed.core.telemetry.otlp_json` (equal once parsed), built as text: no dictionary per span,
 per attribute and per value on the way, and each attribute key's ``{"key":...,"value":``
 prefix made once per process. It runs on the SDK's export thread, which shares the
 interpreter with the engine's. Spans with a trace state or dropped counts (rare) take the
@@ -18,7 +18,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from testbed.telemetry.otlp_codes import KIND, STATUS
+from testbed.core.telemetry.otlp_codes import KIND, STATUS
 
 _prefixes: dict[str, str] = {}
 
@@ -27,7 +27,7 @@ def traces_data_text(
     groups: Mapping[int, tuple[Any, Mapping[tuple[str, str], list[ReadableSpan]]]],
 ) -> str:
     """The ``TracesData`` of spans grouped as ``otlp_json.group_spans`` groups them."""
-    from testbed.telemetry.otlp_json import key_values
+    from testbed.core.telemetry.otlp_json import key_values
 
     resources = []
     for resource, scopes in groups.values():
@@ -55,7 +55,7 @@ def span_text(span: ReadableSpan) -> str:
     context = span.get_span_context()
     assert context is not None
     if context.trace_state or _has_dropped(span):
-        from testbed.telemetry.otlp_json import encode_span
+        from testbed.core.telemetry.otlp_json import encode_span
 
         return json.dumps(encode_span(span), separators=(",", ":"))
     status = span.status
@@ -111,7 +111,7 @@ def value_text(value: Any) -> str:
         return '{"boolValue":true}' if value else '{"boolValue":false}'
     if kind is tuple or kind is list:
         return '{"arrayValue":{"values":[' + ",".join(map(value_text, value)) + "]}}"
-    from testbed.telemetry.otlp_json import any_value
+    from testbed.core.telemetry.otlp_json import any_value
 
     return json.dumps(any_value(value), separators=(",", ":"))
 
