@@ -182,7 +182,7 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, ca
         (["server", "--policy", "mru"], "--policy 'mru'"),
         (["server", "--chunk-size", "0"], "--chunk-size"),
     ]
-    cases = [(case, True) for case in in_a_process] + [(case, False) for case in in_process]
+    cases = [(case, False) for case in in_process] + [(case, True) for case in in_a_process]
     for (args, expected), subprocess_ in cases:
         args = [*args, "--out", str(out)] if args[0] == "run" else args
         if subprocess_:
