@@ -146,7 +146,11 @@ def _kvtb(*args: str, cwd: Path) -> tuple[int, str, float]:
     return done.returncode, done.stderr + done.stdout, time.monotonic() - started
 
 
-def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
+def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, capsys):
+    """Through the real command (a process of its own, which must also exit at once) where a
+    server address is involved; the settings checked before any connection in-process."""
+    from testbed.cli import main
+
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     broken = tmp_path / "broken.jsonl"
@@ -158,13 +162,15 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
     tokens.chmod(0o600)
     out = tmp_path / "runs"
     port = _free_port()
-    cases = [
+    in_a_process = [
         (["run", "--server", "localhost:5555"], "tcp://"),
         (
             ["run", "--server", f"tcp://127.0.0.1:{port}", "--token-file", str(tokens)],
             "no cache server answers",
         ),
         (["run", "--server", f"tcp://127.0.0.1:{port}"], "credential"),
+    ]
+    in_process = [
         (["run", "--workload", f"mooncake:{empty}"], "no requests"),
         (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "does not exist"),
         (["run", "--workload", f"mooncake:{broken}"], "broken.jsonl"),
@@ -176,10 +182,18 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path):
         (["server", "--policy", "mru"], "--policy 'mru'"),
         (["server", "--chunk-size", "0"], "--chunk-size"),
     ]
-    for args, expected in cases:
-        code, output, elapsed = _kvtb(
-            *[*args, "--out", str(out)] if args[0] == "run" else args, cwd=tmp_path
-        )
+    cases = [(case, False) for case in in_process] + [(case, True) for case in in_a_process]
+    for (args, expected), subprocess_ in cases:
+        args = [*args, "--out", str(out)] if args[0] == "run" else args
+        if subprocess_:
+            code, output, elapsed = _kvtb(*args, cwd=tmp_path)
+        else:
+            started = time.monotonic()
+            try:
+                code = main(args)
+            except SystemExit as exited:  # argparse's own refusals exit as the process would
+                code = exited.code
+            output, elapsed = capsys.readouterr().err, time.monotonic() - started
         assert code == 2, (args, output)
         assert expected in output, (args, output)
         assert "Traceback" not in output, (args, output)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from testbed.analysis.whatif import load_whatif
+from testbed.cli import main
 
 WORKLOAD = ["--workload-param", "num_documents=20", "--workload-param", "document_tokens=[32, 256]"]
 
@@ -31,11 +32,11 @@ def test_whatif_of_a_workload_equals_the_oracle_runs_it_replaces(tmp_path):
         "whatif_hit_rate.png", "whatif_min_capacity.png", "whatif_reuse.png"
     }  # fmt: skip
     for policy, capacity in (("lru", "2048"), ("belady", "8192"), ("lru", "unlimited")):
-        ran = kvtb("run", "--engine", "oracle", "--workload", "rag", "--requests", "60",
-                   *WORKLOAD, "--chunk-size", "64", "--policy", policy,
-                   "--capacity-tokens", capacity, "--out", str(tmp_path / "runs"),
-                   "--no-progress")  # fmt: skip
-        assert ran.returncode == 0, ran.stderr
+        ran = main(["run", "--engine", "oracle", "--workload", "rag", "--requests", "60",
+                    *WORKLOAD, "--chunk-size", "64", "--policy", policy,
+                    "--capacity-tokens", capacity, "--out", str(tmp_path / "runs"),
+                    "--no-progress"])  # fmt: skip
+        assert ran == 0, (policy, capacity)
         (summary,) = [
             json.loads(p.read_text())
             for p in (tmp_path / "runs").glob("*/summary.json")
@@ -48,11 +49,12 @@ def test_whatif_of_a_workload_equals_the_oracle_runs_it_replaces(tmp_path):
         assert abs(point["mean_request_hit_rate"] - summary["mean_request_hit_rate"]) < 1e-12
 
 
-def test_bad_whatif_arguments_are_refused_before_any_work(tmp_path):
-    done = kvtb("whatif", "--out", str(tmp_path / "w"))
-    assert done.returncode == 2 and "name a SOURCE" in done.stderr
-    done = kvtb("whatif", "chat", "--policies", "lru,mru", "--out", str(tmp_path / "w"))
-    assert done.returncode == 2 and "policies must be some of" in done.stderr
-    done = kvtb("whatif", "chat", "--at", "lots", "--out", str(tmp_path / "w"))
-    assert done.returncode == 2 and "--at expects comma-separated integers" in done.stderr
+def test_bad_whatif_arguments_are_refused_before_any_work(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "w")]
+    assert main(["whatif", *out]) == 2
+    assert "name a SOURCE" in capsys.readouterr().err
+    assert main(["whatif", "chat", "--policies", "lru,mru", *out]) == 2
+    assert "policies must be some of" in capsys.readouterr().err
+    assert main(["whatif", "chat", "--at", "lots", *out]) == 2
+    assert "--at expects comma-separated integers" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
