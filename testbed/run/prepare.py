@@ -17,6 +17,7 @@ from testbed import footprint
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core.telemetry.setup import sdk_disabled
 from testbed.models.servable import R, split_servable
 from testbed.run.interface import CacheServers, EngineEntry
 from testbed.run.options import RunOptions
@@ -31,6 +32,12 @@ def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")
     """Checks the spec against what will run it and this machine (``testbed.footprint``, on a
     sample of the workload first, then on all of it) and loads the workload; raises
     ``ValueError`` with a message naming the problem (nothing is written)."""
+    if sdk_disabled():
+        raise ValueError(
+            "a run's results are computed from its spans, and OTEL_SDK_DISABLED=true turns "
+            "them off: unset it (to record fewer requests, sample them: OTEL_TRACES_SAMPLER="
+            "traceidratio with OTEL_TRACES_SAMPLER_ARG; the run then says it was sampled)"
+        )
     entry = ENGINES[spec.engine]
     _check_options(spec, entry, options)
     bytes_per_token = entry.bytes_per_token(spec)

@@ -205,6 +205,19 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, ca
         assert code == 1 and "in use" in output and "Traceback" not in output
 
 
+def test_a_run_with_tracing_disabled_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    """Spans are the run's record: with ``OTEL_SDK_DISABLED=true`` a run used to do its work,
+    then exit 2 saying its own directory was no run directory. It is refused at once."""
+    from testbed.cli import main as kvtb
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    out = tmp_path / "runs"
+    code = kvtb(["run", "--workload", "chat", "--requests", "4", "--out", str(out)])
+    error = capsys.readouterr().err
+    assert code == 2 and "OTEL_SDK_DISABLED" in error and "Traceback" not in error
+    assert not out.exists()
+
+
 def test_values_no_run_could_use_are_refused_with_their_range_before_any_work(tmp_path, capsys):
     """``block_size = 0`` gave a traceback, ``requests = 10^12`` took 4 GiB in a minute, a
     timeout of ``inf`` hung a run after its server died, a 300-character token made every

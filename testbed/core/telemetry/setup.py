@@ -283,11 +283,17 @@ def columnar_available() -> bool:
     return importlib.util.find_spec("pyarrow") is not None
 
 
+def sdk_disabled() -> bool:
+    """Whether ``OTEL_SDK_DISABLED`` turns tracing off in this process (OpenTelemetry's
+    variable, read as the SDK reads it)."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
 def configure_tracing(
     config: TracingConfig, extra_exporters: Mapping[str, SpanExporter] | None = None
 ) -> Tracing | None:
     """Installs tracing for this process; ``None`` when ``OTEL_SDK_DISABLED`` is true."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    if sdk_disabled():
         return None
     exporters: dict[str, SpanExporter] = {}
     span_file = None
