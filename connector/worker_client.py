@@ -378,9 +378,12 @@ class WorkerClient:
         answered = store.future.exception(0) is None
         store.future = None
         if isinstance(reply, str):
-            if store.stage == "begin" and not answered:
-                self._abort(store.op_id, store.span, reply)
-                if ("not_registered" in reply or "stale_epoch" in reply) and not store.retried:
+            if store.stage == "begin":
+                if not answered:  # no plan came back: the server may still hold the op
+                    self._abort(store.op_id, store.span, reply)
+                # A server that restarted before this worker heard of it answers (or fails)
+                # that the worker is not registered: register once more, anew, and retry.
+                if any(code in reply for code in _REGISTER_AGAIN) and not store.retried:
                     with contextlib.suppress(ServerUnavailable, RemoteError):
                         assert self.kv is not None
                         self.register(self.kv)  # the server restarted: once more, anew
