@@ -19,6 +19,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
+from testbed.core.telemetry.otlp_json import any_value, encode_span, key_values
 
 _prefixes: dict[str, str] = {}
 
@@ -27,8 +28,6 @@ def traces_data_text(
     groups: Mapping[int, tuple[Any, Mapping[tuple[str, str], list[ReadableSpan]]]],
 ) -> str:
     """The ``TracesData`` of spans grouped as ``otlp_json.group_spans`` groups them."""
-    from testbed.core.telemetry.otlp_json import key_values
-
     resources = []
     for resource, scopes in groups.values():
         scope_texts = []
@@ -55,8 +54,6 @@ def span_text(span: ReadableSpan) -> str:
     context = span.get_span_context()
     assert context is not None
     if context.trace_state or _has_dropped(span):
-        from testbed.core.telemetry.otlp_json import encode_span
-
         return json.dumps(encode_span(span), separators=(",", ":"))
     status = span.status
     parent = f"{span.parent.span_id:016x}" if span.parent else ""
@@ -111,8 +108,6 @@ def value_text(value: Any) -> str:
         return '{"boolValue":true}' if value else '{"boolValue":false}'
     if kind is tuple or kind is list:
         return '{"arrayValue":{"values":[' + ",".join(map(value_text, value)) + "]}}"
-    from testbed.core.telemetry.otlp_json import any_value
-
     return json.dumps(any_value(value), separators=(",", ":"))
 
 
