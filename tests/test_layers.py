@@ -31,11 +31,7 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
 )
 PEERS_APART = {"connector", "server"}
 """Layers of one rank that must not import each other."""
-KNOWN_CYCLES = [
-    # Type-only: the replay instance is annotated with the replay engine's spec, which moves
-    # when the engines read one RunSpec. Listed so that no other cycle can join it.
-    {"testbed.engine.instance", "testbed.engine.replay", "testbed.engine.virtual_clock"},
-]
+KNOWN_CYCLES: list[set[str]] = []
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from testbed.workloads import WorkloadRequest
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-    from testbed.engine.replay import ReplaySpec
+    from testbed.engine.replay_spec import ReplaySpec
 
 SAMPLED_TOKEN = 7  # never a stop token: hand-made sampling params have no EOS
 
