@@ -62,7 +62,7 @@ def fuzz(lab: Lab) -> ScenarioResult:
         replies=dict(stats.replies),
         examples=stats.examples,
         victim_problems=report.victim_problems,
-        held_after=None if held is None else held.__dict__,
+        held_after=None if held is None else held.record(),
     )
     lab.finish(result)
     return result

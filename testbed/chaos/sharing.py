@@ -54,7 +54,7 @@ def shared_server(lab: Lab) -> ScenarioResult:
         samples=watch.samples,
         max_used_bytes=watch.max_used_bytes,
         evicted_objects=evicted,
-        held_after=None if held is None else held.__dict__,
+        held_after=None if held is None else held.record(),
         runs={
             workload: None
             if summary is None

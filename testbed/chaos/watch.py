@@ -18,6 +18,7 @@ from pathlib import Path
 from server.reclaim import SERVER_FILE, server_files_dir
 from testbed.core import protocol as p
 from testbed.core.owned_files import is_owned
+from testbed.core.quiescence import Quiescence
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 
@@ -35,25 +36,43 @@ def rss_mib(pid: int) -> float | None:
 
 @dataclass(frozen=True)
 class Held:
-    """What a server still holds (all zero: quiescent)."""
+    """What a server still holds: its quiescence record (``testbed.core.quiescence``), and
+    its sessions and clients for the report."""
 
-    locks: int
-    pins: int
-    inflight: int
-    """Store reservations, retrieves in flight and pending lookups."""
+    state: Quiescence
     sessions: int
     clients: int
 
     @classmethod
     def of(cls, stats: p.ServerStats) -> Held:
-        inflight = (
-            stats.num_inflight_stores + stats.num_inflight_retrieves + stats.num_pending_lookups
-        )
-        return cls(stats.num_locks, stats.num_pins, inflight, stats.num_sessions, stats.num_clients)
+        return cls(Quiescence.of(stats), stats.num_sessions, stats.num_clients)
 
     @property
     def quiescent(self) -> bool:
-        return not (self.locks or self.pins or self.inflight)
+        return self.state.quiescent
+
+    @property
+    def locks(self) -> int:
+        return self.state.num_locks
+
+    @property
+    def pins(self) -> int:
+        return self.state.num_pins
+
+    @property
+    def inflight(self) -> int:
+        """Store reservations, retrieves in flight and pending lookups."""
+        return self.state.num_inflight
+
+    def record(self) -> dict[str, int]:
+        """For a scenario's details."""
+        return {
+            "locks": self.locks,
+            "pins": self.pins,
+            "inflight": self.inflight,
+            "sessions": self.sessions,
+            "clients": self.clients,
+        }
 
 
 def get_stats(client: RpcClient) -> p.ServerStats | None:
