@@ -200,7 +200,7 @@ def _record_held(result: ScenarioResult, held: Held | None) -> None:
         result.details["held_after"] = "no answer"
         result.add(leaked_locks=1)  # cannot tell: count as leaked
         return
-    result.add(leaked_locks=held.locks, leaked_pins=held.pins, leaked_inflight=held.inflight)
+    result.add(**held.leaks())
     result.details.setdefault("held_after", []).append(held.record())
 
 

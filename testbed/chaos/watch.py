@@ -51,25 +51,22 @@ class Held:
     def quiescent(self) -> bool:
         return self.state.quiescent
 
-    @property
-    def locks(self) -> int:
-        return self.state.num_locks
-
-    @property
-    def pins(self) -> int:
-        return self.state.num_pins
-
-    @property
-    def inflight(self) -> int:
-        """Store reservations, retrieves in flight and pending lookups."""
-        return self.state.num_inflight
+    def leaks(self) -> dict[str, int]:
+        """What it held, as a scenario's leak counts."""
+        state = self.state
+        return {
+            "leaked_locks": state.num_locks,
+            "leaked_pins": state.num_pins,
+            "leaked_inflight": state.num_inflight,
+        }
 
     def record(self) -> dict[str, int]:
-        """For a scenario's details."""
+        """What it held, for a scenario's details."""
+        state = self.state
         return {
-            "locks": self.locks,
-            "pins": self.pins,
-            "inflight": self.inflight,
+            "locks": state.num_locks,
+            "pins": state.num_pins,
+            "inflight": state.num_inflight,
             "sessions": self.sessions,
             "clients": self.clients,
         }
