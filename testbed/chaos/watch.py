@@ -52,13 +52,10 @@ class Held:
         return self.state.quiescent
 
     def leaks(self) -> dict[str, int]:
-        """What it held, as a scenario's leak counts."""
-        state = self.state
-        return {
-            "leaked_locks": state.num_locks,
-            "leaked_pins": state.num_pins,
-            "leaked_inflight": state.num_inflight,
-        }
+        """What it held, as a scenario's leak counts (``leaked_locks``, ``leaked_pins``,
+        ``leaked_inflight``)."""
+        held = self.record()
+        return {f"leaked_{name}": held[name] for name in ("locks", "pins", "inflight")}
 
     def record(self) -> dict[str, int]:
         """What it held, for a scenario's details."""
