@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from server.cache import Eviction
 from server.context import Call, Shared, Steps
+from server.objects import Eviction
 from server.sessions import Sessions
 from server.state import CLIENT_INDEX_BYTES
 from testbed.core import protocol as p

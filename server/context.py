@@ -19,10 +19,11 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from server.cache import Eviction, KVCache
+from server.cache import KVCache
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.eviction_feed import EvictionFeed
+from server.objects import Eviction
 from server.pools import MemoryPool
 from server.state import ClientState, Counters, Deadlines
 from testbed.core import protocol as p

@@ -12,8 +12,9 @@ import time
 from collections.abc import Generator
 from typing import Any
 
-from server.cache import CacheObject, KVCache
+from server.cache import KVCache
 from server.context import Call, ServiceError
+from server.objects import CacheObject
 from server.state import Worker
 from testbed.core import protocol as p
 from testbed.core.block_copy import item_copies

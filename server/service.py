@@ -42,10 +42,11 @@ from dataclasses import dataclass
 
 from server.admin import Admin
 from server.auth import Credentials
-from server.cache import KVCache, Released
+from server.cache import KVCache
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.context import Call, Routes, ServiceError, Shared, Steps
+from server.objects import Released
 from server.pool import ExtentAllocator
 from server.pools import MemoryPool, make_pool
 from server.sessions import Sessions

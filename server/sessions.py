@@ -14,9 +14,9 @@ import secrets
 from collections.abc import Generator
 
 from server import quotas
-from server.cache import CacheObject, Space
 from server.context import Call, ServiceError, Shared, Steps
 from server.held import held_by
+from server.objects import CacheObject, Space
 from server.state import (
     SESSION_INDEX_BYTES,
     TRACKED_CHUNK_INDEX_BYTES,

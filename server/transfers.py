@@ -13,8 +13,8 @@ from collections.abc import Generator
 from typing import TypeVar
 
 from server import copies, registration
-from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.context import Call, ServiceError, Shared, Steps
+from server.objects import CacheObject, Eviction, ObjectKey, Space
 from server.sessions import Sessions
 from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
 from testbed.core import protocol as p
