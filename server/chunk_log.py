@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from testbed.core.append_file import AppendFile
-from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX
+from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, Event
 
 BATCH_ROWS = 8192
 
@@ -45,7 +45,7 @@ class NullChunkLog:
 
     def add(
         self,
-        event: str,
+        event: Event,
         chunk_hash: bytes,
         *,
         kv_rank: int = -1,
