@@ -2,14 +2,13 @@
 
 Spans say what an operation did; they do not carry chunk identities (that would make them
 huge). This log does, compactly: one row per chunk event, appended to
-``RUN_DIR/chunks/server-<pid>.msgpack`` as a stream of MessagePack maps, each a *columnar
-batch* ``{"columns": {name: [values, ...]}}`` of equal-length columns (:data:`COLUMNS`).
-``testbed.analysis.chunklog`` reads it (and a run converts it to ``chunks.parquet``); the
-miss causes of ``testbed.analysis.attribution`` and the what-if curves of
-``testbed.analysis.whatif`` come from it. docs/telemetry.md documents the columns.
+``RUN_DIR/chunks/server-<pid>.msgpack`` in the columnar batches of the chunk-event schema
+(``testbed.core.chunk_events``, which ``testbed.analysis.chunklog`` reads; a run converts the
+streams to ``chunks.parquet``). The miss causes of ``testbed.analysis.attribution`` and the
+what-if curves of ``testbed.analysis.whatif`` come from it.
 
 Rows are buffered and written in batches (at :data:`BATCH_ROWS` rows, at every housekeeping
-tick and on close), so a row costs a few list appends on the request path.
+tick and on close), so a row costs a tuple and an append on the request path.
 :class:`NullChunkLog` stands in when the server has no run directory.
 
 A batch that cannot be written (a full disk, an I/O error) is dropped whole and counted
@@ -27,41 +26,17 @@ from pathlib import Path
 import msgspec
 
 from testbed.core.append_file import AppendFile
+from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, Event
 
-CHUNKS_DIR = "chunks"
-COLUMNS = (
-    "seq",
-    "time_ns",
-    "event",
-    "chunk_hash",
-    "kv_rank",
-    "namespace",
-    "session_id",
-    "position",
-    "status",
-    "cause",
-    "span_id",
-    "nbytes",
-)
 BATCH_ROWS = 8192
 
-# Events (the ``event`` column).
-LOOKUP = "lookup"
-RESERVE = "reserve"
-COMMIT = "commit"
-ABORT = "abort"
-TOUCH = "touch"
-EVICT = "evict"
-DROP = "drop"
-
-
-def namespace(model: str, world_size: int, cache_salt: str) -> str:
-    """The ``namespace`` column: what, besides the chunk hash, names an object's key."""
-    return f"{model}|{world_size}|{cache_salt}"
+_Row = tuple[str, bytes, int, str, str, int, str, str, str, int]
+"""A row without its ``seq`` and ``time_ns``: the columns from ``event`` on."""
 
 
 class NullChunkLog:
-    """No run directory: nothing is recorded."""
+    """No run directory: nothing is recorded. :meth:`add` is the one way to record an event;
+    subclasses keep its rows (:meth:`_record`)."""
 
     enabled = False
     rows = 0
@@ -70,7 +45,7 @@ class NullChunkLog:
 
     def add(
         self,
-        event: str,
+        event: Event,
         chunk_hash: bytes,
         *,
         kv_rank: int = -1,
@@ -82,6 +57,14 @@ class NullChunkLog:
         span_id: str = "",
         nbytes: int = 0,
     ) -> None:
+        """Records one event (the columns of ``testbed.core.chunk_events``; the defaults are
+        the schema's values for "not applicable")."""
+        self._record(
+            (event, chunk_hash, kv_rank, namespace, session_id, position, status, cause,
+             span_id, nbytes)
+        )  # fmt: skip
+
+    def _record(self, row: _Row) -> None:
         return None
 
     def flush(self) -> None:
@@ -99,10 +82,10 @@ class ChunkLog(NullChunkLog):
     def __init__(self, run_dir: Path) -> None:
         directory = Path(run_dir) / CHUNKS_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"server-{os.getpid()}.msgpack"
+        self.path = directory / f"server-{os.getpid()}{STREAM_SUFFIX}"
         self._file = AppendFile(self.path, "chunk log rows")
         self._encoder = msgspec.msgpack.Encoder()
-        self._columns: dict[str, list[object]] = {name: [] for name in COLUMNS}
+        self._rows: list[tuple[object, ...]] = []
         self.rows = 0
         self._rejected = 0
         self._closed = False
@@ -118,46 +101,21 @@ class ChunkLog(NullChunkLog):
         """Rows not written yet, kept until the file takes them."""
         return self._file.pending_items
 
-    def add(
-        self,
-        event: str,
-        chunk_hash: bytes,
-        *,
-        kv_rank: int = -1,
-        namespace: str = "",
-        session_id: str = "",
-        position: int = -1,
-        status: str = "",
-        cause: str = "",
-        span_id: str = "",
-        nbytes: int = 0,
-    ) -> None:
-        c = self._columns
-        c["seq"].append(self.rows)
-        c["time_ns"].append(time.time_ns())
-        c["event"].append(event)
-        c["chunk_hash"].append(chunk_hash)
-        c["kv_rank"].append(kv_rank)
-        c["namespace"].append(namespace)
-        c["session_id"].append(session_id)
-        c["position"].append(position)
-        c["status"].append(status)
-        c["cause"].append(cause)
-        c["span_id"].append(span_id)
-        c["nbytes"].append(nbytes)
+    def _record(self, row: _Row) -> None:
+        self._rows.append((self.rows, time.time_ns(), *row))
         self.rows += 1
-        if len(c["seq"]) >= BATCH_ROWS:
+        if len(self._rows) >= BATCH_ROWS:
             self.flush()
 
     def flush(self) -> None:
         """Writes the buffered rows as one batch; never raises (``dropped_rows``)."""
-        count = len(self._columns["seq"])
+        count = len(self._rows)
         if self._closed or not count:
             self._file.retry()
             return
-        batch = self._encoder.encode({"columns": self._columns})
-        self._columns = {name: [] for name in COLUMNS}
-        if not self._file.append(batch, count):
+        columns = dict(zip(COLUMN_NAMES, map(list, zip(*self._rows, strict=True)), strict=True))
+        self._rows = []
+        if not self._file.append(self._encoder.encode({"columns": columns}), count):
             self._rejected += count
 
     def close(self) -> None:

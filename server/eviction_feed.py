@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from server.cache import ObjectKey
+from server.objects import ObjectKey
 
 DEFAULT_MAX_ENTRIES = 1 << 16
 

@@ -21,46 +21,45 @@ then a miss, ``in_flight``) instead of waiting: nothing is refused.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-from server.state import ClientState
-
-if TYPE_CHECKING:
-    from server.context import Service, ServiceError
+from server.context import ServiceError, Shared
+from server.state import ClientState, Session
 
 
-def check_sessions(s: Service, client: ClientState) -> None:
+def check_sessions(s: Shared, client: ClientState) -> None:
     """Refuses a new session of ``client`` beyond ``max_sessions_per_client``."""
     quota = s.config.max_sessions_per_client
     if len(client.sessions) >= quota:
         raise _refuse(s, "max_sessions_per_client", quota, "live sessions")
 
 
-def tracked_fits(s: Service, client: ClientState, added: int) -> bool:
+def tracked_fits(s: Shared, client: ClientState, added: int) -> bool:
     """Whether ``client`` may track ``added`` more chunks within
     ``max_tracked_chunks_per_client`` (its lock groups and its sessions' refresh lists)."""
     tracked = s.cache.locked_chunks_of(client.client_id) + client.tracked_chunks
     return added <= 0 or tracked + added <= s.config.tracked_chunks_quota
 
 
-def refuse_tracked(s: Service) -> ServiceError:
+def refuse_tracked(s: Shared) -> ServiceError:
     """The refusal of a lookup that would take ``client`` over its tracked-chunks quota."""
     quota = s.config.tracked_chunks_quota
     return _refuse(s, "max_tracked_chunks_per_client", quota, "tracked chunks")
 
 
-def check_ops(s: Service, client: ClientState) -> None:
+def check_ops(s: Shared, client: ClientState) -> None:
     """Refuses a store or retrieve of ``client`` beyond ``max_inflight_ops_per_client``."""
     quota = s.config.max_inflight_ops_per_client
     if len(client.stores) + len(client.retrieves) >= quota:
         raise _refuse(s, "max_inflight_ops_per_client", quota, "operations in flight")
 
 
-def may_wait(s: Service, client: ClientState) -> bool:
-    """Whether one more lookup of ``client`` may be left pending (else it settles now)."""
+def may_wait(s: Shared, sessions: Mapping[str, Session], client: ClientState) -> bool:
+    """Whether one more lookup of ``client`` (whose sessions are among ``sessions``) may be
+    left pending (else it settles now)."""
     pending = 0
     for session_id in client.sessions:
-        session = s.sessions.get(session_id)
+        session = sessions.get(session_id)
         pending += session is not None and session.pending is not None
     if pending < s.config.max_pending_lookups_per_client:
         return True
@@ -68,9 +67,7 @@ def may_wait(s: Service, client: ClientState) -> bool:
     return False
 
 
-def _refuse(s: Service, name: str, value: int, what: str) -> ServiceError:
-    from server.context import ServiceError
-
+def _refuse(s: Shared, name: str, value: int, what: str) -> ServiceError:
     s.counters.refused_quotas += 1
     flag = "--" + name.replace("_", "-")
     return ServiceError(

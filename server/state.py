@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from server.cache import CacheObject, ObjectKey, Space
+from server.objects import CacheObject, ObjectKey, Space
 from testbed.core import protocol as p
 
 SESSION_INDEX_BYTES = 400

@@ -17,6 +17,7 @@ from typing import Any
 
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
+from testbed.core.quiescence import run_quiescent
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 
@@ -64,7 +65,7 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
     while True:
         held = client.call(p.GetHeld(owner=owner), timeout_s=2.0)
         assert isinstance(held, p.Held)
-        if not any(_fields(held).values()) or time.monotonic() >= deadline:
+        if run_quiescent(held) or time.monotonic() >= deadline:
             return held
         time.sleep(0.05)
 

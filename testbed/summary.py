@@ -22,6 +22,7 @@ from testbed.analysis.attribution import CATEGORIES, attribution, token_causes
 from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
 from testbed.analysis.fleet import routed_summary
 from testbed.analysis.tables import Run
+from testbed.core.quiescence import QUIESCENCE_KEYS, RUN_QUIESCENCE_KEYS
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.sampling import describe, records_every_trace
 from testbed.engine.results import EngineResult
@@ -35,17 +36,6 @@ _TIMING_PARTS = {
 """Per operation, the parts of its connector spans' time the summary reports (p50)."""
 
 METRICS_FILE = "metrics.parquet"
-QUIESCENCE_KEYS = (
-    "num_locks",
-    "num_pins",
-    "num_inflight_stores",
-    "num_inflight_retrieves",
-    "num_pending_lookups",
-)
-"""What a quiescent server holds none of at the end of a run."""
-RUN_QUIESCENCE_KEYS = (*QUIESCENCE_KEYS, "num_sessions")
-"""What a run leaves none of on its server: the above, and sessions (of its own sessions,
-``server.held``; the server's totals when the run cannot ask for its own)."""
 
 
 def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame:

@@ -1,5 +1,6 @@
-"""Shared fixtures: real cache server processes on 127.0.0.1 (port 0) and clients for them, and
-one small sweep of real runs that the tests reading a sweep share."""
+"""Shared fixtures: real cache server processes on 127.0.0.1 (port 0) and clients for them,
+one small sweep of real runs that the tests reading a sweep share, and both ways of computing
+block-copy runs (``index_path``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from server.launch import ServerProcess
+from testbed.core import block_runs
 
 StartServer = Callable[..., ServerProcess]
 SMALL_SWEEP = """
@@ -96,3 +98,12 @@ def small_sweep(tmp_path_factory) -> Path:
 
     assert len(open_source(sweep).runs) == 4, done.stdout[-2000:]
     return sweep
+
+
+@pytest.fixture(params=["python", "numpy"])
+def index_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs a test with the run indices computed in plain Python (small operations) and with
+    numpy (large ones), whatever the operation's size: both must give the same bytes."""
+    small = 1 << 30 if request.param == "python" else 0
+    monkeypatch.setattr(block_runs, "SMALL_OPERATION_RUNS", small)
+    yield request.param

@@ -28,9 +28,11 @@ column          dtype         meaning
 ``nbytes``      int64         object bytes (0 on lookup rows)
 ==============  ============  ====================================================================
 
-A batch that lacks a column gets its neutral value (``""``, -1 for ``kv_rank`` and
-``position``, 0 for ``nbytes``); columns the reader does not know are ignored. A stream cut
-short (a server killed mid-write) loses only its unfinished last batch, with a warning.
+The columns and their neutral values are declared once, in ``testbed.core.chunk_events``
+(the server writes them): a batch that lacks a column gets its neutral value (``""``, -1 for
+``kv_rank`` and ``position``, 0 for ``nbytes``); columns the reader does not know are ignored.
+A stream cut short (a server killed mid-write) loses only its unfinished last batch, with a
+warning.
 """
 
 from __future__ import annotations
@@ -46,58 +48,21 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, ChunkBatch
+from testbed.core.chunk_events import COLUMNS as SCHEMA
+
 log = logging.getLogger(__name__)
 
-CHUNKS_DIR = "chunks"
-"""The servers' raw streams: ``<run_dir>/chunks/server-<pid>.msgpack``."""
 CHUNK_PARQUET = "chunks.parquet"
-STREAM_SUFFIX = ".msgpack"
 
 INT_COLUMNS: dict[str, tuple[str, int]] = {  # name -> (dtype, value when a batch lacks it)
-    "seq": ("int64", 0),
-    "time_ns": ("int64", 0),
-    "kv_rank": ("int16", -1),
-    "position": ("int32", -1),
-    "nbytes": ("int64", 0),
+    c.name: (c.kind, int(c.missing)) for c in SCHEMA if c.kind.startswith("int")
 }
-CATEGORY_COLUMNS = ("event", "namespace", "session_id", "status", "cause", "span_id")
-COLUMNS = (
-    "server",
-    "seq",
-    "time_ns",
-    "event",
-    "chunk_hash",
-    "kv_rank",
-    "namespace",
-    "session_id",
-    "position",
-    "status",
-    "cause",
-    "span_id",
-    "nbytes",
-)
+CATEGORY_COLUMNS = tuple(c.name for c in SCHEMA if c.kind == "category")
+COLUMNS = ("server", *COLUMN_NAMES)
+_MISSING = {c.name: c.missing for c in SCHEMA}
 
-
-class _Columns(msgspec.Struct):
-    seq: list[int] | None = None
-    time_ns: list[int] | None = None
-    event: list[str] | None = None
-    chunk_hash: list[bytes] | None = None
-    kv_rank: list[int] | None = None
-    namespace: list[str] | None = None
-    session_id: list[str] | None = None
-    position: list[int] | None = None
-    status: list[str] | None = None
-    cause: list[str] | None = None
-    span_id: list[str] | None = None
-    nbytes: list[int] | None = None
-
-
-class _Batch(msgspec.Struct):
-    columns: _Columns
-
-
-_batch_decoder = msgspec.msgpack.Decoder(_Batch)
+_batch_decoder = msgspec.msgpack.Decoder(ChunkBatch)
 _raw_decoder = msgspec.msgpack.Decoder(msgspec.Raw)
 _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 
@@ -199,12 +164,12 @@ def _objects(values: list[Any]) -> np.ndarray:
     return array
 
 
-def _batches(path: Path) -> list[_Batch]:
+def _batches(path: Path) -> list[Any]:
     """The batches of one stream. msgspec decodes exactly one object per call; the end of each
     map is found by a cheap untyped pass (``Raw`` skips without building objects)."""
     data = path.read_bytes()
     view = memoryview(data)
-    batches: list[_Batch] = []
+    batches: list[Any] = []  # ChunkBatch
     position = 0
     while position < len(data):
         rest = view[position:]
@@ -228,7 +193,7 @@ def _batches(path: Path) -> list[_Batch]:
     return batches
 
 
-def _append(values: dict[str, list[Any]], columns: _Columns, server: str) -> None:
+def _append(values: dict[str, list[Any]], columns: Any, server: str) -> None:
     lengths = {
         len(getattr(columns, name))
         for name in COLUMNS[1:]
@@ -241,14 +206,8 @@ def _append(values: dict[str, list[Any]], columns: _Columns, server: str) -> Non
     for name in COLUMNS[1:]:
         column = getattr(columns, name)
         if column is None:
-            column = [_default(name)] * num_rows
+            column = [_MISSING[name]] * num_rows
         values[name].extend(column)
-
-
-def _default(name: str) -> Any:
-    if name in INT_COLUMNS:
-        return INT_COLUMNS[name][1]
-    return b"" if name == "chunk_hash" else ""
 
 
 def _typed(frame: pd.DataFrame) -> pd.DataFrame:

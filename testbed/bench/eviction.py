@@ -18,7 +18,8 @@ import random
 import statistics
 import time
 
-from server.cache import Eviction, KVCache, ObjectKey, Space
+from server.cache import KVCache
+from server.objects import Eviction, ObjectKey, Space
 from testbed.bench.tables import table
 from testbed.core.policies import POLICIES, make_policy
 

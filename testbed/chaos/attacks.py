@@ -48,7 +48,7 @@ def fuzz(lab: Lab) -> ScenarioResult:
     )
     held = report.held_after
     if held is not None:
-        result.set(leaked_locks=held.locks, leaked_pins=held.pins, leaked_inflight=held.inflight)
+        result.set(**held.leaks())
     result.checks["refusals refused"] = stats.violations == 0
     result.checks["replies decodable"] = stats.undecodable_replies == 0
     result.checks["the other client's state intact"] = not report.victim_problems
@@ -62,7 +62,7 @@ def fuzz(lab: Lab) -> ScenarioResult:
         replies=dict(stats.replies),
         examples=stats.examples,
         victim_problems=report.victim_problems,
-        held_after=None if held is None else held.__dict__,
+        held_after=None if held is None else held.record(),
     )
     lab.finish(result)
     return result
@@ -113,9 +113,7 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
         problems = _owner_intact(owner, found, pin_op, pin_plan, data, fresh)
         held = wait_quiescent(owner.rpc, 2.0)
         if held is not None:
-            result.set(
-                leaked_locks=held.locks, leaked_pins=held.pins, leaked_inflight=held.inflight
-            )
+            result.set(**held.leaks())
     with RpcClient(server.url, role="admin", token=server.admin_token) as admin:
         dropped = admin.call(p.DropObjects(chunk_hashes=fresh))
         assert isinstance(dropped, p.Dropped)

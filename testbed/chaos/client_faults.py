@@ -68,7 +68,7 @@ def client_kill(lab: Lab) -> ScenarioResult:
                 and stats.num_inflight_retrieves > 0
                 and stats.num_pending_lookups > 0
             )
-            result.details["held_before_kill"] = Held.of(stats).__dict__
+            result.details["held_before_kill"] = Held.of(stats).record()
             os.kill(holder.pid, signal.SIGKILL)
             holder.wait()
             killed_at = time.monotonic()
@@ -108,7 +108,7 @@ def _kill_an_engine(lab: Lab, result: ScenarioResult) -> None:
         at_kill = _when_holding(checker, timeout_s=3.0)
         victim.kill()
         result.checks["an engine was killed mid-run"] = killed and victim.summary() is None
-        result.details["engine_held_at_kill"] = Held.of(at_kill).__dict__
+        result.details["engine_held_at_kill"] = Held.of(at_kill).record()
         started = time.monotonic()
         held = wait_quiescent(checker.rpc, _ENGINE_CLIENT_TIMEOUT_S + 5.0)
         result.details["engine_released_after_s"] = round(time.monotonic() - started, 2)
@@ -170,7 +170,7 @@ def lost_replies(lab: Lab) -> ScenarioResult:
         result.checks["the client held pins, reservations, locks and pending lookups"] = bool(
             before.num_pins and before.num_inflight_stores and before.num_locks
         ) and bool(before.num_pending_lookups)
-        result.details["held_before"] = Held.of(before).__dict__
+        result.details["held_before"] = Held.of(before).record()
         deadline = time.monotonic() + max(op_ttl_s, lock_ttl_s) + 3.0
         while True:
             lossy.send(p.Heartbeat())
@@ -200,8 +200,8 @@ def _record_held(result: ScenarioResult, held: Held | None) -> None:
         result.details["held_after"] = "no answer"
         result.add(leaked_locks=1)  # cannot tell: count as leaked
         return
-    result.add(leaked_locks=held.locks, leaked_pins=held.pins, leaked_inflight=held.inflight)
-    result.details.setdefault("held_after", []).append(held.__dict__)
+    result.add(**held.leaks())
+    result.details.setdefault("held_after", []).append(held.record())
 
 
 def _wait_held(base: ProbeClient, lossy: _Forgetful, timeout_s: float = 2.0) -> p.ServerStats:

@@ -57,7 +57,7 @@ def connection_flood(lab: Lab) -> ScenarioResult:
     result.set(unauthenticated_closed=stats.unauthenticated_closed)
     result.maximum(max_connect_wait_s=waited_s)
     if held is not None:
-        result.set(leaked_locks=held.locks, leaked_pins=held.pins, leaked_inflight=held.inflight)
+        result.set(**held.leaks())
     lab.stop(server)
     log = (lab.dir / "server-0.log").read_text()
     result.checks["the server closed connections that never authenticated"] = (

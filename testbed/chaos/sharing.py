@@ -44,7 +44,7 @@ def shared_server(lab: Lab) -> ScenarioResult:
     result.set(capacity_violations=watch.capacity_violations)
     result.maximum(max_server_rss_mib=watch.max_rss_mib or None)
     if held is not None:
-        result.set(leaked_locks=held.locks, leaked_pins=held.pins, leaked_inflight=held.inflight)
+        result.set(**held.leaks())
     evicted = reply.evicted_objects
     result.checks["the server evicted (capacity pressure)"] = evicted > 0
     result.checks["the watcher sampled"] = watch.samples > 0
@@ -54,7 +54,7 @@ def shared_server(lab: Lab) -> ScenarioResult:
         samples=watch.samples,
         max_used_bytes=watch.max_used_bytes,
         evicted_objects=evicted,
-        held_after=None if held is None else held.__dict__,
+        held_after=None if held is None else held.record(),
         runs={
             workload: None
             if summary is None

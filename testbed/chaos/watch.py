@@ -18,6 +18,7 @@ from pathlib import Path
 from server.reclaim import SERVER_FILE, server_files_dir
 from testbed.core import protocol as p
 from testbed.core.owned_files import is_owned
+from testbed.core.quiescence import Quiescence
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 
@@ -35,25 +36,37 @@ def rss_mib(pid: int) -> float | None:
 
 @dataclass(frozen=True)
 class Held:
-    """What a server still holds (all zero: quiescent)."""
+    """What a server still holds: its quiescence record (``testbed.core.quiescence``), and
+    its sessions and clients for the report."""
 
-    locks: int
-    pins: int
-    inflight: int
-    """Store reservations, retrieves in flight and pending lookups."""
+    state: Quiescence
     sessions: int
     clients: int
 
     @classmethod
     def of(cls, stats: p.ServerStats) -> Held:
-        inflight = (
-            stats.num_inflight_stores + stats.num_inflight_retrieves + stats.num_pending_lookups
-        )
-        return cls(stats.num_locks, stats.num_pins, inflight, stats.num_sessions, stats.num_clients)
+        return cls(Quiescence.of(stats), stats.num_sessions, stats.num_clients)
 
     @property
     def quiescent(self) -> bool:
-        return not (self.locks or self.pins or self.inflight)
+        return self.state.quiescent
+
+    def leaks(self) -> dict[str, int]:
+        """What it held, as a scenario's leak counts (``leaked_locks``, ``leaked_pins``,
+        ``leaked_inflight``)."""
+        held = self.record()
+        return {f"leaked_{name}": held[name] for name in ("locks", "pins", "inflight")}
+
+    def record(self) -> dict[str, int]:
+        """What it held, for a scenario's details."""
+        state = self.state
+        return {
+            "locks": state.num_locks,
+            "pins": state.num_pins,
+            "inflight": state.num_inflight,
+            "sessions": self.sessions,
+            "clients": self.clients,
+        }
 
 
 def get_stats(client: RpcClient) -> p.ServerStats | None:

@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 
 
 class PolicyState(Protocol):
-    """What a policy may read of an object (``server.cache.CacheObject`` provides it)."""
+    """What a policy may read of an object (``server.objects.CacheObject`` provides it)."""
 
     inserted: int
     last_access: int

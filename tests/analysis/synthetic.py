@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from testbed.analysis import attribution as acc
+from testbed.core.chunk_events import COLUMNS as CHUNK_COLUMNS
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import Tracing, TracingConfig, configure_tracing
 
@@ -93,18 +94,11 @@ class ChunkLog:
 
     def add(self, event: str, chunk_hash: bytes, time_ns: int, **values: Any) -> None:
         row = {
+            **{column.name: column.missing for column in CHUNK_COLUMNS},
             "seq": self.seq,
             "time_ns": time_ns,
             "event": event,
             "chunk_hash": chunk_hash,
-            "kv_rank": -1,
-            "namespace": "",
-            "session_id": "",
-            "position": -1,
-            "status": "",
-            "cause": "",
-            "span_id": "",
-            "nbytes": 0,
             **values,
         }
         self.seq += 1

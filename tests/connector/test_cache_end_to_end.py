@@ -10,6 +10,7 @@ import torch
 
 from connector.kv_copy import PagedKV
 from tests.support.cache_harness import BLOCK_SIZE, Harness, blocks_equal
+from tests.support.quiescence import assert_quiescent
 
 C = 64  # chunk size of the `server` fixture
 
@@ -52,8 +53,7 @@ def test_store_then_lookup_hits_every_complete_chunk_and_retrieve_is_bit_exact(
         assert outcome.finished == {"b"} and outcome.failed_block_ids == set()
         assert blocks_equal(h.ranks[0].kv, blocks(0, 12), blocks(40, 12))
         assert not blocks_equal(h.ranks[0].kv, blocks(0, 12), blocks(60, 12))
-        stats = h.stats()
-        assert stats.num_locks == 0 and stats.num_pins == 0
+        assert_quiescent(h.stats())
 
 
 def test_short_prompts_never_store_or_hit_and_hits_are_chunk_multiples(server):
@@ -152,8 +152,7 @@ def test_retrieve_releases_its_locks_even_when_it_fails(server, mode):
         (outcome,) = h.load(plan)
         assert outcome.finished == {"b"}
         assert outcome.failed_block_ids == set(out_of_range)
-        stats = h.stats()
-        assert stats.num_locks == 0 and stats.num_pins == 0
+        assert_quiescent(h.stats())
 
 
 def test_locked_chunks_survive_capacity_pressure_and_lru_goes_first(start_server):

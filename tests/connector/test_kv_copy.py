@@ -13,13 +13,7 @@ from connector.kv_copy import PagedKV, PoolMapping
 from server.pool import SharedMemoryPool
 from testbed.core import protocol as p
 from testbed.core.block_copy import ChunkCopy, item_copies
-from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
-    LAYOUTS,
-    blocks_of,
-    index_path,
-    reference_object,
-    snapshot,
-)
+from tests.support.paged_kv import LAYOUTS, blocks_of, reference_object, snapshot
 
 BLOCK_SIZE = 16
 

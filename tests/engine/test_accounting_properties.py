@@ -23,6 +23,7 @@ from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.models.servable import split_servable  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
+from tests.support.quiescence import assert_quiescent
 from tests.support.recorded import recorded_run  # noqa: E402
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
@@ -170,4 +171,4 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
     else:
         assert table["capacity"].sum() == 0 or spec.fault_drop_fraction
     assert table["unavailable"].sum() == 0 and table["causes_resolved"].all()
-    assert run.stats.num_locks == 0 and run.stats.num_pins == 0
+    assert_quiescent(run.stats)

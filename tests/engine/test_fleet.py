@@ -33,6 +33,7 @@ from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.engine.test_accounting_properties import VllmSaw, _observe  # noqa: E402
+from tests.support.quiescence import assert_quiescent  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
@@ -182,7 +183,7 @@ def test_every_router_puts_every_token_in_one_true_category(
         direct = once[once["scheduled_s"] == once["arrival_s"]].index
         found, expected = table.loc[direct, "engine_hit_tokens"], held[direct].clip(upper=cap)
         assert (found <= expected).all() and (found == expected).mean() > 0.8, router
-        assert run.stats.num_locks == 0 and run.stats.num_pins == 0
+        assert_quiescent(run.stats)
         routing[router] = int(table["routing"].sum())
         if capacity_tokens is not None:  # the cache evicted (what it lost is capacity or routing)
             assert (spans["name"] == "kvcache.server.evict").any()

@@ -12,6 +12,7 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
+from tests.support.quiescence import assert_quiescent
 from tests.support.recorded import Recorded, recorded_run  # noqa: E402
 
 C = 256
@@ -81,8 +82,7 @@ def test_both_transfer_modes_and_store_timings_keep_kv_intact(tmp_path, mode, st
     run = replay(tmp_path, workload, engine_blocks=40, transfer_mode=mode, store_wait=store_wait)
     assert run.result.integrity_errors == 0 and len(run.result.records) == len(workload)
     assert run["later"].external_hit_tokens == 768  # from the cache, verified block by block
-    assert run.stats.num_locks == 0 and run.stats.num_pins == 0
-    assert run.stats.num_inflight_stores == 0 and run.stats.num_inflight_retrieves == 0
+    assert_quiescent(run.stats)
     stores = run.run.spans
     stores = stores[stores["name"] == "kvcache.connector.store"]
     assert len(stores) and stores["kvcache.ok"].all()
@@ -140,7 +140,7 @@ def test_preemption_under_a_small_pool_leaks_no_locks(tmp_path):
     ]
     assert preemptions.sum() > 0
     assert run.result.integrity_errors == 0
-    assert run.stats.num_locks == 0 and run.stats.num_pins == 0
+    assert_quiescent(run.stats)
     assert run.requests["external_hit_tokens"].sum() > 0
 
 

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from server.cache import Eviction, KVCache, ObjectKey, Space
+from server.cache import KVCache
+from server.objects import Eviction, ObjectKey, Space
 from server.pool import ALIGNMENT, ExtentAllocator
 from testbed.core.policies import POLICIES, make_policy
 

@@ -6,8 +6,8 @@ server evicts or drops, whoever's store caused it, from the lookup replies it re
 
 from __future__ import annotations
 
-from server.cache import ObjectKey
 from server.eviction_feed import EvictionFeed, FeedSlice
+from server.objects import ObjectKey
 from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
 from tests.support.cache_harness import Harness, connect

@@ -17,13 +17,7 @@ from server.pool import SharedMemoryPool
 from testbed.core import protocol as p
 from testbed.core.block_copy import ChunkCopy
 from testbed.core.kv_layout import SharedKVFile
-from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
-    LAYOUTS,
-    blocks_of,
-    index_path,
-    reference_object,
-    snapshot,
-)
+from tests.support.paged_kv import LAYOUTS, blocks_of, reference_object, snapshot
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24

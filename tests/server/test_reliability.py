@@ -25,6 +25,7 @@ from testbed.core.keys import chunk_hashes
 from testbed.core.rpc import RemoteError, RpcClient
 from tests.server.test_protocol_flows import Worker, lookup, stats
 from tests.support.cache_harness import Harness, connect
+from tests.support.quiescence import assert_quiescent
 
 C = 64
 
@@ -119,19 +120,25 @@ def test_limits_refuse_tiny_objects_too_many_sessions_and_oversized_requests(sta
         assert stats(client).num_sessions == 50 and stats(client).refused_limits == 3
 
 
+def huge_store(worker: Worker) -> p.StoreBegin:
+    """A store of 65,536 chunks: handled in many slices of the server's work."""
+    return p.StoreBegin(
+        op_id=worker.rpc.new_op_id(),
+        epoch=worker.epoch,
+        items=[p.OpItem(session_id="big", chunk_hashes=hashes(65_536))],
+    )
+
+
+HUGE_STORES = ("--chunk-size", "64", "--capacity", "8GiB", "--metadata-only",
+               "--max-chunks-per-request", "65536")  # fmt: skip
+"""A server that takes :func:`huge_store`."""
+
+
 def test_a_huge_store_is_handled_in_slices_and_other_clients_are_served_meanwhile(start_server):
-    server = start_server(
-        "--chunk-size", "64", "--capacity", "8GiB", "--metadata-only",
-        "--max-chunks-per-request", "65536",
-    )  # fmt: skip
+    server = start_server(*HUGE_STORES)
     with Worker(server) as worker, connect(server) as other:
-        big = p.StoreBegin(
-            op_id=worker.rpc.new_op_id(),
-            epoch=worker.epoch,
-            items=[p.OpItem(session_id="big", chunk_hashes=hashes(65_536))],
-        )
         replies: list[str] = []
-        store = worker.rpc.submit(big, timeout_s=30.0)
+        store = worker.rpc.submit(huge_store(worker), timeout_s=30.0)
         store.add_done_callback(lambda _: replies.append("store"))
         time.sleep(0.01)
         ping = other.submit(p.Ping())
@@ -165,33 +172,26 @@ def test_an_unfinished_reservation_and_unended_pins_expire_by_their_deadline(sta
         assert stats(scheduler).num_inflight_stores == 1 and stats(scheduler).num_pins == 1
         time.sleep(1.0)
         after = stats(scheduler)
-        assert after.num_inflight_stores == 0 and after.num_pins == 0
-        assert after.num_inflight_retrieves == 0 and after.expired_ops == 2
+        assert_quiescent(after)
+        assert after.expired_ops == 2
         assert lookup(scheduler, "later", keys).hit_chunks == 1  # not pending: absent
         assert worker.store("w2", keys).num_committed == 2  # the chunks can be stored again
 
 
 def test_a_client_that_gave_up_waiting_aborts_what_it_never_saw_answered(start_server):
-    server = start_server(
-        "--chunk-size", "64", "--capacity", "8GiB", "--metadata-only",
-        "--max-chunks-per-request", "65536",
-    )  # fmt: skip
+    server = start_server(*HUGE_STORES)
     with Worker(server) as worker, connect(server) as observer:
-        op_id = worker.rpc.new_op_id()
-        begin = p.StoreBegin(
-            op_id=op_id,
-            epoch=worker.epoch,
-            items=[p.OpItem(session_id="big", chunk_hashes=hashes(65_536))],
-        )
+        begin = huge_store(worker)
         late = worker.rpc.submit(begin, timeout_s=0.05)
         with pytest.raises(Exception, match="no reply"):
             late.result(5.0)
-        worker.rpc.fire(p.Abort(op_ids=[op_id]))  # what the worker client does on a timeout
+        worker.rpc.fire(p.Abort(op_ids=[begin.op_id]))  # what the worker client does on a timeout
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and stats(observer).aborted_ops == 0:
             time.sleep(0.05)
         final = stats(observer)
-    assert final.aborted_ops == 1 and final.num_inflight_stores == 0 and final.num_objects == 0
+    assert_quiescent(final)
+    assert final.aborted_ops == 1 and final.num_objects == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import time
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.core import protocol as p
 from testbed.core.rpc import RpcClient
+from tests.support.quiescence import assert_quiescent
 
 
 def test_a_pending_lookup_nobody_polls_stops_counting_as_in_flight_after_its_timeout(
@@ -23,7 +24,7 @@ def test_a_pending_lookup_nobody_polls_stops_counting_as_in_flight_after_its_tim
         client.commit(op_id, ok=False)
         time.sleep(1.5)  # five pending timeouts
         stats = client.stats()
-    assert stats.num_pending_lookups == 0
+    assert_quiescent(stats)
 
 
 def test_a_lookup_costs_at_most_max_chunks_per_request_chunk_operations(start_server, tmp_path):

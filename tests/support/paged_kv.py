@@ -13,13 +13,11 @@ Each factory returns ``(layers, block_dim)`` with seeded random contents:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 import torch
 
 from connector.kv_copy import PagedKV
-from testbed.core import block_runs
 from testbed.core.kv_layout import PagedLayout
 
 Layers = tuple[torch.Tensor, ...]
@@ -122,12 +120,3 @@ def kv_buffers(
 
 def snapshot(layers: Layers) -> list[torch.Tensor]:
     return [layer.clone() for layer in layers]
-
-
-@pytest.fixture(params=["python", "numpy"])
-def index_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Runs a test with the run indices computed in plain Python (small operations) and with
-    numpy (large ones), whatever the operation's size: both must give the same bytes."""
-    small = 1 << 30 if request.param == "python" else 0
-    monkeypatch.setattr(block_runs, "SMALL_OPERATION_RUNS", small)
-    yield request.param

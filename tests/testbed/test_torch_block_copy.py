@@ -13,14 +13,7 @@ import torch
 from testbed.core import protocol as p
 from testbed.core.block_copy import ChunkCopy
 from testbed.core.torch_block_copy import TorchBlockCopier
-from tests.support.paged_kv import (  # noqa: F401 (index_path is a fixture)
-    LAYOUTS,
-    blocks_of,
-    index_path,
-    kv_buffers,
-    reference_object,
-    snapshot,
-)
+from tests.support.paged_kv import LAYOUTS, blocks_of, kv_buffers, reference_object, snapshot
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 32
