@@ -65,14 +65,10 @@ from connector.planner import Geometry
 from connector.scheduler import SchedulerSide
 from connector.scheduler_client import SchedulerClient
 from connector.vllm_views import block_dim_of, request_view, scheduled_requests, single_group
-from connector.worker_client import (
-    WorkerClient,
-    WorkerIdentity,
-    kv_world_size,
-    readers_per_object,
-)
+from connector.worker_client import WorkerClient
 from testbed.core import protocol as p
 from testbed.core.credentials import client_token
+from testbed.core.ranks import WorkerIdentity, kv_world_size, readers_per_object
 from testbed.core.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
 from testbed.core.telemetry import attributes as a
 
