@@ -23,6 +23,7 @@ allocated while the server holds it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ import torch
 
 from connector.kv_copy import PagedKV
 from testbed.core import protocol as p
+
+_POLL_S = 50e-6
+"""How often :meth:`DoneEvent.done_by` asks whether the server's copies completed."""
 
 ShareStorage = Callable[[torch.UntypedStorage], p.CudaStorage]
 """Exports one storage (:func:`share_storage`; tests substitute one for CPU tensors)."""
@@ -98,6 +102,15 @@ class DoneEvent:
     def wait(self) -> None:
         """Blocks until they have (synchronous loads only: the forward pass is next)."""
         self.event.synchronize()
+
+    def done_by(self, deadline: float) -> bool:
+        """Whether they have completed, polling until ``deadline`` (``time.monotonic``) at
+        most."""
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
 
     def order_stream(self, device: torch.device) -> None:
         """Makes later work on ``device``'s current stream wait for the copies (a preempted

@@ -67,7 +67,8 @@ def test_after_a_restart_the_worker_maps_the_new_pool_and_a_second_run_reads_tru
             writer.prefill("after", tokens, source)  # registers again, maps the new pool
             worker = writer.ranks[0].client
             assert worker.epoch == second.epoch
-            assert f"kvtb-pool-{second.pid}-" in worker._pool_path  # not the orphaned file
+            pool_path = worker.registration.pool_path
+            assert f"kvtb-pool-{second.pid}-" in pool_path  # not the orphaned file
             with Harness(second, seed=7) as reader:  # a second run on the restarted server
                 assert reader.matched("reader", tokens) == 3 * C
                 target = list(range(60, 73))
@@ -93,7 +94,7 @@ def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
             worker = h.ranks[0].client
             worker.submit_retrieves(plan.retrieves)
             deadline = time.monotonic() + 5
-            while not worker._inflight[0].future.done() and time.monotonic() < deadline:
+            while not worker.retrieves.inflight[0].future.done() and time.monotonic() < deadline:
                 time.sleep(0.01)  # the plan came from the first server
             first.kill()
             second = ServerProcess(restartable(tmp_path, port)).start()
