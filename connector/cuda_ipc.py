@@ -31,6 +31,7 @@ import torch
 
 from connector.kv_copy import PagedKV
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
 
 _POLL_S = 50e-6
 """How often :meth:`DoneEvent.done_by` asks whether the server's copies completed."""
@@ -164,7 +165,7 @@ class ReadyEvents:
         self._opened.clear()
 
 
-class CudaExport:
+class CudaExport(Closing):
     """A worker's CUDA KV exported for the server: the registration's descriptor and the
     events of its operations. Context manager."""
 
@@ -178,9 +179,3 @@ class CudaExport:
 
     def close(self) -> None:
         self.events.close()
-
-    def __enter__(self) -> CudaExport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -350,16 +350,10 @@ class KVTBConnector(KVConnectorBase_V1):
         return vllm_telemetry.KVTBConnectorStats(data=data or {})
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics | None:
-        return vllm_telemetry.KVTBPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
+    def build_prom_metrics(cls, *args: Any) -> KVConnectorPromMetrics | None:
+        """vLLM's arguments (its config, metric classes, label names and values per engine),
+        as :class:`~connector.vllm_telemetry.KVTBPromMetrics` takes them."""
+        return vllm_telemetry.KVTBPromMetrics(*args)
 
     def shutdown(self) -> None:
         if self.worker is not None:
