@@ -10,7 +10,10 @@ it when vLLM calls it). Which module runs where:
   (tracker, planner: pure), ``scheduler_client`` (lookups, lock release, session end) and
   ``kv_events`` (which chunks the engine announces the cache holds: pure);
 - each vLLM worker process (one per TP rank): ``vllm_connector`` (WORKER role) over
-  ``worker_client`` (register, store, retrieve) and ``kv_copy`` (KV blocks ↔ pool slots);
+  ``worker_client`` (the one object it holds), which delegates to ``worker_registration``
+  (identity, pool mapping, registering again), ``worker_stores`` and ``worker_retrieves``
+  (the two state machines) and ``worker_spans`` (their spans); ``kv_copy`` (KV blocks ↔ pool
+  slots), ``shared_kv`` and ``cuda_ipc`` (the KV the server maps, server-driven);
 - every vLLM process: ``plugin``, the ``vllm.general_plugins`` entry point that registers
   the ``KVTBConnector`` name; ``stats`` (what the connector did, for vLLM's metrics: pure);
   the API server process builds the Prometheus metrics of ``vllm_telemetry``;

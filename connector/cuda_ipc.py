@@ -23,6 +23,7 @@ allocated while the server holds it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,10 @@ import torch
 
 from connector.kv_copy import PagedKV
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
+
+_POLL_S = 50e-6
+"""How often :meth:`DoneEvent.done_by` asks whether the server's copies completed."""
 
 ShareStorage = Callable[[torch.UntypedStorage], p.CudaStorage]
 """Exports one storage (:func:`share_storage`; tests substitute one for CPU tensors)."""
@@ -99,6 +104,15 @@ class DoneEvent:
         """Blocks until they have (synchronous loads only: the forward pass is next)."""
         self.event.synchronize()
 
+    def done_by(self, deadline: float) -> bool:
+        """Whether they have completed, polling until ``deadline`` (``time.monotonic``) at
+        most."""
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
     def order_stream(self, device: torch.device) -> None:
         """Makes later work on ``device``'s current stream wait for the copies (a preempted
         request's blocks are not overwritten before the server has read them); the host goes
@@ -151,7 +165,7 @@ class ReadyEvents:
         self._opened.clear()
 
 
-class CudaExport:
+class CudaExport(Closing):
     """A worker's CUDA KV exported for the server: the registration's descriptor and the
     events of its operations. Context manager."""
 
@@ -165,9 +179,3 @@ class CudaExport:
 
     def close(self) -> None:
         self.events.close()
-
-    def __enter__(self) -> CudaExport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

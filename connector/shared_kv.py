@@ -41,13 +41,14 @@ import numpy as np
 import torch
 
 from connector.kv_copy import PagedKV, storage_array
+from testbed.core.closing import Closing
 from testbed.core.kv_layout import FILE_PREFIX, SharedKVFile
 from testbed.core.owned_files import create_reserved, owned_name
 
 _ALIGNMENT = mmap.PAGESIZE
 
 
-class SharedKV:
+class SharedKV(Closing):
     """The KV tensors ``layers`` moved into a shared-memory file; context manager."""
 
     def __init__(
@@ -105,12 +106,6 @@ class SharedKV:
         the tensors live."""
         self.path.unlink(missing_ok=True)
         self._owner.close()
-
-    def __enter__(self) -> SharedKV:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _copy_into(

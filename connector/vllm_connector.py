@@ -65,14 +65,10 @@ from connector.planner import Geometry
 from connector.scheduler import SchedulerSide
 from connector.scheduler_client import SchedulerClient
 from connector.vllm_views import block_dim_of, request_view, scheduled_requests, single_group
-from connector.worker_client import (
-    WorkerClient,
-    WorkerIdentity,
-    kv_world_size,
-    readers_per_object,
-)
+from connector.worker_client import WorkerClient
 from testbed.core import protocol as p
 from testbed.core.credentials import client_token
+from testbed.core.ranks import WorkerIdentity, kv_world_size, readers_per_object
 from testbed.core.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
 from testbed.core.telemetry import attributes as a
 
@@ -354,16 +350,10 @@ class KVTBConnector(KVConnectorBase_V1):
         return vllm_telemetry.KVTBConnectorStats(data=data or {})
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVConnectorPromMetrics | None:
-        return vllm_telemetry.KVTBPromMetrics(
-            vllm_config, metric_types, labelnames, per_engine_labelvalues
-        )
+    def build_prom_metrics(cls, *args: Any) -> KVConnectorPromMetrics | None:
+        """vLLM's arguments (its config, metric classes, label names and values per engine),
+        as :class:`~connector.vllm_telemetry.KVTBPromMetrics` takes them."""
+        return vllm_telemetry.KVTBPromMetrics(*args)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -17,7 +17,8 @@ from connector.kv_copy import PagedKV
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
-from connector.worker_client import WorkerClient, WorkerIdentity
+from connector.worker_client import WorkerClient
+from testbed.core.ranks import WorkerIdentity
 from testbed.core.rpc import RpcClient
 from testbed.models.profiles import KVProfile
 

@@ -61,7 +61,7 @@ class ServerUnavailable(RuntimeError):
 class RemoteError(RuntimeError):
     """The server answered with an ``Error`` reply."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
 

@@ -33,8 +33,9 @@ import torch
 
 from connector.kv_copy import PagedKV
 from connector.ops import RetrieveOp, StoreOp
-from connector.worker_client import WorkerClient, WorkerIdentity
+from connector.worker_client import WorkerClient
 from testbed.core import protocol as p
+from testbed.core.ranks import WorkerIdentity
 from testbed.core.rpc import RpcClient
 
 SLEEP_CYCLES = 200_000_000

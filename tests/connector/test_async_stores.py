@@ -52,7 +52,7 @@ def _store_in_flight(h: Harness, request_id: str, tokens: list[int]) -> WorkerCl
     plan = h.compute(request_id, 0, len(tokens), blocks, True)
     worker = h.ranks[0].client
     worker.submit_stores(plan.stores)  # wait_for_save: returns at once
-    (store,) = worker._stores
+    (store,) = worker.stores.inflight
     assert store.future is not None
     store.future.result(5.0)  # the plan is in; the commit is sent by the next hook
     assert worker.pending_store_requests == {request_id}

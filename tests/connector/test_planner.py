@@ -94,15 +94,6 @@ def test_decode_chunks_are_stored_only_when_configured():
     assert op.chunk_hashes == chunk_hashes(t.token_ids, 64)[1:2]
 
 
-def test_preemption_resets_to_a_fresh_lookup():
-    t = tracker(300, hit_tokens=192, engine_hit=0)
-    t.block_ids = list(range(19))
-    lock_release_after_alloc(t, 192, G)
-    t.reset_after_preemption()
-    assert t.phase is Phase.LOOKUP and t.hit_tokens is None and not t.lookup_submitted
-    assert t.block_ids == [] and t.num_stored_chunks == 0 and t.preemptions == 1
-
-
 def test_geometry_rejects_chunks_that_are_not_whole_blocks():
     with pytest.raises(ValueError, match="multiple of the engine's block size"):
         Geometry(chunk_size=100, block_size=32)

