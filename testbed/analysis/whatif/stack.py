@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.analysis.whatif.trace import AccessTrace
+from testbed.models.access_trace import AccessTrace
 
 COLD = np.int64(2**62)
 """Distance of a query whose key was never referenced before (a miss at every capacity)."""

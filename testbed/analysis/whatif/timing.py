@@ -14,7 +14,7 @@ from typing import Any
 
 from testbed.analysis.whatif.curves import request_hit_tokens
 from testbed.analysis.whatif.stack import StackResult
-from testbed.analysis.whatif.trace import AccessTrace
+from testbed.models.access_trace import AccessTrace
 from testbed.models.profiles import KVProfile
 from testbed.models.time_model import (
     Hardware,
