@@ -23,7 +23,7 @@ from testbed.analysis.whatif.stack import stack_distances
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
 from testbed.models.access_trace import AccessTrace
 from testbed.models.cache_sim import INFINITE, POLICIES, replay
-from testbed.models.time_model import Hardware
+from testbed.models.hardware import Hardware
 from testbed.runspec import RunSpec
 
 SIMULATED_POLICIES = tuple(name for name in POLICIES if name != INFINITE)
@@ -56,7 +56,7 @@ class WhatIfOptions:
     """Time models (``flat``, ``h100``, ...) to project TTFT and break-even prompts under (the
     KV profile needs a compute shape for all but ``flat``)."""
     hardware: Mapping[str, Hardware] | None = None
-    """The hardware table (default :data:`testbed.models.time_model.HARDWARE`)."""
+    """The hardware table (default :data:`testbed.models.hardware.HARDWARE`)."""
 
     def __post_init__(self) -> None:
         problems = []
