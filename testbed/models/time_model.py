@@ -29,9 +29,10 @@ requests' counts; :mod:`testbed.models.projections` projects one request alone.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -43,13 +44,14 @@ FLAT_STEP_OVERHEAD_S = 5e-3
 FLAT_TOKEN_S = 40e-6
 
 
-class TimeModel(Protocol):
-    """Seconds of one engine step."""
+class TimeModel(ABC):
+    """Seconds of one engine step: :meth:`step_s` and :meth:`isolated_s` take the counts as
+    float arrays to the model's own :meth:`_step_s` and :meth:`_isolated_s`."""
 
     @property
+    @abstractmethod
     def name(self) -> str:
         """The profile's name (``flat``, ``h100``, ...)."""
-        ...
 
     def step_s(
         self,
@@ -62,7 +64,16 @@ class TimeModel(Protocol):
         ``num_context_tokens`` (already in its KV before them: computed earlier, vLLM's prefix
         hit, or loaded) and ``num_loaded_tokens`` (loaded from the external cache for this
         step, part of the context; ``None``: none)."""
-        ...
+        new = np.asarray(num_new_tokens, dtype=np.float64)
+        context = np.asarray(num_context_tokens, dtype=np.float64)
+        if new.shape != context.shape:
+            raise ValueError("num_new_tokens and num_context_tokens need one entry per request")
+        loaded = (
+            np.zeros_like(new)
+            if num_loaded_tokens is None
+            else np.asarray(num_loaded_tokens, dtype=np.float64)
+        )
+        return self._step_s(new, context, loaded)
 
     def isolated_s(
         self,
@@ -71,36 +82,38 @@ class TimeModel(Protocol):
         num_loaded_tokens: np.ndarray,
     ) -> np.ndarray:
         """Element-wise: the step time of a step that holds request ``i`` alone."""
-        ...
+        return self._isolated_s(
+            np.asarray(num_new_tokens, dtype=np.float64),
+            np.asarray(num_context_tokens, dtype=np.float64),
+            np.asarray(num_loaded_tokens, dtype=np.float64),
+        )
+
+    @abstractmethod
+    def _step_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> float: ...
+
+    @abstractmethod
+    def _isolated_s(
+        self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray
+    ) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
-class FlatTimeModel:
+class FlatTimeModel(TimeModel):
     """The replay's historical clock: ``step_overhead_s + token_s x sum(new)``; loads free."""
 
     step_overhead_s: float = FLAT_STEP_OVERHEAD_S
     token_s: float = FLAT_TOKEN_S
     name: str = FLAT
 
-    def step_s(
-        self,
-        num_new_tokens: Sequence[int],
-        num_context_tokens: Sequence[int],
-        num_loaded_tokens: Sequence[int] | None = None,
-    ) -> float:
-        return self.step_overhead_s + self.token_s * float(np.sum(num_new_tokens))
+    def _step_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> float:
+        return self.step_overhead_s + self.token_s * float(np.sum(new))
 
-    def isolated_s(
-        self,
-        num_new_tokens: np.ndarray,
-        num_context_tokens: np.ndarray,
-        num_loaded_tokens: np.ndarray,
-    ) -> np.ndarray:
-        return self.step_overhead_s + self.token_s * np.asarray(num_new_tokens, dtype=np.float64)
+    def _isolated_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> np.ndarray:
+        return self.step_overhead_s + self.token_s * new
 
 
 @dataclass(frozen=True)
-class RooflineTimeModel:
+class RooflineTimeModel(TimeModel):
     """The roofline of the module docstring for one model on ``tp`` GPUs of one kind."""
 
     hardware: Hardware
@@ -150,21 +163,7 @@ class RooflineTimeModel:
             self.linear_flops_per_token * new.sum() + self.attention_flops_per_pair * pairs.sum()
         )
 
-    def step_s(
-        self,
-        num_new_tokens: Sequence[int],
-        num_context_tokens: Sequence[int],
-        num_loaded_tokens: Sequence[int] | None = None,
-    ) -> float:
-        new = np.asarray(num_new_tokens, dtype=np.float64)
-        context = np.asarray(num_context_tokens, dtype=np.float64)
-        if new.shape != context.shape:
-            raise ValueError("num_new_tokens and num_context_tokens need one entry per request")
-        loaded = (
-            np.zeros_like(new)
-            if num_loaded_tokens is None
-            else np.asarray(num_loaded_tokens, dtype=np.float64)
-        )
+    def _step_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> float:
         if not len(new):
             return self.hardware.step_overhead_s + float(self._load_s(loaded).sum())
         compute_s = self.flops(new, context) / self._flops_rate
@@ -173,14 +172,7 @@ class RooflineTimeModel:
         )
         return self._combine(max(compute_s, memory_s), float(self._load_s(loaded).sum()))
 
-    def isolated_s(
-        self,
-        num_new_tokens: np.ndarray,
-        num_context_tokens: np.ndarray,
-        num_loaded_tokens: np.ndarray,
-    ) -> np.ndarray:
-        new = np.asarray(num_new_tokens, dtype=np.float64)
-        context = np.asarray(num_context_tokens, dtype=np.float64)
+    def _isolated_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> np.ndarray:
         pairs = new * context + new * (new + 1) / 2
         compute_s = (
             self.linear_flops_per_token * new + self.attention_flops_per_pair * pairs
@@ -188,7 +180,7 @@ class RooflineTimeModel:
         memory_s = (self._weight_bytes + (context + new) * self.kv_bytes_per_token) / (
             self._memory_rate
         )
-        load_s = self._load_s(np.asarray(num_loaded_tokens, dtype=np.float64))
+        load_s = self._load_s(loaded)
         return np.asarray(self._combine(np.maximum(compute_s, memory_s), load_s))
 
     @property
