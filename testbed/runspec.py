@@ -217,7 +217,8 @@ class RunSpec:
             )
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
-        from testbed.models.time_model import FLAT, HARDWARE
+        from testbed.models.hardware import HARDWARE
+        from testbed.models.time_model import FLAT
 
         if self.time_profile not in (FLAT, *HARDWARE):
             problems.append(

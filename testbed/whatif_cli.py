@@ -70,7 +70,7 @@ def add_whatif_parser(commands: Any) -> None:
 def run_whatif(args: argparse.Namespace) -> int:
     """Computes, writes and summarises the what-if; 0 on success."""
     from testbed.analysis.whatif import WhatIfOptions, what_if_run, what_if_workload, write_whatif
-    from testbed.models.time_model import load_hardware
+    from testbed.models.hardware import load_hardware
 
     options = WhatIfOptions(
         chunk_sizes=_ints(args.chunk_sizes, "--chunk-sizes"),

@@ -31,7 +31,12 @@ from matplotlib.figure import Figure
 from testbed.analysis.chunklog import has_chunk_log
 from testbed.analysis.source import ORACLE, Source, open_source
 from testbed.analysis.whatif import figures
-from testbed.analysis.whatif.analyze import WhatIfOptions, what_if_run, what_if_workload
+from testbed.analysis.whatif.analyze import (
+    SIMULATED_POLICIES,
+    WhatIfOptions,
+    what_if_run,
+    what_if_workload,
+)
 from testbed.analysis.whatif.results import WhatIf
 from testbed.analysis.whatif.runlog import run_spec
 
@@ -188,7 +193,8 @@ def report_figures(sweep_dir: Path, swept: list[str], context: str) -> list[figu
     if not {"capacity_tokens", "capacity_bytes", "policy"} & set(swept):
         return []
     source = open_source(sweep_dir)
-    swept_policies = {str(p) for p in source.runs["policy"]} & {"belady", "fifo", "lfu"}
+    simulated = set(SIMULATED_POLICIES) - {"lru"}  # lru: the curve
+    swept_policies = {str(p) for p in source.runs["policy"]} & simulated
     results = capacity_whatifs(source, ("lru", *sorted({"belady", *swept_policies})), 1)
     applies = [r for r in results if r.applies]
     for result in results:

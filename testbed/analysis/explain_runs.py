@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.analysis.explain import Explainer, RequestStory
+from testbed.analysis.explain import Explainer
+from testbed.analysis.explain_story import RequestStory
 from testbed.analysis.source import open_source
 
 

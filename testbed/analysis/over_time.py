@@ -16,6 +16,7 @@ from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
 from testbed.analysis.cache_timeline import CacheTimeline
+from testbed.analysis.figure_frame import new_figure, no_data
 from testbed.analysis.per_request import hit_shares
 
 MIB = 2**20
@@ -78,7 +79,7 @@ def group_hit_rate_figure(requests: pd.DataFrame, title: str, top: int = 8) -> F
     """Each request's hit share at its arrival: a line per busiest group (its requests in
     order: a conversation's turns), the other requests as grey dots, and the token-weighted
     hit rate of all requests per time slice (black)."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (10, 5.5), 90)
     shares = hit_shares(requests).sort_values("arrival_s", kind="stable")
     chosen = busiest_groups(requests, top)
     rest = shares[~shares["group"].isin(chosen)]
@@ -121,7 +122,7 @@ def hit_rate_over_time_figure(
 ) -> Figure:
     """Per run (``tables``: label → per-request table): the token hit rate of the requests
     arriving in each time slice (solid) and the external cache's part of it (dotted)."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (10, 5.5), 90)
     colours = _colours()
     for number, (label, requests) in enumerate(tables.items()):
         over = hit_rate_over_time(requests, bins)
@@ -176,23 +177,9 @@ def evictions_figure(timelines: Mapping[str, CacheTimeline], title: str) -> Figu
                 label=f"{label}: {reason} ({int(rows['objects'].sum())} objects)",
             )
     if not any(len(t.evictions) for t in timelines.values()):
-        evicted.text(
-            0.5,
-            0.5,
-            "no evictions: nothing was removed from the cache",
-            ha="center",
-            va="center",
-            transform=evicted.transAxes,
-        )
+        no_data(evicted, "no evictions: nothing was removed from the cache")
     if not any(len(t.usage) for t in timelines.values()):
-        used.text(
-            0.5,
-            0.5,
-            "no server span reported the bytes in use",
-            ha="center",
-            va="center",
-            transform=used.transAxes,
-        )
+        no_data(used, "no server span reported the bytes in use")
     used.set_ylim(bottom=0)
     evicted.set_ylim(bottom=0)
     used.set_ylabel("bytes in use (MiB; capacity dashed)")
@@ -207,13 +194,6 @@ def evictions_figure(timelines: Mapping[str, CacheTimeline], title: str) -> Figu
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize="x-small", loc="upper left")
     return figure
-
-
-def _new(title: str) -> tuple[Figure, plt.Axes]:
-    figure, axes = plt.subplots(figsize=(10, 5.5), layout="constrained")
-    axes.set_title(textwrap.fill(title, 90))
-    axes.grid(True, alpha=0.3)
-    return figure, axes
 
 
 def _colours() -> list[str]:

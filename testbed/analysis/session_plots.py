@@ -3,21 +3,12 @@ hit rates beside the published one, the hit rate by turn, and how contexts grow.
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pandas as pd
-from matplotlib import pyplot as plt
 from matplotlib.figure import Figure
 
 from testbed.analysis import sessions
-
-
-def _new(title: str) -> tuple[Figure, plt.Axes]:
-    figure, axes = plt.subplots(figsize=(9, 5), layout="constrained")
-    axes.set_title(textwrap.fill(title, 80))
-    axes.grid(True, alpha=0.3)
-    return figure, axes
+from testbed.analysis.figure_frame import new_figure
 
 
 def distribution_figure(
@@ -26,7 +17,7 @@ def distribution_figure(
     """Cumulative distributions (share of groups at or below a rate) of the token hit rate per
     conversation and per agent, of the trace's consecutive-request reuse (``reuse``), and the
     published quantiles as diamonds."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (9, 5))
     series = {
         "token hit rate per conversation": sessions.group_hit_rates(requests)["token_hit_rate"],
         "token hit rate per agent": sessions.group_hit_rates(requests, "group")["token_hit_rate"],
@@ -50,7 +41,7 @@ def distribution_figure(
 def turn_figure(requests: pd.DataFrame, title: str, max_turns: int = 50) -> Figure:
     """Token hit rate of the requests at each turn index (line), the middle half of their hit
     shares (band), and how many groups reach that turn (bars, right axis)."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (9, 5))
     by_turn = sessions.hit_rate_by_turn(requests, max_turns)
     counts = axes.twinx()
     counts.bar(by_turn["turn"], by_turn["groups"], color="0.85", width=0.8, label="groups")
@@ -75,7 +66,7 @@ def turn_figure(requests: pd.DataFrame, title: str, max_turns: int = 50) -> Figu
 def context_growth_figure(requests: pd.DataFrame, title: str, top: int = 10) -> Figure:
     """Prompt tokens by turn: a line per group of the ``top`` with the most requests, the
     others as grey dots."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (9, 5))
     table = sessions.turns(requests)
     sizes = table.groupby("group").size().sort_values(ascending=False, kind="stable")
     chosen = list(sizes.index[:top])

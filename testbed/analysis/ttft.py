@@ -9,16 +9,15 @@ prompt, only vLLM's own prefix cache hit, nothing hit); across runs, by the runs
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
-from matplotlib import pyplot as plt
 from matplotlib import ticker
 from matplotlib.axis import Axis
 from matplotlib.figure import Figure
 
+from testbed.analysis.figure_frame import new_figure, no_data
 from testbed.analysis.palette import SERVED_BY_COLOURS
 from testbed.analysis.per_request import SERVED_BY, hit_shares
 
@@ -66,7 +65,7 @@ def ttft_by_hit_figure(requests: pd.DataFrame, title: str, clock: str = "") -> F
     that says what the classes pay: a request the external cache served computed fewer tokens
     but first loaded its hit; one whose hits came from vLLM's own prefix cache paid nothing for
     them. ``clock``: which clock the TTFTs are on (:func:`ttft_clock`)."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (9, 5.5), 90)
     shares = hit_shares(requests)
     loaded = pd.to_numeric(requests["external_hit_tokens"], errors="coerce").reset_index(drop=True)
     shares = shares.assign(loaded_tokens=loaded.to_numpy())
@@ -88,7 +87,7 @@ def ttft_by_hit_figure(requests: pd.DataFrame, title: str, clock: str = "") -> F
         axes.axhline(median, color=SERVED_BY_COLOURS[name], lw=1, linestyle="--")
         notes.append(_class_note(name, rows, median))
     if shares.empty:
-        _no_data(axes, "no request has a time to first token")
+        no_data(axes, "no request has a time to first token")
     else:
         _log_scale(axes.yaxis, axes.set_yscale)
         _log_scale(axes.xaxis, axes.set_xscale)
@@ -121,7 +120,7 @@ def _class_note(name: str, rows: pd.DataFrame, median: float) -> str:
 def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str, clock: str = "") -> Figure:
     """CDFs of TTFT, one per run (``tables``: label → per-request table), each labelled
     with its external token hit rate and its number of requests."""
-    figure, axes = _new(title)
+    figure, axes = new_figure(title, (9, 5.5), 90)
     drawn = 0
     for label, requests in tables.items():
         if "ttft_ms" not in requests:
@@ -142,17 +141,10 @@ def ttft_cdf_figure(tables: Mapping[str, pd.DataFrame], title: str, clock: str =
         _log_scale(axes.xaxis, axes.set_xscale)
         axes.legend(fontsize="x-small")
     else:
-        _no_data(axes, "no run has a time to first token")
+        no_data(axes, "no run has a time to first token")
     axes.set_xlabel(f"time to first token (ms{', ' + clock if clock else ''}, log scale)")
     axes.set_ylabel("fraction of requests")
     return figure
-
-
-def _new(title: str) -> tuple[Figure, plt.Axes]:
-    figure, axes = plt.subplots(figsize=(9, 5.5), layout="constrained")
-    axes.set_title(textwrap.fill(title, 90))
-    axes.grid(True, alpha=0.3)
-    return figure, axes
 
 
 def _log_scale(axis: Axis, set_scale: Callable[[str], None]) -> None:
@@ -161,7 +153,3 @@ def _log_scale(axis: Axis, set_scale: Callable[[str], None]) -> None:
     plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
     axis.set_major_formatter(plain)
     axis.set_minor_formatter(plain)
-
-
-def _no_data(axes: plt.Axes, text: str) -> None:
-    axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes)

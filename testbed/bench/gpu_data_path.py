@@ -44,8 +44,8 @@ from testbed.bench.tables import table
 from testbed.core import protocol as p
 from testbed.core.block_runs import ChunkCopy
 from testbed.models.calibration import calibrate, calibration_toml
+from testbed.models.hardware import HARDWARE
 from testbed.models.profiles import get_profile
-from testbed.models.time_model import HARDWARE
 
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 16

@@ -24,6 +24,7 @@ import resource
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,34 @@ def main() -> None:
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
         whatif = pool.submit(whatif_child, spec_values, sizes, args.rounds, args.sample_rate)
         child = whatif.result()
+    baseline = oracle_baseline(spec_values, sizes, child)
+    print_comparison(child, baseline, sizes, args.sample_rate)
 
+
+@dataclass(frozen=True)
+class OracleBaseline:
+    """The oracle runs a what-if replaces, timed: one per chunk size and capacity, hashing the
+    prompts each time, and per chunk size, hashing once and simulating every capacity."""
+
+    synthesis_s: float
+    """Synthesising the requests (once, not charged to the oracle)."""
+    runs_s: dict[int, list[float]]
+    """Per chunk size, each capacity's run."""
+    keyed_s: dict[int, float]
+    """Per chunk size: hashing once and simulating every capacity."""
+    mismatches: int
+    """Oracle points that differ from the curve's."""
+
+    @property
+    def num_runs(self) -> int:
+        return sum(len(samples) for samples in self.runs_s.values())
+
+
+def oracle_baseline(spec_values: dict[str, Any], sizes: list[int], child: dict) -> OracleBaseline:
+    """The oracle's answers to the what-if's questions, timed and checked against the curve."""
     from testbed.analysis.whatif.sources import servable_requests
-    from testbed.models.oracle import KeyTrace, simulate, simulate_keys
+    from testbed.models.access_trace import hashed_trace
+    from testbed.models.oracle import simulate, simulate_keys
     from testbed.runspec import RunSpec
 
     started = time.perf_counter()
@@ -108,33 +134,38 @@ def main() -> None:
             runs_s[size].append(time.perf_counter() - started)
             mismatches += result.hit_tokens != child["points"][size][index]
         started = time.perf_counter()
-        keys = KeyTrace.from_requests(requests, size)
+        keys = hashed_trace(requests, size)
         for capacity in CAPACITIES:
             simulate_keys(keys, "lru", capacity // size)
         keyed_s[size] = time.perf_counter() - started
         mismatches += simulate_keys(keys).hit_tokens != child["points"][size][-1]
+    return OracleBaseline(synthesis_s, runs_s, keyed_s, mismatches)
 
+
+def print_comparison(child: dict, baseline: OracleBaseline, sizes: list[int], rate: float) -> None:
+    """The what-if against the oracle: in total, then per chunk size."""
+    runs_s, keyed_s = baseline.runs_s, baseline.keyed_s
     whatif_s = statistics.median(child["samples_s"])
-    all_runs = [s for samples in runs_s.values() for s in samples]
-    oracle_s, keyed_total_s = sum(all_runs), sum(keyed_s.values())
+    oracle_s = sum(s for samples in runs_s.values() for s in samples)
+    keyed_total_s, num_runs = sum(keyed_s.values()), baseline.num_runs
     print(
         f"{child['requests']} requests, {child['prompt_tokens'] / 1e6:.1f}M prompt tokens; "
         f"chunk sizes {sizes}; capacities {CAPACITIES[0]:,}..{CAPACITIES[-1]:,} tokens "
-        f"({len(CAPACITIES)}); oracle requests synthesised once in {synthesis_s:.1f} s"
+        f"({len(CAPACITIES)}); oracle requests synthesised once in {baseline.synthesis_s:.1f} s"
     )
     rss = f"{child['peak_rss_bytes'] / 2**30:.2f}"
     rows = [
         (f"what-if: {len(sizes)} exact LRU curves, every capacity", f"{whatif_s:.2f}", "1", rss),
-        (f"oracle: {len(all_runs)} runs, each hashing its prompts", f"{oracle_s:.1f}",
+        (f"oracle: {num_runs} runs, each hashing its prompts", f"{oracle_s:.1f}",
          f"{oracle_s / whatif_s:.0f}", ""),
-        (f"oracle: hashed once per chunk size, {len(all_runs)} simulations",
+        (f"oracle: hashed once per chunk size, {num_runs} simulations",
          f"{keyed_total_s:.1f}", f"{keyed_total_s / whatif_s:.0f}", ""),
     ]  # fmt: skip
     if "sampled_s" in child:
         worst = max(child["sampled_error"].values())
         rows.append(
             (
-                f"what-if sampled at {args.sample_rate:g} (max error {worst:.4f})",
+                f"what-if sampled at {rate:g} (max error {worst:.4f})",
                 f"{child['sampled_s']:.2f}",
                 f"{child['sampled_s'] / whatif_s:.2f}",
                 "",
@@ -142,7 +173,7 @@ def main() -> None:
         )
     print(table(rows, ("", "wall s", "time / what-if", "peak RSS GiB")))
     print(
-        f"what-if time / {len(all_runs)} oracle runs: {whatif_s / oracle_s:.4f} "
+        f"what-if time / {num_runs} oracle runs: {whatif_s / oracle_s:.4f} "
         f"(/ keyed oracle: {whatif_s / keyed_total_s:.4f})"
     )
     print()
@@ -171,7 +202,10 @@ def main() -> None:
         )  # fmt: skip
     )
     print(f"what-if rounds (s): {', '.join(f'{s:.2f}' for s in child['samples_s'])}")
-    print(f"oracle points that differ from the curve: {mismatches} of {len(all_runs) + len(sizes)}")
+    print(
+        f"oracle points that differ from the curve: {baseline.mismatches} of "
+        f"{num_runs + len(sizes)}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Pure arithmetic (numpy), run wherever the measurements are read. The device run
 (``testbed.bench.gpu_data_path``, from ``scripts/gpu_check.sh``) times the prefill of a model with
 a profile's compute shape at a few prompt lengths, and the load of the same tokens' KV from
 the cache server's pools; :func:`calibrate` turns those points into the ``measured_*`` fields
-of :class:`testbed.models.time_model.Hardware`:
+of :class:`testbed.models.hardware.Hardware`:
 
 - ``measured_compute_efficiency``: the least-squares rate ``R`` of ``t_i ≈ F_i / R`` over the
   prefills (``F_i``: the time model's FLOPs of prompt ``i`` alone), as a share of the peak;
@@ -23,8 +23,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from testbed.models.hardware import Hardware
 from testbed.models.profiles import KVProfile
-from testbed.models.time_model import Hardware, RooflineTimeModel
+from testbed.models.time_model import RooflineTimeModel
 
 Point = tuple[int, float]
 """``(tokens, milliseconds)``."""

@@ -13,41 +13,21 @@ So the chunk ending at token ``e`` is named by (the dense id of the id prefix up
 ``b = (e - 1) // B``, ``e - b B``), or by a key of its own when block ``b`` has no id: equal
 for two chunks exactly when their chunk hashes are equal (a collision of random token blocks
 aside). :class:`BlockKeys` numbers the id prefixes once; :meth:`BlockKeys.at` keys every chunk
-size from them with array arithmetic, which is what lets the oracle and the what-if take a
-whole trace set in seconds. ``tests/workloads`` checks these keys against the hashed tokens.
+size from them with array arithmetic (an :class:`~testbed.models.access_trace.AccessTrace`),
+which is what lets the oracle and the what-if take a whole trace set in seconds.
+``tests/workloads`` checks these keys against the hashed tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
 
-from testbed.models.oracle import KeyTrace
+from testbed.models.access_trace import AccessTrace, hashed_trace, workload_trace
 from testbed.workloads.base import WorkloadRequest
 from testbed.workloads.block_trace import BlockRequest
-
-
-@dataclass(frozen=True, eq=False)
-class ChunkKeys:
-    """Every request's complete chunks at one chunk size, as dense int keys."""
-
-    chunk_size: int
-    keys: np.ndarray
-    """int64: request ``r``'s chunk keys are ``keys[offsets[r]:offsets[r + 1]]`` (equal ints:
-    equal chunk hashes)."""
-    offsets: np.ndarray
-    """int64 ``[num_requests + 1]``."""
-    num_keys: int
-    """Keys are ints in ``[0, num_keys)``."""
-
-    def per_request(self) -> list[list[int]]:
-        """The keys as one list per request."""
-        flat = self.keys.tolist()
-        bounds = self.offsets.tolist()
-        return [flat[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
 
 
 class BlockKeys:
@@ -71,9 +51,12 @@ class BlockKeys:
         self.num_blocks = counts
         self.block_tokens = np.array([r.block_tokens for r in requests], dtype=np.int64)
         self.prompt_tokens = np.array([r.num_prompt_tokens for r in requests], dtype=np.int64)
+        self.arrival_s = np.array([r.arrival_s for r in requests], dtype=np.float64)
+        self.groups = np.array([r.group for r in requests], dtype=object)
 
-    def at(self, chunk_size: int) -> ChunkKeys:
-        """Each request's complete chunks of ``chunk_size`` tokens, keyed (module docstring)."""
+    def at(self, chunk_size: int) -> AccessTrace:
+        """The oracle's access trace of the requests at ``chunk_size``: each request's complete
+        chunks, keyed (module docstring)."""
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         counts = self.prompt_tokens // chunk_size
@@ -92,21 +75,28 @@ class BlockKeys:
         keys[named] = dense.reshape(-1)
         own = int((~named).sum())  # chunks reaching into a tail: keys no other chunk has
         keys[~named] = np.arange(len(unique), len(unique) + own, dtype=np.int64)
-        return ChunkKeys(chunk_size, keys, offsets, len(unique) + own)
+        return workload_trace(
+            chunk_size,
+            keys,
+            offsets,
+            num_keys=len(unique) + own,
+            prompt_tokens=self.prompt_tokens,
+            arrival_s=self.arrival_s,
+            groups=self.groups,
+        )
 
 
-def block_key_trace(requests: Sequence[BlockRequest], chunk_size: int) -> KeyTrace:
+def block_key_trace(requests: Sequence[BlockRequest], chunk_size: int) -> AccessTrace:
     """Block-hash trace requests keyed from their block ids, no token synthesised: the
     keys their synthesised tokens' chunk hashes would give, up to renaming."""
-    keys = BlockKeys(requests).at(chunk_size)
-    return KeyTrace(chunk_size, keys.per_request(), [r.num_prompt_tokens for r in requests])
+    return BlockKeys(requests).at(chunk_size)
 
 
 def key_trace(
     requests: Sequence[WorkloadRequest] | Sequence[BlockRequest], chunk_size: int
-) -> KeyTrace:
-    """:func:`block_key_trace` for block requests, :meth:`KeyTrace.from_requests` (hashing)
-    otherwise."""
+) -> AccessTrace:
+    """:func:`block_key_trace` for block requests, :func:`hashed_trace` (hashing their
+    tokens) otherwise."""
     if requests and isinstance(requests[0], BlockRequest):
         return block_key_trace(cast(Sequence[BlockRequest], requests), chunk_size)
-    return KeyTrace.from_requests(cast(Sequence[WorkloadRequest], requests), chunk_size)
+    return hashed_trace(cast(Sequence[WorkloadRequest], requests), chunk_size)

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from testbed.analysis import attribution as acc
+from testbed.analysis.chunk_causes import CHUNK_ABSENT, CHUNK_HIT, CHUNK_IN_FLIGHT
 from testbed.core.chunk_events import COLUMNS as CHUNK_COLUMNS
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import Tracing, TracingConfig, configure_tracing
@@ -127,10 +128,10 @@ class ObjectStore:
     def status(self, chunk_hash: bytes) -> str:
         states = [self.objects.get((chunk_hash, rank)) for rank in self.kv_ranks]
         if all(state == "committed" for state in states):
-            return acc.CHUNK_HIT
+            return CHUNK_HIT
         if all(state is not None for state in states):
-            return acc.CHUNK_IN_FLIGHT
-        return acc.CHUNK_ABSENT
+            return CHUNK_IN_FLIGHT
+        return CHUNK_ABSENT
 
 
 class SyntheticRun:
@@ -257,7 +258,7 @@ class SyntheticRun:
             )
         admission = Admission("", session_id, 0, 0, acc.LOOKUP_OK, 0, 0, {})
         admission.chunk_status, admission.committed_before = statuses, committed
-        hit = next((i for i, s in enumerate(statuses) if s != acc.CHUNK_HIT), len(statuses))
+        hit = next((i for i, s in enumerate(statuses) if s != CHUNK_HIT), len(statuses))
         admission.server_hit_tokens = hit * self.chunk_size
         return admission
 

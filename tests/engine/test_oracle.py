@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.models.oracle import KeyTrace, simulate, simulate_keys
+from testbed.models.access_trace import hashed_trace
+from testbed.models.oracle import simulate, simulate_keys
 from testbed.workloads import WorkloadRequest, make_workload
 
 MOONCAKE_TRACE = (
@@ -125,10 +126,10 @@ def test_belady_is_optimal_for_independent_chunks():
 def test_policies_are_ordered_and_never_exceed_capacity(spec, params):
     for seed in range(3):
         requests = list(make_workload(spec, num_requests=60, seed=seed, params=params))
-        trace = KeyTrace.from_requests(requests, 32)
+        trace = hashed_trace(requests, 32)
         infinite = simulate_keys(trace)
         distinct = infinite.peak_cached_chunks
-        assert infinite.hit_tokens > 0 and distinct == len({k for keys in trace.keys for k in keys})
+        assert infinite.hit_tokens > 0 and distinct == len(set(trace.query_keys.tolist()))
         for capacity in (distinct // 20, distinct // 5, distinct // 2):
             lru = simulate_keys(trace, "lru", capacity)
             belady = simulate_keys(trace, "belady", capacity)
@@ -172,7 +173,7 @@ def test_mooncake_infinite_hits_equal_the_shared_hash_id_prefixes():
 def test_bad_policy_arguments_are_rejected():
     requests = _workload("A")
     with pytest.raises(
-        ValueError, match="unknown oracle policy 'mru'; choose one of infinite, lru, belady"
+        ValueError, match="unknown policy 'mru'; choose one of infinite, lru, fifo, lfu, belady"
     ):
         simulate(requests, C, "mru", 4)
     with pytest.raises(ValueError, match="'infinite' takes no capacity_chunks"):

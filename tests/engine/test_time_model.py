@@ -5,17 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from testbed.models.hardware import HARDWARE, Hardware, load_hardware
 from testbed.models.profiles import get_profile
-from testbed.models.time_model import (
-    HARDWARE,
-    FlatTimeModel,
-    Hardware,
-    RooflineTimeModel,
-    break_even_prompt_tokens,
-    load_hardware,
-    make_time_model,
-    request_ttft_s,
-)
+from testbed.models.projections import break_even_prompt_tokens, request_ttft_s
+from testbed.models.time_model import FlatTimeModel, RooflineTimeModel, make_time_model
 
 LLAMA = get_profile("llama3-8b")
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from testbed.core.keys import chunk_hashes
-from testbed.models.oracle import KeyTrace
+from testbed.models.access_trace import hashed_trace
 from testbed.runspec import RunSpec
 from testbed.workloads import AgenticWorkload, make_workload
 from testbed.workloads.block_keys import block_key_trace
@@ -148,16 +148,13 @@ def test_keys_from_block_ids_equal_the_hashed_tokens_keys(shipped, chunk_size):
     )
     assert isinstance(workload, AgenticWorkload)
     fast = block_key_trace(list(workload.block_requests()), chunk_size)
-    hashed = KeyTrace.from_requests(list(workload), chunk_size)
+    hashed = hashed_trace(list(workload), chunk_size)
     # The same partition of the chunks (equal keys exactly where the hashes are equal).
-    pairs = {
-        (a, b)
-        for keys_a, keys_b in zip(fast.keys, hashed.keys, strict=True)
-        for a, b in zip(keys_a, keys_b, strict=True)
-    }
-    distinct = {k for keys in hashed.keys for k in keys}
-    assert len(pairs) == len(distinct) == len({k for keys in fast.keys for k in keys})
-    assert fast.prompt_tokens == hashed.prompt_tokens
+    assert fast.query_offsets.tolist() == hashed.query_offsets.tolist()
+    pairs = set(zip(fast.query_keys.tolist(), hashed.query_keys.tolist(), strict=True))
+    distinct = set(hashed.query_keys.tolist())
+    assert len(pairs) == len(distinct) == len(set(fast.query_keys.tolist()))
+    assert fast.prompt_tokens.tolist() == hashed.prompt_tokens.tolist()
 
 
 def test_max_input_tokens_ends_an_agent_before_its_first_longer_request(tmp_path):

@@ -16,16 +16,19 @@ import numpy as np
 import pandas as pd
 
 from testbed.analysis.whatif import curves as c
-from testbed.analysis.whatif.policies import POLICIES, simulate_policy
 from testbed.analysis.whatif.results import WhatIf
 from testbed.analysis.whatif.reuse import reuse_quantiles, reuse_summary
 from testbed.analysis.whatif.runlog import RunSource
 from testbed.analysis.whatif.stack import stack_distances
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
-from testbed.analysis.whatif.trace import AccessTrace
-from testbed.models.oracle import KeyTrace
-from testbed.models.time_model import Hardware
+from testbed.models.access_trace import AccessTrace
+from testbed.models.cache_sim import INFINITE, POLICIES, replay
+from testbed.models.hardware import Hardware
 from testbed.runspec import RunSpec
+
+SIMULATED_POLICIES = tuple(name for name in POLICIES if name != INFINITE)
+"""The policies a what-if can show (``testbed.models.cache_sim``'s, the unlimited cache aside:
+every what-if has it)."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class WhatIfOptions:
     """Chunk sizes of the curves (``None``: the source's own). From a run: multiples of its
     chunk size."""
     policies: tuple[str, ...] = ("lru", "belady")
-    """``lru`` is the one-pass curve; the others are simulated at sampled capacities."""
+    """Some of :data:`SIMULATED_POLICIES`: ``lru`` is the one-pass curve; the others are
+    simulated at sampled capacities."""
     at_tokens: tuple[int, ...] = ()
     """Capacities (tokens) added as exact points to every curve and policy."""
     sample_rate: float = 1.0
@@ -52,16 +56,17 @@ class WhatIfOptions:
     """Time models (``flat``, ``h100``, ...) to project TTFT and break-even prompts under (the
     KV profile needs a compute shape for all but ``flat``)."""
     hardware: Mapping[str, Hardware] | None = None
-    """The hardware table (default :data:`testbed.models.time_model.HARDWARE`)."""
+    """The hardware table (default :data:`testbed.models.hardware.HARDWARE`)."""
 
     def __post_init__(self) -> None:
         problems = []
         if self.chunk_sizes is not None and (not self.chunk_sizes or min(self.chunk_sizes) < 1):
             problems.append(f"chunk_sizes must be positive, got {list(self.chunk_sizes)}")
-        unknown = sorted(set(self.policies) - set(POLICIES))
+        unknown = sorted(set(self.policies) - set(SIMULATED_POLICIES))
         if unknown or not self.policies:
             problems.append(
-                f"policies must be some of {', '.join(POLICIES)}, got {list(self.policies)}"
+                f"policies must be some of {', '.join(SIMULATED_POLICIES)}, "
+                f"got {list(self.policies)}"
             )
         if any(t < 0 for t in self.at_tokens):
             problems.append(f"at_tokens must be >= 0, got {list(self.at_tokens)}")
@@ -207,13 +212,13 @@ def _policy_rows(
     simulated = [p for p in options.policies if p != "lru"]
     if not simulated:
         return []
-    keys = KeyTrace(trace.chunk_size, trace.request_keys(), trace.prompt_tokens.tolist())
+    keys = trace.request_keys()  # each request's first lookup, walked as the oracle walks it
     unlimited = curve.at(None)
     rows = []
     for policy in simulated:
         for capacity in policy_capacities(curve, options.policy_points, options.at_tokens):
-            hits = simulate_policy(keys, policy, capacity // trace.chunk_size)
-            point = c.request_hits_point(trace, capacity, hits)
+            hits = replay(keys, policy, capacity // trace.chunk_size).hit_chunks
+            point = c.request_hits_point(trace, capacity, np.asarray(hits, dtype=np.int64))
             rows.append(_row(trace.chunk_size, policy, point, True))
         rows.append(_row(trace.chunk_size, policy, unlimited, options.sample_rate >= 1.0))
     return rows

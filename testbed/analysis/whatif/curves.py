@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from testbed.analysis.whatif.stack import COLD, StackResult
-from testbed.analysis.whatif.trace import RUN, AccessTrace
+from testbed.models.access_trace import RUN, AccessTrace
 
 FRACTIONS = (0.6, 0.8, 0.9, 0.95, 0.99)
 """Shares of the infinite cache's hits the miss-ratio gauge asks the capacity for."""

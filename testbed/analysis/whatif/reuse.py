@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from testbed.analysis.whatif.stack import COLD, StackResult
-from testbed.analysis.whatif.trace import AccessTrace
+from testbed.models.access_trace import AccessTrace
 
 ALL = "all"
 MAX_GROUPS = 32

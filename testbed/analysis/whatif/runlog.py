@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from testbed.analysis.whatif.trace import RUN, AccessTrace
+from testbed.models.access_trace import RUN, AccessTrace
 from testbed.runspec import RunSpec
 
 REFERENCE_EVENTS = ("commit", "touch")

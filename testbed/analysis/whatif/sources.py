@@ -4,9 +4,9 @@ An oracle run (``kvtb run --engine oracle``) sees ``make_workload(spec.workload,
 vocab_size=32000)`` filtered by ``split_servable``. :func:`workload_traces` builds the same
 requests and either
 
-- hashes their tokens with the oracle's own :class:`~testbed.models.oracle.KeyTrace` (every
-  generated workload), once at the greatest common divisor of the chunk sizes asked for, then
-  re-chunks (keys are prefix-chained, so that is exact); or
+- hashes their tokens as the oracle does (:func:`testbed.models.access_trace.hashed_trace`,
+  every generated workload), once at the greatest common divisor of the chunk sizes asked for,
+  then re-chunks (keys are prefix-chained, so that is exact); or
 - for a block-hash trace (Mooncake, agentic), keys chunks from the trace's block ids without
   synthesising a token, as the oracle does (:mod:`testbed.workloads.block_keys`: the keys the
   synthesised tokens' chunk hashes would give). ``tests/analysis/whatif`` checks them against
@@ -19,10 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
-import numpy as np
-
-from testbed.analysis.whatif.trace import AccessTrace, workload_trace
-from testbed.models.oracle import KeyTrace
+from testbed.models.access_trace import AccessTrace, hashed_trace
 from testbed.runspec import RunSpec
 from testbed.workloads import (
     BlockTraceWorkload,
@@ -31,7 +28,7 @@ from testbed.workloads import (
     WorkloadRequest,
     make_workload,
 )
-from testbed.workloads.block_keys import BlockKeys, ChunkKeys
+from testbed.workloads.block_keys import BlockKeys
 
 ORACLE_VOCAB = 32_000
 """The vocabulary ``testbed.run`` gives replay and oracle workloads (its ``REPLAY_VOCAB``)."""
@@ -47,15 +44,8 @@ def workload_traces(spec: RunSpec, chunk_sizes: Sequence[int]) -> dict[int, Acce
     if isinstance(workload, BlockTraceWorkload):
         blocks = _servable(spec, workload.block_requests())
         keyed = BlockKeys(blocks)
-        return {size: _trace(keyed.at(size), blocks) for size in sizes}
-    requests = _servable(spec, workload)
-    base = math.gcd(*sizes)
-    keys = KeyTrace.from_requests(requests, base)
-    offsets = np.zeros(len(keys.keys) + 1, dtype=np.int64)
-    np.cumsum([len(k) for k in keys.keys], out=offsets[1:])
-    flat = np.fromiter((k for ks in keys.keys for k in ks), dtype=np.int64, count=int(offsets[-1]))
-    num_keys = int(flat.max()) + 1 if len(flat) else 0
-    trace = _trace(ChunkKeys(base, flat, offsets, num_keys), requests)
+        return {size: keyed.at(size) for size in sizes}
+    trace = hashed_trace(_servable(spec, workload), math.gcd(*sizes))
     return {size: trace.at_chunk_size(size) for size in sizes}
 
 
@@ -83,16 +73,3 @@ def _servable(spec: RunSpec, requests: Iterable[R]) -> list[R]:
     if not servable:
         raise ValueError(f"no request of {spec.workload!r} fits the engine's KV pool")
     return servable
-
-
-def _trace(keys: ChunkKeys, requests: Sequence[RequestShape]) -> AccessTrace:
-    """The oracle's access stream: per request, look up its chunks' keys, then walk them."""
-    return workload_trace(
-        keys.chunk_size,
-        keys.keys,
-        keys.offsets,
-        num_keys=keys.num_keys,
-        prompt_tokens=np.array([r.num_prompt_tokens for r in requests], dtype=np.int64),
-        arrival_s=np.array([r.arrival_s for r in requests], dtype=np.float64),
-        groups=np.array([r.group for r in requests], dtype=object),
-    )

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.analysis.whatif.trace import AccessTrace
+from testbed.models.access_trace import AccessTrace
 
 COLD = np.int64(2**62)
 """Distance of a query whose key was never referenced before (a miss at every capacity)."""
@@ -189,39 +189,60 @@ def _stack_kernel(
                     tree, window_tree, window, oldest_ref, oldest_ord, n
                 )
         for r in range(ref_offsets[step], ref_offsets[step + 1]):
-            key = ref_keys[r]
-            refs = n[0]
-            if last_ref[key] < 0:
-                n[2] += 1
-            if window > 0:
-                slot = refs % window
-                if refs >= window:  # reference refs - window leaves the window
-                    leaving = ring[slot]
-                    if last_ref[leaving] == refs - window:
-                        _add(window_tree, slot + 1, -1)
-                        n[4] -= 1
-                        n[5] -= sampled[leaving]
-                previous = last_ref[key]
-                if previous >= 0 and previous > refs - window:
-                    _add(window_tree, previous % window + 1, -1)
-                    n[4] -= 1
-                    n[5] -= sampled[key]
-                ring[slot] = key
-                _add(window_tree, slot + 1, 1)
-                n[4] += 1
-                n[5] += sampled[key]
-            if sampled[key]:
-                n[1] += 1
-                if last_ref[key] >= 0:
-                    _add(tree, last_ord[key], -1)
-                else:
-                    n[3] += 1
-                _add(tree, n[1], 1)
-            last_ref[key] = refs
-            last_ord[key] = n[1]
-            last_time_s[key] = now_s
-            n[0] += 1
+            _reference(
+                ref_keys[r], now_s, window, sampled, tree, window_tree, ring, last_ref, last_ord,
+                last_time_s, n,
+            )  # fmt: skip
     return int(n[2])
+
+
+def _reference_impl(
+    key: int,
+    now_s: float,
+    window: int,
+    sampled: np.ndarray,
+    tree: np.ndarray,
+    window_tree: np.ndarray,
+    ring: np.ndarray,
+    last_ref: np.ndarray,
+    last_ord: np.ndarray,
+    last_time_s: np.ndarray,
+    n: np.ndarray,
+) -> None:
+    """One reference to ``key`` at ``now_s``: it becomes the key's last reference, in the
+    trees (the sampled one if the key is sampled, the window's ring) and the counts ``n``
+    (:func:`_stack_kernel`)."""
+    refs = n[0]
+    if last_ref[key] < 0:
+        n[2] += 1
+    if window > 0:
+        slot = refs % window
+        if refs >= window:  # reference refs - window leaves the window
+            leaving = ring[slot]
+            if last_ref[leaving] == refs - window:
+                _add(window_tree, slot + 1, -1)
+                n[4] -= 1
+                n[5] -= sampled[leaving]
+        previous = last_ref[key]
+        if previous >= 0 and previous > refs - window:
+            _add(window_tree, previous % window + 1, -1)
+            n[4] -= 1
+            n[5] -= sampled[key]
+        ring[slot] = key
+        _add(window_tree, slot + 1, 1)
+        n[4] += 1
+        n[5] += sampled[key]
+    if sampled[key]:
+        n[1] += 1
+        if last_ref[key] >= 0:
+            _add(tree, last_ord[key], -1)
+        else:
+            n[3] += 1
+        _add(tree, n[1], 1)
+    last_ref[key] = refs
+    last_ord[key] = n[1]
+    last_time_s[key] = now_s
+    n[0] += 1
 
 
 def _distance_impl(
@@ -278,4 +299,5 @@ def _add_impl(tree: np.ndarray, i: int, delta: int) -> None:
 _prefix = _compiled(_prefix_impl)
 _add = _compiled(_add_impl)
 _distance = _compiled(_distance_impl)
+_reference = _compiled(_reference_impl)
 _kernel = _compiled(_stack_kernel)

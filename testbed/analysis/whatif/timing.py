@@ -14,17 +14,15 @@ from typing import Any
 
 from testbed.analysis.whatif.curves import request_hit_tokens
 from testbed.analysis.whatif.stack import StackResult
-from testbed.analysis.whatif.trace import AccessTrace
+from testbed.models.access_trace import AccessTrace
+from testbed.models.hardware import Hardware
 from testbed.models.profiles import KVProfile
-from testbed.models.time_model import (
-    Hardware,
-    RooflineTimeModel,
-    TimeModel,
+from testbed.models.projections import (
     break_even_prompt_tokens,
     compute_saved_fraction,
-    make_time_model,
     ttft_summary,
 )
+from testbed.models.time_model import RooflineTimeModel, TimeModel, make_time_model
 
 
 def time_models(

@@ -10,8 +10,8 @@ import pytest
 from testbed.analysis.whatif import WhatIfOptions, lru_curve, stack_distances, what_if_workload
 from testbed.analysis.whatif.sources import servable_requests, workload_traces
 from testbed.analysis.whatif.stack import COLD
-from testbed.analysis.whatif.trace import workload_trace
-from testbed.models.oracle import KeyTrace, simulate, simulate_keys
+from testbed.models.access_trace import hashed_trace, keyed_trace
+from testbed.models.oracle import simulate, simulate_keys
 from testbed.runspec import RunSpec
 
 MOONCAKE_TRACE = (
@@ -28,13 +28,7 @@ WORKLOADS = [
 
 
 def _trace_of(keys: list[list[int]], chunk_size: int = 4):
-    flat = np.array([k for request in keys for k in request], dtype=np.int64)
-    offsets = np.cumsum([0, *map(len, keys)])
-    prompts = np.array([max(1, len(k)) * chunk_size for k in keys])
-    return workload_trace(
-        chunk_size, flat, offsets, int(flat.max()) + 1, prompts,
-        np.arange(len(keys), dtype=float), np.full(len(keys), "", dtype=object),
-    )  # fmt: skip
+    return keyed_trace(chunk_size, keys, [max(1, len(k)) * chunk_size for k in keys])
 
 
 def test_stack_distances_count_distinct_keys_since_the_last_use_before_the_request():
@@ -57,7 +51,7 @@ def test_lru_curve_equals_the_oracle_at_every_capacity(spec, params):
     for chunk_size in (32, 64):
         trace = workload_traces(run, [chunk_size])[chunk_size]
         curve = lru_curve(trace, stack_distances(trace))
-        keyed = KeyTrace.from_requests(requests, chunk_size)
+        keyed = hashed_trace(requests, chunk_size)
         unlimited = simulate_keys(keyed)
         assert curve.at(None).hit_tokens == unlimited.hit_tokens  # exact at unlimited
         assert curve.at(None).token_hit_rate == unlimited.token_hit_rate
@@ -77,8 +71,8 @@ def test_mooncake_keys_from_hash_ids_equal_the_oracles_and_so_does_the_curve():
     traces = workload_traces(run, sizes)
     for chunk_size in sizes:
         fast = traces[chunk_size]
-        hashed = KeyTrace.from_requests(requests, chunk_size)
-        expected = np.array([k for keys in hashed.keys for k in keys])
+        hashed = hashed_trace(requests, chunk_size)
+        expected = hashed.query_keys
         # Same sharing structure: the two keyings name the same partition of the chunks.
         pairs = set(zip(fast.query_keys.tolist(), expected.tolist(), strict=True))
         assert len(pairs) == len(set(expected.tolist())) == len(set(fast.query_keys.tolist()))
@@ -126,7 +120,7 @@ def test_minimum_capacity_is_the_smallest_lru_capacity_keeping_the_share():
     for fraction in (0.6, 0.9, 0.99):
         tokens = curve.min_capacity_tokens(fraction)
         assert tokens % 32 == 0
-        assert simulate_keys(KeyTrace.from_requests(servable_requests(run), 32), "lru",
+        assert simulate_keys(hashed_trace(servable_requests(run), 32), "lru",
                              tokens // 32).hit_tokens >= fraction * unlimited  # fmt: skip
         assert curve.at(tokens - 32).hit_tokens < fraction * unlimited
 

@@ -1,25 +1,31 @@
-"""The access stream a what-if replays: lookups (queries) and recency references, in order.
+"""The access trace: what every cache simulation replays, lookups and references in order.
 
 A trace is a sequence of *steps*. Each step first asks whether some chunk keys are cached
 (its queries: one lookup, chunks in position order from position 0), then references some keys
 (each reference makes its key the most recent, inserting it if absent). Both halves may be
-empty. Two sources make traces (:mod:`.sources`):
+empty. Where traces come from:
 
-- a workload, with the oracle's semantics: one step per request whose queries and references
-  are both the request's complete chunks (look up the prefix, then walk every chunk);
-- a run's chunk event log: one step per settled lookup (its rows are the queries; the rows
-  that hit are references, as the server touches them), and steps of references only for the
-  commits and touches between lookups.
+- a workload, with the oracle's semantics (:func:`workload_trace`, :func:`keyed_trace`,
+  :func:`hashed_trace`): one step per request whose queries and references are both the
+  request's complete chunks (look up the prefix, then walk every chunk);
+- a run's chunk event log (``testbed.analysis.whatif.runlog``): one step per settled lookup
+  (its rows are the queries; the rows that hit are references, as the server touches them),
+  and steps of references only for the commits and touches between lookups.
 
 Keys are dense ints (equal ints = equal chunk identity, namespace included). Every array is a
-numpy array so that the kernels in :mod:`.stack` run over them without conversion.
+numpy array so that the what-if's kernels run over them without conversion; the policy
+simulations (:mod:`testbed.models.cache_sim`) take :meth:`AccessTrace.request_keys`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+
+from testbed.core.keys import KeyExtras, chunk_hashes
 
 WORKLOAD = "workload"
 """Oracle semantics: a request's hit is its cached prefix of complete chunks."""
@@ -134,11 +140,24 @@ class AccessTrace:
     def request_keys(self) -> list[list[int]]:
         """Per request, the keys its first lookup asked for (empty if it had none)."""
         keys: list[list[int]] = [[] for _ in range(self.num_requests)]
-        offsets = self.query_offsets
-        for step in np.flatnonzero(self.step_request >= 0):
-            request = int(self.step_request[step])
-            keys[request] = self.query_keys[offsets[step] : offsets[step + 1]].tolist()
+        flat = self.query_keys.tolist()
+        offsets = self.query_offsets.tolist()
+        for step in np.flatnonzero(self.step_request >= 0).tolist():
+            keys[int(self.step_request[step])] = flat[offsets[step] : offsets[step + 1]]
         return keys
+
+
+class HashedRequest(Protocol):
+    """What :func:`hashed_trace` reads of a request (a workload request)."""
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int] | np.ndarray: ...
+    @property
+    def key_extras(self) -> KeyExtras | None: ...
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def group(self) -> str: ...
 
 
 def workload_trace(
@@ -174,6 +193,52 @@ def workload_trace(
         engine_hit_tokens=np.zeros(num_requests, dtype=np.int64),
         groups=np.asarray(groups, dtype=object),
     )
+
+
+def keyed_trace(
+    chunk_size: int,
+    keys: Sequence[Sequence[int]],
+    prompt_tokens: Sequence[int],
+    arrival_s: Sequence[float] | None = None,
+    groups: Sequence[str] | None = None,
+) -> AccessTrace:
+    """:func:`workload_trace` of per-request key lists (keys: non-negative ints; arrivals
+    default to the request's index, groups to ``""``)."""
+    counts = [len(request) for request in keys]
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    flat = np.fromiter(
+        (key for request in keys for key in request), dtype=np.int64, count=int(offsets[-1])
+    )
+    return workload_trace(
+        chunk_size,
+        flat,
+        offsets,
+        num_keys=int(flat.max()) + 1 if len(flat) else 0,
+        prompt_tokens=np.asarray(prompt_tokens, dtype=np.int64),
+        arrival_s=np.asarray(range(len(keys)) if arrival_s is None else arrival_s, np.float64),
+        groups=np.asarray([""] * len(keys) if groups is None else groups, dtype=object),
+    )
+
+
+def hashed_trace(requests: Iterable[HashedRequest], chunk_size: int) -> AccessTrace:
+    """The trace of ``requests`` keyed as the server keys them: one dense int per distinct
+    ``chunk_hashes(prompt, chunk_size)`` value (the request's LoRA and multimodal inputs
+    included), complete chunks only."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    ids: dict[bytes, int] = {}
+    keys: list[list[int]] = []
+    prompt_tokens: list[int] = []
+    arrival_s: list[float] = []
+    groups: list[str] = []
+    for request in requests:
+        hashes = chunk_hashes(request.prompt_token_ids, chunk_size, extras=request.key_extras)
+        keys.append([ids.setdefault(h, len(ids)) for h in hashes])
+        prompt_tokens.append(len(request.prompt_token_ids))
+        arrival_s.append(request.arrival_s)
+        groups.append(request.group)
+    return keyed_trace(chunk_size, keys, prompt_tokens, arrival_s, groups)
 
 
 def _kept_offsets(offsets: np.ndarray, keep: np.ndarray) -> np.ndarray:
