@@ -129,7 +129,7 @@ class KVCache:
         self.used_bytes -= obj.footprint
         if obj.offset is not None and self.allocator is not None:
             self.allocator.free(obj.offset)
-        obj.version += 1
+        obj.version = next(self._entries)
 
     def drop(self, obj: CacheObject, eviction: Eviction) -> int:
         """Removes a committed, unpinned object even if locked; returns the lock units freed."""
@@ -186,7 +186,7 @@ class KVCache:
 
     def _mark(self, obj: CacheObject) -> None:
         """The object's priority or evictability changed: its old heap entry is stale."""
-        obj.version += 1
+        obj.version = next(self._entries)
         if obj.evictable:
             entry = (self.policy.priority(obj), next(self._entries), obj.key, obj.version)
             heapq.heappush(self._heap, entry)

@@ -38,7 +38,8 @@ class CacheObject:
     last_access: int = 0
     hits: int = 0
     version: int = 0
-    """Bumped whenever the object's heap entry goes stale (priority or evictability)."""
+    """Renewed whenever the object's heap entry goes stale (priority or evictability), from
+    the cache's counter, so no other object's old entry under the same key can match it."""
 
     @property
     def footprint(self) -> int:

@@ -57,6 +57,20 @@ def test_lru_evicts_the_least_recently_used_unlocked_object():
     cache.check_invariants()
 
 
+def test_a_key_dropped_and_stored_again_is_not_evicted_by_its_old_heap_entry():
+    """A dropped object's heap entry stays behind (lazy deletion); the object stored again
+    under the same key must not match it, or it goes first whatever the policy says."""
+    cache, _ = make_cache(3 * 128)
+    put(cache, 0)
+    put(cache, 1)
+    assert cache.drop(cache.get(key(0)), Eviction("drop")) == 0
+    put(cache, 2)
+    put(cache, 0)  # again: the most recently used now
+    eviction = put(cache, 3)
+    assert eviction.keys == [key(1)]  # the least recently used, not the new 0
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_no_policy_evicts_locked_pinned_or_uncommitted_objects(policy):
     cache, _ = make_cache(4 * 128, policy)
