@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from server.pool import ExtentAllocator, align
+from testbed.core.keys import ChunkHash
 from testbed.core.policies import EvictionPolicy
 
 # Estimated index memory per object, lock-group chunk and session (CPython objects, dict and
@@ -39,7 +40,7 @@ class ObjectKey(NamedTuple):
     model: str
     world_size: int
     kv_rank: int
-    chunk_hash: bytes
+    chunk_hash: ChunkHash
     cache_salt: str
 
 
@@ -78,10 +79,10 @@ class Space(NamedTuple):
     world_size: int
     cache_salt: str
 
-    def key(self, chunk_hash: bytes, kv_rank: int) -> ObjectKey:
+    def key(self, chunk_hash: ChunkHash, kv_rank: int) -> ObjectKey:
         return _new_key(ObjectKey, (self[0], self[1], kv_rank, chunk_hash, self[2]))
 
-    def keys(self, chunk_hash: bytes) -> list[ObjectKey]:
+    def keys(self, chunk_hash: ChunkHash) -> list[ObjectKey]:
         model, world_size, salt = self
         return [
             _new_key(ObjectKey, (model, world_size, rank, chunk_hash, salt))
@@ -102,7 +103,7 @@ class LockGroup:
     session_id: str
     owner: bytes
     space: Space
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     units: array
     taken_at: float
     expires_at: float
@@ -164,7 +165,7 @@ class KVCache:
         self.eviction_work = 0
         """Heap entries examined by victim selection (a machine-independent cost measure)."""
         self._objects: dict[ObjectKey, CacheObject] = {}
-        self._by_hash: dict[bytes, list[ObjectKey]] = {}  # lists: most hashes have one key
+        self._by_hash: dict[ChunkHash, list[ObjectKey]] = {}  # lists: most hashes have one key
         self._events = itertools.count(1)
         self._heap: list[tuple[tuple[int, ...], int, ObjectKey, int]] = []
         self._entries = itertools.count()
@@ -192,7 +193,7 @@ class KVCache:
     def objects(self) -> Iterable[CacheObject]:
         return self._objects.values()
 
-    def keys_with_hash(self, chunk_hash: bytes) -> list[ObjectKey]:
+    def keys_with_hash(self, chunk_hash: ChunkHash) -> list[ObjectKey]:
         return sorted(self._by_hash.get(chunk_hash, ()))
 
     def reserve(
@@ -329,7 +330,7 @@ class KVCache:
         session_id: str,
         owner: bytes,
         space: Space,
-        hashes: list[bytes],
+        hashes: list[ChunkHash],
         num_readers: int,
         objects: list[CacheObject] | None = None,
     ) -> LockGroup:

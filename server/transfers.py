@@ -16,6 +16,7 @@ from server.cache import CacheObject, Eviction, ObjectKey, Space
 from server.chunk_log import ABORT, COMMIT, RESERVE, TOUCH, namespace
 from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
 from testbed.core import protocol as p
+from testbed.core.keys import ChunkHash
 from testbed.core.telemetry import attributes as a
 
 if TYPE_CHECKING:
@@ -347,7 +348,7 @@ def finish_store(s: Service, client: ClientState, op_id: int, ok: bool, span_id:
     if store.done is not None:
         store.done.synchronize()
     log = s.chunk_log
-    refresh: dict[tuple[str, Space, int], list[bytes]] = {}
+    refresh: dict[tuple[str, Space, int], list[ChunkHash]] = {}
     for obj, (session_id, position) in zip(store.objects, store.positions, strict=True):
         key = obj.key
         if ok:

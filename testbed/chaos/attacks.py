@@ -19,6 +19,7 @@ from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import wait_quiescent
 from testbed.core import protocol as p
+from testbed.core.keys import ChunkHash
 from testbed.core.rpc import RpcClient
 
 _CASES_PER_OP = 8
@@ -137,7 +138,7 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
     return result
 
 
-def _admin_attempts(data: list[bytes]) -> list[p.Request]:
+def _admin_attempts(data: list[ChunkHash]) -> list[p.Request]:
     return [
         p.DropObjects(),
         p.DropObjects(force=True),
@@ -145,7 +146,7 @@ def _admin_attempts(data: list[bytes]) -> list[p.Request]:
     ]
 
 
-def _ownership_attempts(data: list[bytes]) -> list[p.Request]:
+def _ownership_attempts(data: list[ChunkHash]) -> list[p.Request]:
     return [
         p.FreeLocks(session_id="owner:1", end_token=1 << 40),
         p.EndSession(session_id="owner:1"),
@@ -189,8 +190,8 @@ def _owner_intact(
     found: p.LookupResult,
     pin_op: int,
     pin_plan: p.RetrievePlan,
-    data: list[bytes],
-    fresh: list[bytes],
+    data: list[ChunkHash],
+    fresh: list[ChunkHash],
 ) -> list[str]:
     problems = []
     released, errors = owner.end_retrieve(pin_op, pin_plan, data[:1])

@@ -21,11 +21,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from testbed.core import telemetry
+from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.placement import FleetPlacement
-from testbed.engine.replay import ReplaySpec
+from testbed.engine.replay_spec import ReplaySpec
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.engine.virtual_clock import drive
 from testbed.engine.vllm_setup import RequestFactory
@@ -38,7 +39,7 @@ def instance_engine_id(run_id: str, instance: int) -> str:
     return f"{run_id}-{instance}"
 
 
-class FleetEngine:
+class FleetEngine(Closing):
     """Context manager: ``num_instances`` instances against ``servers`` (one shared, or one
     per instance) routed by ``router``."""
 
@@ -72,7 +73,7 @@ class FleetEngine:
                         spec,
                         servers[self.server_of[i]],
                         model_dir,
-                        engine_id=instance_engine_id(spec.run_id, i),
+                        engine_id=instance_engine_id(spec.connector_engine_id, i),
                         kv_events=router.needs_kv_events,
                     )
                 self.instances.append(instance)
@@ -89,12 +90,6 @@ class FleetEngine:
                 instance.close()
         self.instances = []
         self._stack.close()
-
-    def __enter__(self) -> FleetEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def run(
         self,

@@ -23,6 +23,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 
+from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
@@ -36,7 +37,7 @@ from testbed.workloads import ArrivalProcess, WorkloadRequest
 __all__ = ["ReplayEngine", "ReplaySpec"]
 
 
-class ReplayEngine:
+class ReplayEngine(Closing):
     """Context manager: one :class:`~testbed.engine.instance.ReplayInstance` (the scheduler
     and the TP worker harnesses) against ``server``, on the virtual clock.
 
@@ -68,12 +69,6 @@ class ReplayEngine:
         self.instance.close()
         if self._tmp is not None:
             self._tmp.cleanup()
-
-    def __enter__(self) -> ReplayEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def run(
         self,

@@ -216,7 +216,7 @@ def drive(
     """Runs ``workload`` (requests in arrival order, or an arrival process: closed-loop users
     told, on the virtual clock, when each request finished) on ``instances``; the result is
     named ``engine``."""
-    spec = instances[0].spec
+    spec = instances[0].spec.run
     result = EngineResult(engine=engine, metadata_only=spec.metadata_only)
     arrivals = workload if isinstance(workload, ArrivalProcess) else OpenLoop(workload)
     clock = VirtualClock(

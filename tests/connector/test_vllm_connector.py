@@ -18,6 +18,7 @@ from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noq
 from testbed.core import protocol as p  # noqa: E402
 from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
+from testbed.runspec import RunSpec  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 
 C, B = 128, 64
@@ -34,7 +35,7 @@ def build(tmp_path: Path, server, **connector):
     vllm_config = vllm_setup.build_vllm_config(
         vllm_setup.SchedulerSpec(
             model_dir=model_dir,
-            block_size=B,
+            run=RunSpec(block_size=B),
             num_blocks=64,
             max_model_len=4096,
             connector_config=config.to_extra_config(),

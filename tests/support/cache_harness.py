@@ -26,6 +26,7 @@ from connector.worker_client import (
     readers_per_object,
 )
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
 from testbed.core.rpc import RpcClient
 
 BLOCK_SIZE = 16
@@ -50,7 +51,7 @@ def connect(server: ServerLike, *, admin: bool = False, **kwargs: Any) -> RpcCli
     return RpcClient(server.url, token=token, **kwargs)
 
 
-class Harness:
+class Harness(Closing):
     def __init__(
         self,
         server: ServerLike,
@@ -170,12 +171,6 @@ class Harness:
             rank.client.close()
             rank.rpc.close()
         self.rpc.close()
-
-    def __enter__(self) -> Harness:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def blocks_equal(kv: PagedKV, a: list[int], b: list[int]) -> bool:
