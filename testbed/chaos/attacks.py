@@ -65,7 +65,6 @@ def fuzz(lab: Lab) -> ScenarioResult:
         victim_problems=report.victim_problems,
         held_after=None if held is None else held.__dict__,
     )
-    lab.finish(result)
     return result
 
 
@@ -134,7 +133,6 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
         owner_problems=problems,
         examples=stats.examples,
     )
-    lab.finish(result)
     return result
 
 

@@ -92,7 +92,6 @@ def client_kill(lab: Lab) -> ScenarioResult:
             holder.wait()
     if lab.config.engine_kill:
         _kill_an_engine(lab, result)
-    lab.finish(result)
     return result
 
 
@@ -193,7 +192,6 @@ def lost_replies(lab: Lab) -> ScenarioResult:
         )
         lossy.receive(timeout_s=5.0, until_all=True)
         result.set(requests_total=lossy.sent, requests_completed=lossy.received)
-    lab.finish(result)
     return result
 
 
