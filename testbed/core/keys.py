@@ -32,8 +32,9 @@ import numpy as np
 HASH_BYTES = 16
 ChunkHash = NewType("ChunkHash", bytes)
 """A chunk's key: the rolling prefix hash of its tokens and everything before them,
-:data:`HASH_BYTES` long (made only by :func:`extend_chunk_hashes`; the wire protocol's
-``WireChunkHash`` is this type with its length checked), not any ``bytes``."""
+:data:`HASH_BYTES` long, as :func:`chunk_hashes` makes it (benchmarks and probes wrap
+synthetic ones of the same length); the wire protocol's ``WireChunkHash`` is this type with
+its length checked. A distinct type, so that a signature says where a chunk key passes."""
 _SEED = blake3.blake3(b"kvtestbed.keys.v1").digest(HASH_BYTES)
 _EXTRAS_MARK = b"\xff"
 _encode = msgspec.msgpack.Encoder().encode
