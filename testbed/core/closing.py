@@ -1,7 +1,9 @@
-"""The context-manager protocol of an object that holds resources until its ``close()``.
+"""One lifecycle for resources that hold something until closed: ``close()``, and ``with``.
 
-``with Thing(...) as thing:`` hands out ``thing`` and closes it on the way out, exceptions
-included (they propagate). A subclass defines :meth:`Closing.close` only."""
+Servers, clients, mappings and exports release what they hold in ``close()`` and are their
+own context managers (STYLE: explicit lifecycle, no ``atexit``). :class:`Closing` writes the
+context-manager half once; a resource subclasses it and defines ``close()``.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +11,17 @@ from typing import Self
 
 
 class Closing:
-    """Base of objects closed by :meth:`close`; ``with`` closes them."""
+    """A resource that :meth:`close` releases: ``with Resource(...) as resource:`` closes it
+    on the way out, whatever happened inside."""
 
     def close(self) -> None:
+        """Releases what the resource holds (subclasses define it)."""
         raise NotImplementedError
 
     def __enter__(self) -> Self:
+        """The resource itself."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Closes the resource; exceptions raised inside propagate."""
         self.close()

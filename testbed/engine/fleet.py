@@ -16,22 +16,19 @@ instance the fleet is the replay engine, request by request.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 from testbed.core import telemetry
-from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.placement import FleetPlacement
 from testbed.engine.replay_spec import ReplaySpec
-from testbed.engine.results import EngineResult, RequestRecord
-from testbed.engine.virtual_clock import drive
+from testbed.engine.virtual_clock import ClockedEngine
 from testbed.engine.vllm_setup import RequestFactory
 from testbed.fleet.routers import Router
-from testbed.workloads import ArrivalProcess, WorkloadRequest
 
 
 def instance_engine_id(run_id: str, instance: int) -> str:
@@ -39,9 +36,11 @@ def instance_engine_id(run_id: str, instance: int) -> str:
     return f"{run_id}-{instance}"
 
 
-class FleetEngine(Closing):
+class FleetEngine(ClockedEngine):
     """Context manager: ``num_instances`` instances against ``servers`` (one shared, or one
     per instance) routed by ``router``."""
+
+    name = "fleet"
 
     def __init__(
         self,
@@ -90,11 +89,3 @@ class FleetEngine(Closing):
                 instance.close()
         self.instances = []
         self._stack.close()
-
-    def run(
-        self,
-        workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
-    ) -> EngineResult:
-        """Runs ``workload`` on the fleet (see :func:`~testbed.engine.virtual_clock.drive`)."""
-        return drive("fleet", self.instances, self.requests, workload, on_finish, self.placement)
