@@ -16,12 +16,13 @@ import logging
 
 from connector.ops import RetrieveOp
 from testbed.core import protocol as p
+from testbed.core.keys import ChunkHash
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 
 log = logging.getLogger(__name__)
 
 
-def chosen(fraction: float, seed: int, chunk_hash: bytes, attempt: int) -> bool:
+def chosen(fraction: float, seed: int, chunk_hash: ChunkHash, attempt: int) -> bool:
     """Whether a retrieve starting at chunk ``chunk_hash`` (in a request's ``attempt``) loses
     that chunk."""
     if fraction <= 0:

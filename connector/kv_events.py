@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
 from connector.ops import StoreOp
+from testbed.core.keys import ChunkHash
 
 Payload = TypeVar("Payload")
-ChunkKey = tuple[str, bytes]
+ChunkKey = tuple[str, ChunkHash]
 """``(cache salt, chunk hash)``: what names a chunk within one model and world size."""
 
 DEFAULT_MAX_CHUNKS = 1 << 16
@@ -50,7 +51,7 @@ class ChunkReport(NamedTuple):
 
     kv_rank: int
     cache_salt: str
-    chunk_hash: bytes
+    chunk_hash: ChunkHash
     written: bool
     """The store wrote the chunk and committed it (not: already there, no room, failed)."""
     seq: int
@@ -130,7 +131,7 @@ class ChunkAnnouncer(Generic[Payload]):
                 del self._pending[key]
                 self._announce(key, pending)
 
-    def evicted(self, removals: Iterable[tuple[str, bytes, int]]) -> None:
+    def evicted(self, removals: Iterable[tuple[str, ChunkHash, int]]) -> None:
         """The server removed these chunks ``(cache salt, chunk hash, removal number)``."""
         for salt, chunk_hash, seq in removals:
             key = (salt, chunk_hash)

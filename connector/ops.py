@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from testbed.core.keys import ChunkHash
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkOp:
@@ -17,7 +19,7 @@ class ChunkOp:
     request_id: str
     session_id: str
     cache_salt: str
-    chunk_hashes: list[bytes]
+    chunk_hashes: list[ChunkHash]
     first_chunk: int
     start_token: int
     end_token: int

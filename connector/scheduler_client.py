@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from connector.stats import StatsRecorder
 from testbed.core import protocol as p
 from testbed.core import telemetry
+from testbed.core.keys import ChunkHash
 from testbed.core.rpc import RpcClient, reply_timing
 from testbed.core.telemetry import SpanKind
 from testbed.core.telemetry import attributes as a
@@ -107,13 +108,13 @@ class SchedulerClient:
         self._eviction_seq = eviction_seq
         """The server's latest removal number this client knows (``GetConfig`` at start)."""
         self._eviction_epoch = 0
-        self._evicted: list[tuple[str, bytes, int]] = []
+        self._evicted: list[tuple[str, ChunkHash, int]] = []
         self._evictions_lost = False
 
     def submit_lookup(
         self,
         session_id: str,
-        chunk_hashes: list[bytes],
+        chunk_hashes: list[ChunkHash],
         *,
         cache_salt: str = "",
         parent: str = "",
@@ -256,7 +257,7 @@ class SchedulerClient:
         if reply.evictions_lost or restarted or reply.eviction_seq > self._eviction_seq:
             self._eviction_seq = reply.eviction_seq
 
-    def take_evictions(self) -> tuple[list[tuple[str, bytes, int]], bool]:
+    def take_evictions(self) -> tuple[list[tuple[str, ChunkHash, int]], bool]:
         """Chunks ``(cache salt, chunk hash, removal number)`` the server removed, as the lookups
         answered since the last call learned; and whether removals were lost (the server forgot
         them or restarted: any chunk may be gone)."""

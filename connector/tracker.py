@@ -17,7 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from testbed.core.keys import KeyExtras
+from testbed.core.keys import ChunkHash, KeyExtras
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RequestTracker:
     cache_salt: str
     traceparent: str
     """The request's own trace context; connector spans and worker ops hang under it."""
-    chunk_hashes: list[bytes]
+    chunk_hashes: list[ChunkHash]
     """Hashes of the complete chunks hashed so far (the prompt's, at creation)."""
     key_extras: KeyExtras | None = None
     """What besides the tokens keys the request's chunks (LoRA adapter, multimodal inputs)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 
 from server.objects import CacheObject, Eviction, LockGroup, ObjectKey, Released, Space
 from server.pool import ExtentAllocator, align
+from testbed.core.keys import ChunkHash
 from testbed.core.policies import EvictionPolicy
 
 # Estimated index memory per object, lock-group chunk and session (CPython objects, dict and
@@ -56,7 +57,7 @@ class KVCache:
         self.eviction_work = 0
         """Heap entries examined by victim selection (a machine-independent cost measure)."""
         self._objects: dict[ObjectKey, CacheObject] = {}
-        self._by_hash: dict[bytes, list[ObjectKey]] = {}  # lists: most hashes have one key
+        self._by_hash: dict[ChunkHash, list[ObjectKey]] = {}  # lists: most hashes have one key
         self._events = itertools.count(1)
         self._heap: list[tuple[tuple[int, ...], int, ObjectKey, int]] = []
         self._entries = itertools.count()
@@ -84,7 +85,7 @@ class KVCache:
     def objects(self) -> Iterable[CacheObject]:
         return self._objects.values()
 
-    def keys_with_hash(self, chunk_hash: bytes) -> list[ObjectKey]:
+    def keys_with_hash(self, chunk_hash: ChunkHash) -> list[ObjectKey]:
         return sorted(self._by_hash.get(chunk_hash, ()))
 
     def reserve(
@@ -221,7 +222,7 @@ class KVCache:
         session_id: str,
         owner: bytes,
         space: Space,
-        hashes: list[bytes],
+        hashes: list[ChunkHash],
         num_readers: int,
         objects: list[CacheObject] | None = None,
     ) -> LockGroup:

@@ -27,6 +27,7 @@ import msgspec
 
 from testbed.core.append_file import AppendFile
 from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, Event
+from testbed.core.keys import ChunkHash
 
 BATCH_ROWS = 8192
 
@@ -46,7 +47,7 @@ class NullChunkLog:
     def add(
         self,
         event: Event,
-        chunk_hash: bytes,
+        chunk_hash: ChunkHash,
         *,
         kv_rank: int = -1,
         namespace: str = "",

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from server.objects import ObjectKey
+from testbed.core.keys import ChunkHash
 
 DEFAULT_MAX_ENTRIES = 1 << 16
 
@@ -26,7 +27,7 @@ class FeedSlice:
     """Removals after a client's number: ``(number, cache salt, chunk hash)`` oldest first, the
     number of the last one covered, and whether removals the client asked for are unknown."""
 
-    chunks: list[tuple[int, str, bytes]]
+    chunks: list[tuple[int, str, ChunkHash]]
     seq: int
     lost: bool
 
@@ -36,12 +37,12 @@ class EvictionFeed:
     max_entries: int = DEFAULT_MAX_ENTRIES
     seq: int = 0
     """The number of the latest removal (0: none yet)."""
-    _entries: deque[tuple[int, str, int, str, bytes]] = field(default_factory=deque)
+    _entries: deque[tuple[int, str, int, str, ChunkHash]] = field(default_factory=deque)
 
     def record(self, keys: Iterable[ObjectKey]) -> None:
         """Appends the chunks of ``keys`` removed together (one entry per chunk and namespace,
         whatever the number of its ranks)."""
-        seen: set[tuple[str, int, str, bytes]] = set()
+        seen: set[tuple[str, int, str, ChunkHash]] = set()
         for key in keys:
             chunk = (key.model, key.world_size, key.cache_salt, key.chunk_hash)
             if chunk in seen:
@@ -62,7 +63,7 @@ class EvictionFeed:
             if entry[0] <= after:
                 break
             newer.append(entry)
-        chunks: list[tuple[int, str, bytes]] = []
+        chunks: list[tuple[int, str, ChunkHash]] = []
         last = self.seq
         for seq, entry_model, entry_world, salt, chunk_hash in reversed(newer):
             if entry_model == model and entry_world == world_size:

@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from server.pool import align
+from testbed.core.keys import ChunkHash
 
 
 class ObjectKey(NamedTuple):
     model: str
     world_size: int
     kv_rank: int
-    chunk_hash: bytes
+    chunk_hash: ChunkHash
     cache_salt: str
 
 
@@ -57,10 +58,10 @@ class Space(NamedTuple):
     world_size: int
     cache_salt: str
 
-    def key(self, chunk_hash: bytes, kv_rank: int) -> ObjectKey:
+    def key(self, chunk_hash: ChunkHash, kv_rank: int) -> ObjectKey:
         return _new_key(ObjectKey, (self[0], self[1], kv_rank, chunk_hash, self[2]))
 
-    def keys(self, chunk_hash: bytes) -> list[ObjectKey]:
+    def keys(self, chunk_hash: ChunkHash) -> list[ObjectKey]:
         model, world_size, salt = self
         return [
             _new_key(ObjectKey, (model, world_size, rank, chunk_hash, salt))
@@ -81,7 +82,7 @@ class LockGroup:
     session_id: str
     owner: bytes
     space: Space
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     units: array
     taken_at: float
     expires_at: float

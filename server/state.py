@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from server.objects import CacheObject, ObjectKey, Space
 from testbed.core import protocol as p
+from testbed.core.keys import ChunkHash
 
 SESSION_INDEX_BYTES = 400
 TRACKED_CHUNK_INDEX_BYTES = 60
@@ -42,7 +43,7 @@ class Worker:
             self.engine.close()
             self.engine = None
 
-    def key(self, chunk_hash: bytes, cache_salt: str) -> ObjectKey:
+    def key(self, chunk_hash: ChunkHash, cache_salt: str) -> ObjectKey:
         r = self.request
         return ObjectKey(r.model, r.world_size, r.kv_rank, chunk_hash, cache_salt)
 
@@ -100,7 +101,7 @@ class ChunkRun(NamedTuple):
     """Objects of one namespace: every hash on every rank in ``ranks``."""
 
     space: Space
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     ranks: tuple[int, ...]
 
     @property

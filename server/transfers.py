@@ -20,6 +20,7 @@ from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore,
 from testbed.core import protocol as p
 from testbed.core import telemetry
 from testbed.core.chunk_events import ABORT, COMMIT, RESERVE, TOUCH, namespace
+from testbed.core.keys import ChunkHash
 from testbed.core.telemetry import attributes as a
 
 Op = TypeVar("Op", InflightStore, InflightRetrieve)
@@ -209,7 +210,7 @@ class Transfers:
         store = client.stores.pop(op_id)
         if store.done is not None:
             store.done.synchronize()
-        refresh: dict[tuple[str, Space, int], list[bytes]] = {}
+        refresh: dict[tuple[str, Space, int], list[ChunkHash]] = {}
         for obj, (session_id, position) in zip(store.objects, store.positions, strict=True):
             key = obj.key
             if ok:

@@ -28,6 +28,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from server.launch import ServerStartError
 from testbed.core.credentials import ServerEndpoint, client_token
@@ -44,6 +45,29 @@ from testbed.version import package_version
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command != "server":
+            require_lab()
+        code: int = args.handler(args)
+        return code
+    except MissingExtra as exc:
+        print(f"kvtb {args.command} {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvtb {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ServerStartError) as exc:
+        print(f"kvtb {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvtb {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``kvtb``'s parser: every command's parser sets ``handler``, the function that runs it
+    (``args.handler(args)``: the command's exit status)."""
     parser = argparse.ArgumentParser(
         prog="kvtb", description=__doc__.split("\n")[0].split(": ", 1)[-1]
     )
@@ -52,14 +76,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    server = commands.add_parser("server", help="run a KV cache server")
-    from server.app import build_parser
+    from server.app import build_parser as build_server_parser
+    from server.app import run as run_server
 
-    build_parser(server)
+    server = commands.add_parser("server", help="run a KV cache server")
+    build_server_parser(server)
+    server.set_defaults(handler=run_server)
 
     run = commands.add_parser("run", help="one run (engine + workload) into a run directory")
     _add_run_arguments(run)
+    run.set_defaults(handler=_run)
+    _add_sweep_parsers(commands)
+    _add_export_parser(commands)
 
+    from testbed.bench.command import add_bench_parser, run_bench
+    from testbed.chaos.command import add_chaos_parser, run_chaos
+    from testbed.explain_cli import add_explain_parser, run_explain
+    from testbed.whatif_cli import add_whatif_parser, run_whatif
+
+    for name, add_parser, handler in (
+        ("explain", add_explain_parser, run_explain),
+        ("whatif", add_whatif_parser, run_whatif),
+        ("chaos", add_chaos_parser, run_chaos),
+        ("bench", add_bench_parser, run_bench),
+    ):
+        add_parser(commands)
+        commands.choices[name].set_defaults(handler=handler)
+
+    commands.add_parser(
+        "clean", help="remove pool and token files of cache servers that no longer run"
+    ).set_defaults(handler=_clean)
+    demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
+    demo.add_argument("--out", type=absolute_path, default="runs")
+    add_set_argument(demo)
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def _add_sweep_parsers(commands: Any) -> None:
+    """``kvtb sweep`` and ``kvtb report``."""
     sweep = commands.add_parser("sweep", help="run a sweep file's grid (skips finished runs)")
     sweep.add_argument(
         "file", type=Path, help="sweep TOML file, or the name of a shipped one (see experiments/)"
@@ -81,10 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep.add_argument("--no-progress", action="store_true")
     add_data_dir_argument(sweep)
     add_set_argument(sweep)
+    sweep.set_defaults(handler=_sweep)
 
     report = commands.add_parser("report", help="tables and figures for a sweep directory")
     report.add_argument("sweep_dir", type=absolute_path)
+    report.set_defaults(handler=_report)
 
+
+def _add_export_parser(commands: Any) -> None:
     export = commands.add_parser("export", help="export the spans of runs or sweeps")
     formats = export.add_subparsers(dest="format", required=True, metavar="FORMAT")
     jaeger = formats.add_parser("jaeger", help="Jaeger-UI JSON (upload it in the Jaeger UI)")
@@ -100,102 +159,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         dest="request_ids",
         help="only the traces of this request id (repeatable)",
     )
-
-    from testbed.explain_cli import add_explain_parser
-
-    add_explain_parser(commands)
-
-    from testbed.whatif_cli import add_whatif_parser
-
-    add_whatif_parser(commands)
-
-    from testbed.chaos.command import add_chaos_parser
-
-    add_chaos_parser(commands)
-
-    from testbed.bench.command import add_bench_parser
-
-    add_bench_parser(commands)
-
-    commands.add_parser(
-        "clean", help="remove pool and token files of cache servers that no longer run"
-    )
-
-    demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
-    demo.add_argument("--out", type=absolute_path, default="runs")
-    add_set_argument(demo)
-
-    args = parser.parse_args(argv)
-    try:
-        if args.command != "server":
-            require_lab()
-        return _dispatch(args)
-    except MissingExtra as exc:
-        print(f"kvtb {args.command} {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kvtb {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ServerStartError) as exc:
-        print(f"kvtb {args.command}: failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"kvtb {args.command}: interrupted", file=sys.stderr)
-        return 130
+    jaeger.set_defaults(handler=_export_jaeger)
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "server":
-        from server.app import run as run_server
+def _clean(args: argparse.Namespace) -> int:
+    from server.reclaim import reclaim_dead_server_files
 
-        return run_server(args)
-    if args.command == "clean":
-        from server.reclaim import reclaim_dead_server_files
+    removed = reclaim_dead_server_files()
+    for path in removed:
+        print(f"removed {path}")
+    print(f"{len(removed)} files of stopped cache servers removed")
+    return 0
 
-        removed = reclaim_dead_server_files()
-        for path in removed:
-            print(f"removed {path}")
-        print(f"{len(removed)} files of stopped cache servers removed")
-        return 0
-    if args.command == "run":
-        return _run(args)
-    if args.command == "sweep":
-        from testbed.sweep.cli import run_sweep_command
 
-        return run_sweep_command(args)
-    if args.command == "report":
-        from testbed.report import write_report
+def _sweep(args: argparse.Namespace) -> int:
+    from testbed.sweep.cli import run_sweep_command
 
-        path = write_report(args.sweep_dir)
-        print(f"report: {path}")
-        return 0
-    if args.command == "export":
-        from testbed.jaeger import export_jaeger
+    return run_sweep_command(args)
 
-        count = export_jaeger(args.run_dirs, args.output, request_ids=args.request_ids)
-        print(f"wrote {count} spans to {args.output}")
-        return 0
-    if args.command == "explain":
-        from testbed.explain_cli import run_explain
 
-        return run_explain(args)
-    if args.command == "whatif":
-        from testbed.whatif_cli import run_whatif
+def _report(args: argparse.Namespace) -> int:
+    from testbed.report import write_report
 
-        return run_whatif(args)
-    if args.command == "chaos":
-        from testbed.chaos.command import run_chaos
+    path = write_report(args.sweep_dir)
+    print(f"report: {path}")
+    return 0
 
-        return run_chaos(args)
-    if args.command == "bench":
-        from testbed.bench.command import run_bench
 
-        return run_bench(args)
-    if args.command == "demo":
-        from testbed.sweep.cli import demo
+def _export_jaeger(args: argparse.Namespace) -> int:
+    from testbed.jaeger import export_jaeger
 
-        return demo(args.out, assignments(args.set))
-    raise AssertionError(args.command)
+    count = export_jaeger(args.run_dirs, args.output, request_ids=args.request_ids)
+    print(f"wrote {count} spans to {args.output}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from testbed.sweep.cli import demo
+
+    return demo(args.out, assignments(args.set))
 
 
 # ---------------------------------------------------------------------------------------------

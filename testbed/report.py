@@ -124,7 +124,22 @@ def _figures(
 ) -> list[tuple[str, Figure, str]]:
     """(file name, figure, caption) of every figure the sweep supports."""
     figures = capacity_whatif.report_figures(sweep_dir, swept, context)  # first, when it applies
-    figures += [
+    figures += _hit_rate_figures(runs, x, series, context)
+    measured = runs[runs["engine"] != "oracle"]
+    if measured.empty:
+        return figures
+    spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
+    figures += _measured_figures(measured, spans, context)
+    if {"tp", "mla"} & set(swept):
+        figures.append(_bytes_per_rank_figure(spans, context))
+    return figures
+
+
+def _hit_rate_figures(
+    runs: pd.DataFrame, x: str, series: list[str], context: str
+) -> list[tuple[str, Figure, str]]:
+    """Token and per-request hit rates against the swept parameter (every run)."""
+    return [
         (
             "hit_rate.png",
             plots.hit_rate(runs, x, series, title=f"Token hit rate — {context}"),
@@ -144,23 +159,24 @@ def _figures(
             "Mean per-request hit rate, request-weighted.",
         ),
     ]
-    measured = runs[runs["engine"] != "oracle"]
-    if measured.empty:
-        return figures
-    figures.append(
+
+
+def _measured_figures(
+    measured: pd.DataFrame, spans: dict[str, pd.DataFrame], context: str
+) -> list[tuple[str, Figure, str]]:
+    """What the measured runs' telemetry shows: token sources, operation latencies, bytes
+    moved and read-lock hold times (``spans``: each run's, by its label)."""
+    holds = {
+        label: metrics.lock_hold_times(frame)["hold_ms"].tolist() for label, frame in spans.items()
+    }
+    moved = {"stored_bytes": "stored", "retrieved_bytes": "retrieved", "evicted_bytes": "evicted"}
+    return [
         (
             "token_sources.png",
             plots.token_breakdown(measured, "label", f"Where prompt tokens came from — {context}"),
             "Prompt tokens per measured run: from vLLM's own prefix cache, from the external "
             "cache, recomputed.",
-        )
-    )
-    spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
-    holds = {
-        label: metrics.lock_hold_times(frame)["hold_ms"].tolist() for label, frame in spans.items()
-    }
-    moved = {"stored_bytes": "stored", "retrieved_bytes": "retrieved", "evicted_bytes": "evicted"}
-    figures += [
+        ),
         (
             "latency_cdf.png",
             plots.latency_cdf(_latencies(spans), f"Cache operation latency — {context}"),
@@ -186,25 +202,18 @@ def _figures(
             "How long lookups' read locks were held before a retrieve, free or TTL released them.",
         ),
     ]
-    if {"tp", "mla"} & set(swept):
-        per_rank = _bytes_per_rank(spans)
-        ranks = {c: c for c in per_rank.columns if c != "label"}
-        figures.append(
-            (
-                "bytes_per_rank.png",
-                plots.grouped_bars(
-                    per_rank,
-                    "label",
-                    ranks,
-                    "MiB",
-                    f"Bytes stored per KV rank — {context}",
-                    scale=2**20,
-                ),
-                "Bytes each KV rank stored: TP shards the heads; MLA stores one latent copy "
-                "(rank 0).",
-            )
-        )
-    return figures
+
+
+def _bytes_per_rank_figure(spans: dict[str, pd.DataFrame], context: str) -> tuple[str, Figure, str]:
+    per_rank = _bytes_per_rank(spans)
+    ranks = {c: c for c in per_rank.columns if c != "label"}
+    return (
+        "bytes_per_rank.png",
+        plots.grouped_bars(
+            per_rank, "label", ranks, "MiB", f"Bytes stored per KV rank — {context}", scale=2**20
+        ),
+        "Bytes each KV rank stored: TP shards the heads; MLA stores one latent copy (rank 0).",
+    )
 
 
 def _routers(sweep_dir: Path, measured: pd.DataFrame, swept: list[str]) -> pd.DataFrame | None:

@@ -91,17 +91,55 @@ def build_summary(
     bytes_per_token: int,
 ) -> dict[str, Any]:
     """Writes ``metrics.parquet`` (and ``chunks.parquet``) and returns the summary."""
-    chunk_rows = chunk_bytes = None
     missing: list[str] = []
     chunk_log = has_chunk_log(run_dir)
-    if chunk_log:
-        try:
-            chunk_rows, chunk_bytes = write_chunk_parquet(run_dir)
-        except OSError as exc:  # a full disk: the raw streams stay and are read instead
-            missing.append(f"chunks.parquet not written ({exc}); the raw chunk log stays")
+    chunk_rows, chunk_bytes = _write_chunk_table(run_dir, chunk_log, missing)
     run = Run(run_dir)
     requests = request_table(spec, result, run)
     requests.to_parquet(run_dir / METRICS_FILE, index=False)
+    summary = _request_figures(spec, result, requests, missing)
+    if spec.engine == "oracle":
+        return summary
+    spans = run.spans
+    summary.update(routed_summary(requests, spans))
+    summary["integrity_errors"] = None if result.metadata_only else result.integrity_errors
+    summary["chunk_log_rows"] = chunk_rows
+    summary["chunk_log_bytes"] = chunk_bytes
+    summary["causes_resolved"] = (
+        bool(requests["causes_resolved"].all()) if "causes_resolved" in requests else None
+    )
+    summary.update(_traffic(run, summary["prompt_tokens"], bytes_per_token))
+    summary.update(_server_state(server_after))
+    summary["chunk_events_dropped"] = _chunk_events_dropped(server_after, chunk_log)
+    if summary["chunk_events_dropped"]:
+        missing.append(
+            f"{summary['chunk_events_dropped']} chunk log events not written by the server "
+            "(its disk was full): miss causes they decide count as cold, unresolved"
+        )
+    summary.update(_engine_times(result, requests, wall_s, summary["prompt_tokens"]))
+    summary.update(_operation_times(spans))
+    return summary
+
+
+def _write_chunk_table(
+    run_dir: Path, chunk_log: bool, missing: list[str]
+) -> tuple[int | None, int | None]:
+    """Writes ``chunks.parquet`` from the run's chunk log: its rows and bytes (``None``
+    without a chunk log, or when the disk is full: the raw streams stay and are read instead,
+    and ``missing`` says so)."""
+    if not chunk_log:
+        return None, None
+    try:
+        return write_chunk_parquet(run_dir)
+    except OSError as exc:
+        missing.append(f"chunks.parquet not written ({exc}); the raw chunk log stays")
+        return None, None
+
+
+def _request_figures(
+    spec: RunSpec, result: EngineResult, requests: pd.DataFrame, missing: list[str]
+) -> dict[str, Any]:
+    """The run, its requests (served, rejected, recorded) and their tokens by category."""
     served = len(result.records) if result.records else len(requests)
     summary: dict[str, Any] = {
         "run_id": spec.run_id,
@@ -123,51 +161,49 @@ def build_summary(
             "engine served have no telemetry (their spans were not written): the summary's "
             "figures leave them out"
         )
-    if spec.engine == "oracle":
-        return summary
-    spans = run.spans
-    summary.update(routed_summary(requests, spans))
-    summary["integrity_errors"] = None if result.metadata_only else result.integrity_errors
-    summary["chunk_log_rows"] = chunk_rows
-    summary["chunk_log_bytes"] = chunk_bytes
-    summary["causes_resolved"] = (
-        bool(requests["causes_resolved"].all()) if "causes_resolved" in requests else None
-    )
-    totals = metrics.run_totals(spans, run.events)
-    registered = metrics.registered_bytes_per_token(spans)
+    return summary
+
+
+def _traffic(run: Run, prompt_tokens: int, bytes_per_token: int) -> dict[str, Any]:
+    """Bytes the cache moved and the failures and outages the run's spans recorded;
+    ``bytes_per_token``: the engine's, unless its registration recorded its own."""
+    totals = metrics.run_totals(run.spans, run.events)
+    registered = metrics.registered_bytes_per_token(run.spans)
     bytes_per_token = registered if registered is not None else bytes_per_token
-    summary["bytes_per_token"] = bytes_per_token
-    summary.update(totals)
-    summary["store_amplification"] = (
-        totals["stored_bytes"] / (summary["prompt_tokens"] * bytes_per_token)
-        if summary["prompt_tokens"] and bytes_per_token and totals["stored_bytes"] is not None
-        else None
-    )
-    summary["server_outage_s"] = metrics.server_outage_s(run.spans)
-    summary.update(_server_state(server_after))
-    summary["chunk_events_dropped"] = _chunk_events_dropped(server_after, chunk_log)
-    if summary["chunk_events_dropped"]:
-        missing.append(
-            f"{summary['chunk_events_dropped']} chunk log events not written by the server "
-            "(its disk was full): miss causes they decide count as cold, unresolved"
-        )
+    stored = totals["stored_bytes"]
+    return {
+        "bytes_per_token": bytes_per_token,
+        **totals,
+        "store_amplification": stored / (prompt_tokens * bytes_per_token)
+        if prompt_tokens and bytes_per_token and stored is not None
+        else None,
+        "server_outage_s": metrics.server_outage_s(run.spans),
+    }
+
+
+def _engine_times(
+    result: EngineResult, requests: pd.DataFrame, wall_s: float, prompt_tokens: int
+) -> dict[str, Any]:
+    """The engine's steps, wall and projected times, throughput and TTFT quantiles."""
     ttft = requests["ttft_ms"].dropna() if "ttft_ms" in requests else pd.Series(dtype=float)
-    summary.update(
-        {
-            "steps": result.steps,
-            "max_step_stall_s": result.max_step_s,
-            "engine_wall_s": result.wall_s,
-            "run_wall_s": wall_s,
-            "projected_s": result.virtual_s,
-            "requests_per_s": len(result.records) / result.wall_s if result.wall_s else None,
-            "prompt_tokens_per_s": summary["prompt_tokens"] / result.wall_s
-            if result.wall_s
-            else None,
-            "ttft_p50_ms": float(ttft.quantile(0.5)) if len(ttft) else None,
-            "ttft_p99_ms": float(ttft.quantile(0.99)) if len(ttft) else None,
-        }
-    )
-    summary["ttft_count"] = len(ttft)
+    return {
+        "steps": result.steps,
+        "max_step_stall_s": result.max_step_s,
+        "engine_wall_s": result.wall_s,
+        "run_wall_s": wall_s,
+        "projected_s": result.virtual_s,
+        "requests_per_s": len(result.records) / result.wall_s if result.wall_s else None,
+        "prompt_tokens_per_s": prompt_tokens / result.wall_s if result.wall_s else None,
+        "ttft_p50_ms": float(ttft.quantile(0.5)) if len(ttft) else None,
+        "ttft_p99_ms": float(ttft.quantile(0.99)) if len(ttft) else None,
+        "ttft_count": len(ttft),
+    }
+
+
+def _operation_times(spans: pd.DataFrame) -> dict[str, Any]:
+    """Per cache operation (connector side): its count, latency quantiles, the p50 of each
+    part of its time, and the time steps waited for stores."""
+    summary: dict[str, Any] = {}
     for operation in ("lookup", "store", "retrieve"):
         summary[f"{operation}_count"] = int((spans["name"] == metrics.OPERATIONS[operation]).sum())
         for quantile, label in ((0.5, "p50"), (0.99, "p99")):

@@ -13,18 +13,13 @@ import pytest
 
 from server.launch import ServerProcess
 from testbed.core import block_runs
+from tests.support.sweeps import SMALL_RUNS
 
 StartServer = Callable[..., ServerProcess]
-SMALL_SWEEP = """
+SMALL_SWEEP = f"""
 name = "nbsweep"
 [base]
-workload = "chat"
-requests = 24
-chunk_size = 64
-engine_blocks = 16
-capacity_tokens = 2048
-workload_params = { system_prompt_tokens = 256, concurrent_conversations = 8 }
-[grid]
+{SMALL_RUNS}[grid]
 tp = [1, 2]
 mla = [false, true]
 [[exclude]]

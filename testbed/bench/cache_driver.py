@@ -18,6 +18,7 @@ from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
 from connector.worker_client import WorkerClient
+from testbed.core.closing import Closing
 from testbed.core.ranks import WorkerIdentity
 from testbed.core.rpc import RpcClient
 from testbed.models.profiles import KVProfile
@@ -48,7 +49,7 @@ class OpTimes:
     """The second pass's lookup: a hit, its chunks locked."""
 
 
-class CacheDriver:
+class CacheDriver(Closing):
     """Context manager: a scheduler side and a worker of one rank against ``url``."""
 
     def __init__(
@@ -130,9 +131,3 @@ class CacheDriver:
         self.worker_rpc.close()
         self.rpc.close()
         self.kv.close()
-
-    def __enter__(self) -> CacheDriver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -21,13 +21,14 @@ import time
 from server.cache import KVCache
 from server.objects import Eviction, ObjectKey, Space
 from testbed.bench.tables import table
+from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.policies import POLICIES, make_policy
 
 OBJECT_BYTES = 4096
 
 
 def _key(index: int) -> ObjectKey:
-    return ObjectKey("bench", 1, 0, index.to_bytes(16, "big"), "")
+    return ObjectKey("bench", 1, 0, ChunkHash(index.to_bytes(HASH_BYTES, "big")), "")
 
 
 def _insert(cache: KVCache, index: int) -> int:

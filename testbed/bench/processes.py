@@ -19,10 +19,12 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from testbed.core.closing import Closing
+
 SHM = Path("/dev/shm")
 
 
-class BenchProcesses:
+class BenchProcesses(Closing):
     """Context manager holding the bench's processes; closed on exit, Ctrl-C included."""
 
     def __init__(self) -> None:
@@ -83,12 +85,6 @@ class BenchProcesses:
                 path.unlink()
         for log in self._logs:
             log.close()  # type: ignore[attr-defined]
-
-    def __enter__(self) -> BenchProcesses:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _descendants(roots: set[int]) -> set[int]:

@@ -39,7 +39,6 @@ CELLS = (
 
 def section(config: BenchConfig) -> SectionResult:
     from testbed.engine.replay import ReplaySpec
-    from testbed.models.profiles import get_profile
     from testbed.run import max_model_len
     from testbed.workloads import make_workload
 
@@ -47,12 +46,12 @@ def section(config: BenchConfig) -> SectionResult:
     requests = list(
         make_workload(f"mooncake:{trace}", num_requests=config.replay_size, max_output_tokens=16)
     )
-    spec = ReplaySpec(
-        profile=get_profile("tiny"),
+    spec = ReplaySpec.of(
         chunk_size=CHUNK_SIZE,
         engine_blocks=8192,
         max_model_len=max_model_len(requests, 64),
-        run_id="bench",
+        time_profile="flat",
+        engine_id="bench",
     )
     work = config.work_dir / "replay"
     integrity: dict[str, int] = {}
@@ -150,7 +149,9 @@ def _replay(
     args += ["--run-dir", str(run_dir)] if traced else []
     args += ["--metadata-only"] if metadata_only else []
     env = None if traced else {"OTEL_SDK_DISABLED": "true"}
-    replay_spec = dataclasses.replace(spec, metadata_only=metadata_only)
+    replay_spec = dataclasses.replace(
+        spec, run=dataclasses.replace(spec.run, metadata_only=metadata_only)
+    )
     with ServerProcess(args, env=env, log_path=run_dir / "server.log") as server:
         tracing = (
             configure_tracing(TracingConfig("kvtb-engine", run_dir=run_dir)) if traced else None

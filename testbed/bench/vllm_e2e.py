@@ -67,7 +67,7 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
     from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
     from testbed.workloads import WorkloadRequest
 
-    spec = VllmEngineSpec(
+    spec = VllmEngineSpec.of(
         chunk_size=CHUNK,
         block_size=BLOCK,
         engine_blocks=max_len // BLOCK + 16,
@@ -77,7 +77,7 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
         prefix_caching=False,
         deterministic=False,  # vLLM's own cadence: lookups and loads polled by steps
         transfer_mode="server" if config == "server" else "worker",
-        run_id=f"e2e-{config.replace(' ', '-')}",
+        engine_id=f"e2e-{config.replace(' ', '-')}",
     )
     endpoint = None if config == "no cache" else ServerEndpoint(url, token)
     tracing = configure_tracing(TracingConfig("kvtb-engine", run_dir=Path(run_dir)))

@@ -19,6 +19,7 @@ from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import wait_quiescent
 from testbed.core import protocol as p
+from testbed.core.keys import ChunkHash
 from testbed.core.rpc import RpcClient
 
 _CASES_PER_OP = 8
@@ -64,7 +65,6 @@ def fuzz(lab: Lab) -> ScenarioResult:
         victim_problems=report.victim_problems,
         held_after=None if held is None else held.record(),
     )
-    lab.finish(result)
     return result
 
 
@@ -131,11 +131,10 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
         owner_problems=problems,
         examples=stats.examples,
     )
-    lab.finish(result)
     return result
 
 
-def _admin_attempts(data: list[bytes]) -> list[p.Request]:
+def _admin_attempts(data: list[ChunkHash]) -> list[p.Request]:
     return [
         p.DropObjects(),
         p.DropObjects(force=True),
@@ -143,7 +142,7 @@ def _admin_attempts(data: list[bytes]) -> list[p.Request]:
     ]
 
 
-def _ownership_attempts(data: list[bytes]) -> list[p.Request]:
+def _ownership_attempts(data: list[ChunkHash]) -> list[p.Request]:
     return [
         p.FreeLocks(session_id="owner:1", end_token=1 << 40),
         p.EndSession(session_id="owner:1"),
@@ -187,8 +186,8 @@ def _owner_intact(
     found: p.LookupResult,
     pin_op: int,
     pin_plan: p.RetrievePlan,
-    data: list[bytes],
-    fresh: list[bytes],
+    data: list[ChunkHash],
+    fresh: list[ChunkHash],
 ) -> list[str]:
     problems = []
     released, errors = owner.end_retrieve(pin_op, pin_plan, data[:1])

@@ -27,6 +27,8 @@ from testbed.chaos.probes import BYTES_PER_TOKEN, ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.watch import Held, wait_quiescent
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
+from testbed.core.keys import ChunkHash
 
 _HOLDER_TIMEOUT_S = 2.0
 _ENGINE_CLIENT_TIMEOUT_S = 15.0
@@ -90,7 +92,6 @@ def client_kill(lab: Lab) -> ScenarioResult:
             holder.wait()
     if lab.config.engine_kill:
         _kill_an_engine(lab, result)
-    lab.finish(result)
     return result
 
 
@@ -191,7 +192,6 @@ def lost_replies(lab: Lab) -> ScenarioResult:
         )
         lossy.receive(timeout_s=5.0, until_all=True)
         result.set(requests_total=lossy.sent, requests_completed=lossy.received)
-    lab.finish(result)
     return result
 
 
@@ -217,11 +217,11 @@ def _register(model: str) -> p.RegisterWorker:
     return p.RegisterWorker(model=model, world_size=1, kv_rank=0, layout=layout)
 
 
-def _lookup(session_id: str, hashes: list[bytes]) -> p.Lookup:
+def _lookup(session_id: str, hashes: list[ChunkHash]) -> p.Lookup:
     return p.Lookup(session_id=session_id, model="lossy", world_size=1, chunk_hashes=hashes)
 
 
-class _Forgetful:
+class _Forgetful(Closing):
     """A raw DEALER client that sends requests and drops their replies, counting them."""
 
     def __init__(self, url: str, token: str) -> None:
@@ -260,9 +260,3 @@ class _Forgetful:
     def close(self) -> None:
         self._socket.close(0)
         self._context.term()
-
-    def __enter__(self) -> _Forgetful:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

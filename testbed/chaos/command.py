@@ -30,6 +30,8 @@ TIMEOUT_BOUND = Bound(1e-3, 3600.0, "s")
 @dataclass(frozen=True)
 class Scenario:
     run: Callable[[Lab], ScenarioResult]
+    """The scenario, in its lab; the runner then finishes the lab (stops what it started,
+    counts crashes, leftover files and memory into the result)."""
     engines: Callable[[ChaosConfig], bool]
     """Whether it runs replay engines (it then waits for the fork server's vLLM import)."""
 
@@ -142,6 +144,7 @@ def run_scenarios(config: ChaosConfig, names: list[str]) -> list[ScenarioResult]
         with Lab(config, name) as lab:
             try:
                 result = scenario.run(lab)
+                lab.finish(result)
             except Exception as exc:  # a scenario's failure is a finding, not a crash
                 result = ScenarioResult(name, "(stopped before it finished)")
                 result.error = f"{type(exc).__name__}: {exc}"

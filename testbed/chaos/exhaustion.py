@@ -39,7 +39,7 @@ def shm_exhaustion(lab: Lab) -> ScenarioResult:
         f"another process fills /dev/shm ({chunks} chunks stored and read back, no SIGBUS); a "
         "server whose pool no longer fits is refused at start, naming its size and what is free",
     )
-    if _skipped(lab, result):
+    if _skipped(result):
         return result
     probe = ["-m", "testbed.chaos.shm_probe", "--pool-mib", str(pool_mib), "--chunks", str(chunks)]
     done = mounts.run_python([Tmpfs(SHM, shm_mib << 20)], *probe, timeout_s=_RUN_TIMEOUT_S)
@@ -50,7 +50,6 @@ def shm_exhaustion(lab: Lab) -> ScenarioResult:
     if outcome is None:
         result.add(requests_completed=0)
         result.details["probe"] = f"exit code {done.returncode}: {done.stderr[-1500:]}"
-        lab.finish(result)
         return result
     refusal = outcome["refusal"]
     refused = refusal["exit_code"] == 2 and "cannot reserve" in refusal["message"]
@@ -63,7 +62,6 @@ def shm_exhaustion(lab: Lab) -> ScenarioResult:
         refused and "free" in refusal["message"]
     )
     result.details.update(stored_bytes=outcome["stored_bytes"], refusal=refusal)
-    lab.finish(result)
     return result
 
 
@@ -79,7 +77,7 @@ def disk_full(lab: Lab) -> ScenarioResult:
             else ""
         ),  # fmt: skip
     )
-    if _skipped(lab, result):
+    if _skipped(result):
         return result
     run_dir = lab.dir / "server-run"
     run_dir.mkdir(exist_ok=True)
@@ -112,7 +110,6 @@ def disk_full(lab: Lab) -> ScenarioResult:
     )
     if not lab.config.quick:
         _full_run_dir(lab, result)
-    lab.finish(result)
     return result
 
 
@@ -144,11 +141,10 @@ def _full_run_dir(lab: Lab, result: ScenarioResult) -> None:
     result.details["full_run_missing"] = summary["missing"]
 
 
-def _skipped(lab: Lab, result: ScenarioResult) -> bool:
+def _skipped(result: ScenarioResult) -> bool:
     reason = mounts.unavailable()
     if reason is not None:
         result.skipped = reason
-        lab.finish(result)
     return reason is not None
 
 

@@ -30,6 +30,7 @@ from testbed.chaos.frames import FrameFuzzer, FuzzCase, FuzzContext
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.watch import Held
 from testbed.core import protocol as p
+from testbed.core.keys import ChunkHash
 from testbed.core.rpc import RemoteError, ServerUnavailable
 
 _MAX_EXAMPLES = 10
@@ -250,8 +251,8 @@ def _finish_victim(
     found: p.LookupResult,
     pin_op: int,
     pin_plan: p.RetrievePlan,
-    stored: list[bytes],
-    reserved: list[bytes],
+    stored: list[ChunkHash],
+    reserved: list[ChunkHash],
 ) -> list[str]:
     """Completes the victim's operations; what differs from an undisturbed run."""
     problems = []

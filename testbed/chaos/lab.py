@@ -21,6 +21,7 @@ from server.launch import ServerProcess
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.runs import EngineRun, RunChild
 from testbed.chaos.watch import leftover_files, rss_mib
+from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
 from testbed.runspec import RunSpec
 
@@ -67,7 +68,7 @@ class ChaosConfig:
         return not self.quick
 
 
-class Lab:
+class Lab(Closing):
     """One scenario's processes; ``close()`` stops them all. Context manager."""
 
     def __init__(self, config: ChaosConfig, name: str) -> None:
@@ -191,12 +192,6 @@ class Lab:
         result.maximum(max_server_rss_mib=self.max_rss_mib or None)
         if leftovers:
             result.details["leftover_files"] = [str(path) for path in leftovers]
-
-    def __enter__(self) -> Lab:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:

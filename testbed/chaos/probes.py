@@ -16,6 +16,8 @@ import mmap
 import os
 
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
+from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.rpc import RpcClient
 
 BYTES_PER_TOKEN = 128
@@ -28,12 +30,15 @@ def pattern(chunk_hash: bytes, nbytes: int) -> bytes:
     return (digest * (nbytes // len(digest) + 1))[:nbytes]
 
 
-def chunk_hashes(label: str, count: int) -> list[bytes]:
-    """``count`` distinct 16-byte hashes named by ``label`` (stable across processes)."""
-    return [hashlib.blake2b(f"{label}/{i}".encode(), digest_size=16).digest() for i in range(count)]
+def chunk_hashes(label: str, count: int) -> list[ChunkHash]:
+    """``count`` distinct chunk hashes named by ``label`` (stable across processes)."""
+    return [
+        ChunkHash(hashlib.blake2b(f"{label}/{i}".encode(), digest_size=HASH_BYTES).digest())
+        for i in range(count)
+    ]
 
 
-class ProbeClient:
+class ProbeClient(Closing):
     """One connection to a cache server; context manager. Raises ``RemoteError`` when the
     server refuses what a method asks (callers that expect a refusal use :attr:`rpc`)."""
 
@@ -66,12 +71,6 @@ class ProbeClient:
             self._map = None
         self.rpc.close()
 
-    def __enter__(self) -> ProbeClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def new_op_id(self) -> int:
         return next(self._op_ids)
 
@@ -97,7 +96,9 @@ class ProbeClient:
                 os.close(fd)
         return reply
 
-    def begin_store(self, session_id: str, hashes: list[bytes], op_id: int | None = None) -> int:
+    def begin_store(
+        self, session_id: str, hashes: list[ChunkHash], op_id: int | None = None
+    ) -> int:
         """Reserves slots and writes the pattern into them; the reservation stays until
         :meth:`commit` (or the server expires or aborts it). Returns the op id."""
         op_id = self.new_op_id() if op_id is None else op_id
@@ -116,12 +117,12 @@ class ProbeClient:
         assert isinstance(reply, p.StoreDone)
         return reply
 
-    def store(self, session_id: str, hashes: list[bytes]) -> int:
+    def store(self, session_id: str, hashes: list[ChunkHash]) -> int:
         """A whole store; returns the objects committed."""
         return self.commit(self.begin_store(session_id, hashes)).num_committed
 
     def begin_retrieve(
-        self, session_id: str, handle: bytes, hashes: list[bytes], op_id: int | None = None
+        self, session_id: str, handle: bytes, hashes: list[ChunkHash], op_id: int | None = None
     ) -> tuple[int, p.RetrievePlan]:
         """Pins the chunks (held until :meth:`end_retrieve`)."""
         op_id = self.new_op_id() if op_id is None else op_id
@@ -131,7 +132,7 @@ class ProbeClient:
         return op_id, plan
 
     def end_retrieve(
-        self, op_id: int, plan: p.RetrievePlan, hashes: list[bytes]
+        self, op_id: int, plan: p.RetrievePlan, hashes: list[ChunkHash]
     ) -> tuple[int, int]:
         """Reads the pinned slots back, then ends the retrieve: (lock units released,
         chunks whose bytes differ from what was stored or that were missing)."""
@@ -146,14 +147,14 @@ class ProbeClient:
         assert isinstance(reply, p.RetrieveDone)
         return reply.num_locks_released, errors
 
-    def retrieve(self, session_id: str, handle: bytes, hashes: list[bytes]) -> int:
+    def retrieve(self, session_id: str, handle: bytes, hashes: list[ChunkHash]) -> int:
         """A whole retrieve; returns the chunks that were missing or wrong."""
         op_id, plan = self.begin_retrieve(session_id, handle, hashes)
         return self.end_retrieve(op_id, plan, hashes)[1]
 
     # --- scheduler -----------------------------------------------------------------------------
 
-    def lookup(self, session_id: str, hashes: list[bytes]) -> p.LookupResult:
+    def lookup(self, session_id: str, hashes: list[ChunkHash]) -> p.LookupResult:
         reply = self.rpc.call(
             p.Lookup(session_id=session_id, model=self.model, world_size=1, chunk_hashes=hashes)
         )

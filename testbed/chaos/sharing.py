@@ -73,5 +73,4 @@ def shared_server(lab: Lab) -> ScenarioResult:
             for workload, summary in zip(WORKLOADS, summaries, strict=True)
         },
     )
-    lab.finish(result)
     return result

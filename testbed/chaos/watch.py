@@ -17,6 +17,7 @@ from pathlib import Path
 
 from server.reclaim import SERVER_FILE, server_files_dir
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
 from testbed.core.owned_files import is_owned
 from testbed.core.quiescence import Quiescence
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
@@ -94,7 +95,7 @@ def wait_quiescent(client: RpcClient, timeout_s: float, interval_s: float = 0.1)
         time.sleep(interval_s)
 
 
-class ServerWatch:
+class ServerWatch(Closing):
     """Samples one server's stats and RSS every ``interval_s`` until closed. Context manager.
 
     ``pid`` may change (a restarted server): assign :attr:`pid`. Samples that get no answer
@@ -135,12 +136,6 @@ class ServerWatch:
         self._stop.set()
         self._thread.join(5.0)
         self._client.close()
-
-    def __enter__(self) -> ServerWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def leftover_files(pids: set[int]) -> list[Path]:

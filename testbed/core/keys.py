@@ -23,15 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NewType
 
 import blake3
 import msgspec
 import numpy as np
 
-# A 16-byte rolling prefix hash (the wire protocol checks the length).
-ChunkHash = bytes
-
 HASH_BYTES = 16
+ChunkHash = NewType("ChunkHash", bytes)
+"""A chunk's key: the rolling prefix hash of its tokens and everything before them,
+:data:`HASH_BYTES` long, as :func:`chunk_hashes` makes it (benchmarks and probes wrap
+synthetic ones of the same length); the wire protocol's ``WireChunkHash`` is this type with
+its length checked. A distinct type, so that a signature says where a chunk key passes."""
 _SEED = blake3.blake3(b"kvtestbed.keys.v1").digest(HASH_BYTES)
 _EXTRAS_MARK = b"\xff"
 _encode = msgspec.msgpack.Encoder().encode
@@ -122,7 +125,7 @@ def extend_chunk_hashes(
     tokens = _as_uint32(token_ids[start * chunk_size : num_chunks * chunk_size])
     data = tokens.tobytes()
     step = chunk_size * 4
-    prev = hashes[-1] if hashes else _SEED
+    prev: bytes = hashes[-1] if hashes else _SEED
     for i in range(num_chunks - start):
         block = prev + data[i * step : (i + 1) * step]
         if extras:
@@ -130,8 +133,9 @@ def extend_chunk_hashes(
             keys = extras.chunk_keys(first, first + chunk_size)
             if keys:
                 block += _EXTRAS_MARK + _encode(keys)
-        prev = blake3.blake3(block).digest(HASH_BYTES)
-        hashes.append(prev)
+        digest = ChunkHash(blake3.blake3(block).digest(HASH_BYTES))
+        hashes.append(digest)
+        prev = digest
     return hashes
 
 

@@ -60,12 +60,13 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.kv_layout import PagedLayout, SharedKVFile
 
 PROTOCOL_VERSION = 2
 
-# A chunk hash is the 16-byte rolling prefix hash of testbed.core.keys.
-ChunkHash = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+WireChunkHash = Annotated[ChunkHash, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
+"""A chunk's key (:data:`testbed.core.keys.ChunkHash`) on the wire: its length checked."""
 Count = Annotated[int, msgspec.Meta(ge=0)]
 OpId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=512)]
@@ -76,7 +77,7 @@ TraceHeader = Annotated[str, msgspec.Meta(max_length=512)]
 # the server's own limits (``--max-chunks-per-request``) are usually lower.
 MAX_CHUNKS_PER_ITEM = 1 << 16
 MAX_ITEMS_PER_BATCH = 1 << 12
-ChunkHashes = Annotated[list[ChunkHash], msgspec.Meta(max_length=MAX_CHUNKS_PER_ITEM)]
+ChunkHashes = Annotated[list[WireChunkHash], msgspec.Meta(max_length=MAX_CHUNKS_PER_ITEM)]
 
 
 class _Message(
@@ -474,7 +475,7 @@ class EvictedChunk(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     server's removal number ``seq`` (compare ``StoreDone.eviction_seq``)."""
 
     cache_salt: str
-    chunk_hash: bytes
+    chunk_hash: ChunkHash
     seq: Count
 
 

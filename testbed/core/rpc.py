@@ -19,13 +19,11 @@ and go in the same frame as its next request (a :class:`~testbed.core.protocol.B
 :meth:`RpcClient.flush`, so the server sees every request in the order it was made while a
 scheduler step sends one frame where it made several requests.
 
-Liveness is shared by every client of one server URL in a process: once any of them saw a
-timeout, the server is *down* (:attr:`RpcClient.alive` is False) for all of them until a
-heartbeat is answered again, so callers degrade to "miss and recompute" at once instead of
-each waiting out its own timeout; an engine step therefore waits at most one timeout for a
-dead server. Each outage is recorded as one ``kvcache.connector.outage`` span (from the first
-timeout to the first answer). Every reply carries the server's epoch; :attr:`server_epoch`
-is the latest seen. Nothing here blocks longer than a timeout.
+Liveness is shared by every client of one server URL in a process
+(:mod:`testbed.core.server_health`): once any of them saw a timeout, the server is *down*
+(:attr:`RpcClient.alive` is False) for all of them until a heartbeat is answered again. Every
+reply carries the server's epoch; :attr:`server_epoch` is the latest seen. Nothing here blocks
+longer than a timeout.
 """
 
 from __future__ import annotations
@@ -35,15 +33,15 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import zmq
 
 from testbed.core import protocol as p
-from testbed.core import telemetry
-from testbed.core.telemetry import attributes as a
+from testbed.core.closing import Closing
+from testbed.core.server_health import health_of
 
 _IDLE_S = 0.05
 """The background thread's period when nothing is outstanding."""
@@ -73,74 +71,6 @@ class CurveKeys:
 
     client_secret_file: Path
     server_public_file: Path
-
-
-@dataclass
-class _Health:
-    """Whether one server URL answers, shared by this process's clients of it."""
-
-    url: str
-    alive: bool = True
-    down_since: float | None = None
-    down_since_ns: int = 0
-    outages: list[tuple[float, float]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def down(self) -> None:
-        with self.lock:
-            if self.alive:
-                self.alive = False
-                self.down_since = time.monotonic()
-                self.down_since_ns = time.time_ns()
-
-    def up(self) -> None:
-        with self.lock:
-            if self.alive:
-                return
-            self.alive = True
-            started, started_ns = self.down_since or time.monotonic(), self.down_since_ns
-            self.down_since = None
-        ended = time.monotonic()
-        self.outages.append((started, ended))
-        _record_outage(self.url, started_ns, ended - started)
-
-    def record_open_outage(self) -> None:
-        """Records an outage still going on (a client closes while the server is down); a later
-        answer records only the rest of it."""
-        with self.lock:
-            if self.alive or self.down_since is None:
-                return
-            started, started_ns = self.down_since, self.down_since_ns
-            self.down_since, self.down_since_ns = time.monotonic(), time.time_ns()
-        now = time.monotonic()
-        self.outages.append((started, now))
-        _record_outage(self.url, started_ns, now - started)
-
-    def outage_s(self) -> float:
-        """Seconds the server was down so far (a running outage counts up to now)."""
-        total = sum(end - start for start, end in self.outages)
-        if self.down_since is not None:
-            total += time.monotonic() - self.down_since
-        return total
-
-
-_health: dict[str, _Health] = {}
-_health_lock = threading.Lock()
-
-
-def health_of(url: str) -> _Health:
-    with _health_lock:
-        return _health.setdefault(url, _Health(url))
-
-
-def _record_outage(url: str, start_ns: int, duration_s: float) -> None:
-    span = telemetry.start_span(
-        a.CONNECTOR_OUTAGE,
-        start_time_ns=start_ns,
-        attributes={a.SERVER_URL: url, a.OUTAGE_S: duration_s},
-    )
-    telemetry.fail(span, f"cache server at {url} did not answer for {duration_s:.3f} s")
-    span.end(end_time=start_ns + int(duration_s * 1e9))
 
 
 class RpcFuture(Future[p.Reply]):
@@ -191,7 +121,7 @@ class _Outgoing:
     deadline: float
 
 
-class RpcClient:
+class RpcClient(Closing):
     """One connection to a cache server. Thread-safe; context manager."""
 
     def __init__(
@@ -324,12 +254,6 @@ class RpcClient:
             self._unsent, self._waiting = [], {}
         for out in outstanding:
             _fail(out.future, ServerUnavailable("client closed before the reply arrived"))
-
-    def __enter__(self) -> RpcClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -----------------------------------------------------------------------------------------
     # I/O (under the lock, on whichever thread asks)

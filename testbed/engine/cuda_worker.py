@@ -35,6 +35,7 @@ from connector.kv_copy import PagedKV
 from connector.ops import RetrieveOp, StoreOp
 from connector.worker_client import WorkerClient
 from testbed.core import protocol as p
+from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.ranks import WorkerIdentity
 from testbed.core.rpc import RpcClient
 
@@ -86,7 +87,7 @@ def chunk_ops(
     block_ids: list[int],
     blocks_per_chunk: int,
     block_size: int,
-    hashes: list[bytes],
+    hashes: list[ChunkHash],
     **extra: Any,
 ) -> list[Any]:
     """One op per chunk, each its own request (as a batch of many requests' stores is)."""
@@ -136,14 +137,16 @@ class Worker:
         self.client.register(self.kv)
         self.per_chunk = self.client.blocks_per_chunk
 
-    def hashes(self, count: int) -> list[bytes]:
-        return [secrets.token_bytes(16) for _ in range(count)]
+    def hashes(self, count: int) -> list[ChunkHash]:
+        return [ChunkHash(secrets.token_bytes(HASH_BYTES)) for _ in range(count)]
 
-    def store(self, block_ids: list[int], hashes: list[bytes]) -> bool:
+    def store(self, block_ids: list[int], hashes: list[ChunkHash]) -> bool:
         ops = chunk_ops(StoreOp, block_ids, self.per_chunk, self.shape.block_size, hashes)
         return self.client.store(ops, wait_s=30.0)
 
-    def retrieve(self, block_ids: list[int], hashes: list[bytes], skip_tokens: int = 0) -> set[int]:
+    def retrieve(
+        self, block_ids: list[int], hashes: list[ChunkHash], skip_tokens: int = 0
+    ) -> set[int]:
         ops = chunk_ops(RetrieveOp, block_ids, self.per_chunk, self.shape.block_size, hashes,
                         skip_first_n_tokens=skip_tokens)  # fmt: skip
         return retrieve(self.client, ops)

@@ -16,7 +16,7 @@ instance the fleet is the replay engine, request by request.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -25,12 +25,10 @@ from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.placement import FleetPlacement
-from testbed.engine.replay import ReplaySpec
-from testbed.engine.results import EngineResult, RequestRecord
-from testbed.engine.virtual_clock import drive
+from testbed.engine.replay_spec import ReplaySpec
+from testbed.engine.virtual_clock import ClockedEngine
 from testbed.engine.vllm_setup import RequestFactory
 from testbed.fleet.routers import Router
-from testbed.workloads import ArrivalProcess, WorkloadRequest
 
 
 def instance_engine_id(run_id: str, instance: int) -> str:
@@ -38,9 +36,11 @@ def instance_engine_id(run_id: str, instance: int) -> str:
     return f"{run_id}-{instance}"
 
 
-class FleetEngine:
+class FleetEngine(ClockedEngine):
     """Context manager: ``num_instances`` instances against ``servers`` (one shared, or one
     per instance) routed by ``router``."""
+
+    name = "fleet"
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class FleetEngine:
                         spec,
                         servers[self.server_of[i]],
                         model_dir,
-                        engine_id=instance_engine_id(spec.run_id, i),
+                        engine_id=instance_engine_id(spec.connector_engine_id, i),
                         kv_events=router.needs_kv_events,
                     )
                 self.instances.append(instance)
@@ -89,17 +89,3 @@ class FleetEngine:
                 instance.close()
         self.instances = []
         self._stack.close()
-
-    def __enter__(self) -> FleetEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def run(
-        self,
-        workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
-    ) -> EngineResult:
-        """Runs ``workload`` on the fleet (see :func:`~testbed.engine.virtual_clock.drive`)."""
-        return drive("fleet", self.instances, self.requests, workload, on_finish, self.placement)

@@ -25,9 +25,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from connector.config import ConnectorConfig
 from connector.ops import FinishingOrder
+from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
+from testbed.engine.engine_spec import connector_config
 from testbed.engine.vllm_setup import (
     SchedulerSpec,
     build_kv_cache_config,
@@ -62,7 +63,7 @@ class StepReport:
     wall_s: float = 0.0
 
 
-class ReplayInstance:
+class ReplayInstance(Closing):
     """One vLLM instance without a model, against ``server`` (``None``: no connector, no
     worker: vLLM's scheduler alone). ``engine_id`` names its connector sessions
     (``"{engine_id}:{request_id}"``). Context manager."""
@@ -77,34 +78,23 @@ class ReplayInstance:
         kv_events: bool = False,
     ) -> None:
         self.spec = spec
-        connector = ConnectorConfig(
-            server_url=server.url if server else "tcp://127.0.0.1:5555",
-            token=server.token if server else "",
-            mq_timeout_s=spec.timeout_s,
-            chunk_size=spec.chunk_size,
-            model_name=f"replay-{spec.profile.name}",
-            mla=spec.profile.mla,
-            load_async=spec.load_async,
-            lookup_wait_s=spec.timeout_s,
-            load_wait_s=spec.timeout_s,
-            store_wait_s=spec.timeout_s if spec.store_wait else 0.0,
-            transfer_mode=spec.transfer_mode,
-            engine_id=engine_id or spec.run_id,
-            fault_drop_fraction=spec.fault_drop_fraction if server else 0.0,
-            fault_seed=spec.seed,
-            admin_token=server.admin_token if server and spec.fault_drop_fraction else "",
-        )
+        run = spec.run
+        connector = None
+        if server is not None:
+            connector = connector_config(
+                run,
+                server,
+                engine_id=engine_id or spec.connector_engine_id,
+                model_name=f"replay-{spec.profile.name}",
+                mla=spec.profile.mla,
+            ).to_extra_config()
         self.vllm_config = build_vllm_config(
             SchedulerSpec(
                 model_dir=model_dir,
-                block_size=spec.block_size,
+                run=run,
                 num_blocks=spec.engine_blocks,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_num_seqs=spec.max_num_seqs,
                 max_model_len=spec.max_model_len,
-                connector_config=connector.to_extra_config() if server else None,
-                tp_size=spec.tp,
-                prefix_caching=spec.prefix_caching,
+                connector_config=connector,
                 kv_events=kv_events or spec.kv_events,
             )
         )
@@ -121,13 +111,13 @@ class ReplayInstance:
             WorkerHarness(
                 build_worker_connector(self.vllm_config, self.kv_cache_config, rank),
                 spec.profile,
-                tp=spec.tp,
+                tp=run.tp,
                 rank=rank,
                 num_blocks=spec.engine_blocks,
-                block_size=spec.block_size,
-                write_kv=not spec.metadata_only,
+                block_size=run.block_size,
+                write_kv=not run.metadata_only,
             )
-            for rank in range(spec.tp if server else 0)
+            for rank in range(run.tp if server else 0)
         ]
         self.aggregator = KVOutputAggregator(expected_finished_count=max(1, len(self.workers)))
         self._send_order: dict[str, int] = {}  # request id -> when a rank first reported it
@@ -139,19 +129,13 @@ class ReplayInstance:
             worker.close()
         self.scheduler.shutdown()
 
-    def __enter__(self) -> ReplayInstance:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -----------------------------------------------------------------------------------------
 
     def fits(self, request: WorkloadRequest) -> bool:
         """Whether the instance can ever serve ``request`` (model length, KV pool)."""
         spec = self.spec
         total_tokens = len(request.prompt_token_ids) + request.max_output_tokens
-        needed_blocks = -(-total_tokens // spec.block_size)
+        needed_blocks = -(-total_tokens // spec.run.block_size)
         return total_tokens <= spec.max_model_len and needed_blocks <= spec.engine_blocks - 1
 
     def add(self, request: WorkloadRequest, vllm_request: Request) -> None:

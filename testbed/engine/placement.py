@@ -33,7 +33,7 @@ class FleetPlacement(Placement):
     ) -> None:
         self.instances = instances
         spec = instances[0].spec
-        self.dispatcher = Dispatcher(router, server_of, spec.block_size, spec.engine_blocks)
+        self.dispatcher = Dispatcher(router, server_of, spec.run.block_size, spec.engine_blocks)
 
     @property
     def kv(self) -> Any:

@@ -16,7 +16,6 @@ fast this machine happens to be.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -27,16 +26,15 @@ from testbed.core.credentials import ServerEndpoint
 from testbed.engine.instance import ReplayInstance
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.replay_spec import ReplaySpec
-from testbed.engine.results import EngineResult, RequestRecord
-from testbed.engine.virtual_clock import drive
+from testbed.engine.virtual_clock import ClockedEngine
 from testbed.engine.vllm_setup import RequestFactory
 from testbed.engine.worker_harness import StepOutcome
-from testbed.workloads import ArrivalProcess, WorkloadRequest
+from testbed.workloads import WorkloadRequest
 
 __all__ = ["ReplayEngine", "ReplaySpec"]
 
 
-class ReplayEngine:
+class ReplayEngine(ClockedEngine):
     """Context manager: one :class:`~testbed.engine.instance.ReplayInstance` (the scheduler
     and the TP worker harnesses) against ``server``, on the virtual clock.
 
@@ -46,6 +44,8 @@ class ReplayEngine:
     loads go through vLLM's own ``KVOutputAggregator``, as the real executor does with its TP
     workers: a request's load is finished once every rank has reported it, in any steps.
     """
+
+    name = "replay"
 
     def __init__(
         self, spec: ReplaySpec, server: ServerEndpoint | None, work_dir: Path | None = None
@@ -58,6 +58,7 @@ class ReplayEngine:
             TinyModel(max_position_embeddings=spec.max_model_len),
         )
         self.instance = ReplayInstance(spec, server, model_dir)
+        self.instances = [self.instance]
         self.requests = RequestFactory(self.instance.vllm_config, self.instance.kv_cache_config)
 
     @property
@@ -68,21 +69,6 @@ class ReplayEngine:
         self.instance.close()
         if self._tmp is not None:
             self._tmp.cleanup()
-
-    def __enter__(self) -> ReplayEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def run(
-        self,
-        workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
-    ) -> EngineResult:
-        """Replays ``workload``: requests in arrival order, or an arrival process (closed-loop
-        users) that is told, on the virtual clock, when each request finished."""
-        return drive("replay", [self.instance], self.requests, workload, on_finish)
 
     def submit(self, request: WorkloadRequest, traceparent: str = "") -> None:
         """Adds ``request`` to vLLM's scheduler and to every rank, as its arrival does (for

@@ -6,63 +6,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from testbed.engine.engine_spec import EngineSpec
 from testbed.models.profiles import KVProfile
 from testbed.models.time_model import TimeModel, make_time_model
 
 
 @dataclass(frozen=True)
-class ReplaySpec:
-    profile: KVProfile
-    chunk_size: int = 256
-    tp: int = 1
-    block_size: int = 64
-    engine_blocks: int = 8192
-    """vLLM's KV pool in blocks (small pools cause preemption)."""
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    max_model_len: int = 8192
-    load_async: bool = True
-    prefix_caching: bool = True
+class ReplaySpec(EngineSpec):
+    """The run's spec (``run``: its KV profile, chunk and block sizes, TP, vLLM's limits, the
+    connector's modes, the time model, fault injection, metadata only) and the replay's own
+    switches. The spec's ``arrival``: ``trace``, requests enter as their arrival process
+    releases them on the virtual clock (their times, or closed-loop users); ``all``, at once."""
+
     log_stats: bool = False
     """vLLM's scheduler makes its per-step stats (prefix cache, connector stats), as in a
     server; the scheduler's outputs carry them (``execute``)."""
     kv_events: bool = False
     """vLLM's KV events, the connector's included (``SchedulerSpec.kv_events``)."""
-    transfer_mode: str = "worker"
-    store_wait: bool = True
-    """Each step's stores commit before the step reports (``kvtb.store_wait_s``)."""
-    arrival: str = "trace"
-    """``trace``: requests enter as their arrival process releases them on the virtual clock
-    (their times, or closed-loop users); ``all``: at once."""
-    time_profile: str = "flat"
-    """The projected clock's hardware (``testbed.models.time_model``): flat, h100, ..."""
-    compute_profile: KVProfile | None = None
-    """The model the clock charges (``None``: ``profile``; it needs a compute shape unless
-    the clock is flat)."""
-    fault_drop_fraction: float = 0.0
-    """Fault injection (the connector's ``kvtb.fault_drop_fraction``): share of retrieves
-    whose first chunk is dropped from the server just before the retrieve."""
-    seed: int = 0
-    metadata_only: bool = False
-    timeout_s: float = 30.0
-    run_id: str = "replay"
 
     def __post_init__(self) -> None:
-        if self.arrival not in ("trace", "all"):
-            raise ValueError(f"arrival must be 'trace' or 'all', got {self.arrival!r}")
-        if self.chunk_size % self.block_size:
-            raise ValueError(
-                f"chunk size {self.chunk_size} must be a multiple of the block size "
-                f"{self.block_size}"
-            )
-        if not 0.0 <= self.fault_drop_fraction <= 1.0:
-            raise ValueError("fault_drop_fraction must be in [0, 1]")
-        self.profile.heads_per_rank(self.tp)  # raises if TP cannot split the heads
+        if self.run.arrival not in ("trace", "all"):
+            raise ValueError(f"arrival must be 'trace' or 'all', got {self.run.arrival!r}")
+        self.profile.heads_per_rank(self.run.tp)  # raises if TP cannot split the heads
+
+    @property
+    def profile(self) -> KVProfile:
+        """The KV shape the worker harnesses write (the spec's profile, or its MLA variant)."""
+        return self.run.kv_profile
 
     def time_model(self) -> TimeModel:
+        """The projected clock: the spec's ``time_profile`` charging its compute model."""
+        run = self.run
         return make_time_model(
-            self.time_profile,
-            self.compute_profile or self.profile,
-            tp=self.tp,
-            chunk_size=self.chunk_size,
+            run.time_profile, run.compute_profile, tp=run.tp, chunk_size=run.chunk_size
         )

@@ -26,24 +26,19 @@ from typing import Any
 
 from connector.tracing import SPAN_DIR_ENV
 from server.launch import stop_process
+from testbed.engine.engine_spec import EngineSpec
 from testbed.engine.model_dir import TinyModel, write_model_dir
 
 _STARTUP_TIMEOUT_S = 600.0
 TINY_MODEL_NAME = "kvtb-tiny"
 
 
-@dataclass(frozen=True)
-class LaunchSpec:
-    model: str | None
-    """A model name or path; ``None``: the tiny model with seeded random weights."""
-    max_model_len: int
-    block_size: int
-    engine_blocks: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    prefix_caching: bool
-    tp: int
-    seed: int
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec(EngineSpec):
+    """The run's spec (``run``: its model, or ``None``: the tiny model with seeded random
+    weights; block size, vLLM's limits, TP, prefix caching, the seed) and the server's
+    connector settings."""
+
     connector: dict[str, Any]
     """``kv_connector_extra_config``."""
     extra_args: tuple[str, ...] = ()
@@ -92,11 +87,11 @@ class VllmServerProcess:
 
     def spawn(self) -> VllmServerProcess:
         """Starts the server's process without waiting for it (:meth:`wait_healthy`)."""
-        spec = self.spec
-        model = spec.model
+        spec, run = self.spec, self.spec.run
+        model = run.model
         if model is None:
             tiny = TinyModel(max_position_embeddings=spec.max_model_len)
-            model = str(write_model_dir(self.run_dir / "model", tiny, weights_seed=spec.seed))
+            model = str(write_model_dir(self.run_dir / "model", tiny, weights_seed=run.seed))
         port = _free_port()
         transfer = {
             "kv_connector": "KVTBConnector",
@@ -107,20 +102,20 @@ class VllmServerProcess:
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model,
-            "--served-model-name", TINY_MODEL_NAME if spec.model is None else spec.model,
+            "--served-model-name", TINY_MODEL_NAME if run.model is None else run.model,
             "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", str(spec.max_model_len),
-            "--block-size", str(spec.block_size),
+            "--block-size", str(run.block_size),
             "--num-gpu-blocks-override", str(spec.engine_blocks),
-            "--max-num-seqs", str(spec.max_num_seqs),
-            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-            "--tensor-parallel-size", str(spec.tp),
-            "--seed", str(spec.seed),
+            "--max-num-seqs", str(run.max_num_seqs),
+            "--max-num-batched-tokens", str(run.max_num_batched_tokens),
+            "--tensor-parallel-size", str(run.tp),
+            "--seed", str(run.seed),
             "--enable-prompt-tokens-details",
-            "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+            "--enable-prefix-caching" if run.prefix_caching else "--no-enable-prefix-caching",
             "--kv-transfer-config", json.dumps(transfer),
         ]  # fmt: skip
-        if spec.model is None:
+        if run.model is None:
             command += ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager"]
         command += spec.extra_args
         env = {

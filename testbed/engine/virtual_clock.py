@@ -25,9 +25,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from testbed.core import telemetry
+from testbed.core.closing import Closing
 from testbed.engine.instance import ReplayInstance, StepReport
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.workloads import ArrivalProcess, OpenLoop, WorkloadRequest
@@ -216,10 +217,30 @@ def drive(
     """Runs ``workload`` (requests in arrival order, or an arrival process: closed-loop users
     told, on the virtual clock, when each request finished) on ``instances``; the result is
     named ``engine``."""
-    spec = instances[0].spec
+    spec = instances[0].spec.run
     result = EngineResult(engine=engine, metadata_only=spec.metadata_only)
     arrivals = workload if isinstance(workload, ArrivalProcess) else OpenLoop(workload)
     clock = VirtualClock(
         instances, requests, placement or Placement(), at_once=spec.arrival == "all"
     )
     return clock.run(arrivals, result, on_finish)
+
+
+class ClockedEngine(Closing):
+    """An engine of replay instances on one virtual clock (the replay engine: one; the fleet:
+    several behind a router, its ``placement``). Context manager."""
+
+    name: ClassVar[str]
+    """What its results are called (``EngineResult.engine``)."""
+    instances: list[ReplayInstance]
+    requests: RequestFactory
+    placement: Placement | None = None
+
+    def run(
+        self,
+        workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
+        on_finish: Callable[[RequestRecord], None] | None = None,
+    ) -> EngineResult:
+        """Runs ``workload``: requests in arrival order, or an arrival process (closed-loop
+        users) that is told, on the virtual clock, when each request finished (:func:`drive`)."""
+        return drive(self.name, self.instances, self.requests, workload, on_finish, self.placement)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connector.config import ConnectorConfig
 from testbed.core import telemetry
+from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
+from testbed.engine.engine_spec import EngineSpec, connector_config
 from testbed.engine.model_dir import TinyModel, write_model_dir
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.engine.vllm_compat import kernel_scan_safe
@@ -39,32 +40,17 @@ def tiny_bytes_per_token(model: TinyModel | None = None) -> int:
 
 
 @dataclass(frozen=True)
-class VllmEngineSpec:
-    chunk_size: int = 256
-    model: str | None = None
-    """A model name or path; ``None``: the tiny random-weight model (CPU)."""
-    block_size: int = 32
-    engine_blocks: int = 2048
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    tp: int = 1
-    load_async: bool = True
-    prefix_caching: bool = True
-    transfer_mode: str = "worker"
-    store_wait: bool = True
-    """Each step's stores commit before the step reports (with ``deterministic``)."""
-    seed: int = 0
-    timeout_s: float = 30.0
-    run_id: str = "vllm"
+class VllmEngineSpec(EngineSpec):
+    """The run's spec (``run``: its model, chunk and block sizes, TP, vLLM's limits, the
+    connector's modes, fault injection, the weights' seed) and the engine's own switch."""
+
     deterministic: bool = True
     """Lookups and loads wait for the server's answers (as in the replay), so scheduling does
-    not depend on this machine's speed and both engines see the same steps."""
-    fault_drop_fraction: float = 0.0
-    """Fault injection (the connector's ``kvtb.fault_drop_fraction``; needs the admin token)."""
+    not depend on this machine's speed and both engines see the same steps; stores too, with
+    the spec's ``store_wait``."""
 
 
-class VllmEngine:
+class VllmEngine(Closing):
     """Context manager: one ``vllm.LLM`` connected to ``server`` (``None``: vLLM alone, no
     connector: the baseline a cache is measured against); closed on exit."""
 
@@ -75,62 +61,48 @@ class VllmEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's start-up chatter
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
-        from testbed.engine.vllm_setup import CONNECTOR_CLASS, CONNECTOR_MODULE
+        from testbed.engine.vllm_setup import kv_transfer_config
 
         self.spec = spec
+        run = spec.run
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="kvtb-model-")
         base_dir = work_dir if work_dir is not None else Path(self._tmp.name)  # type: ignore[union-attr]
-        model = spec.model
+        model = run.model
         if model is None:
             directory = base_dir / "model"
             tiny = TinyModel(max_position_embeddings=spec.max_model_len)
-            model = str(write_model_dir(directory, tiny, weights_seed=spec.seed))
-        wait_s = spec.timeout_s if spec.deterministic else 0.0
-        connector = ConnectorConfig(
-            server_url=server.url if server else "tcp://127.0.0.1:5555",
-            token=server.token if server else "",
-            mq_timeout_s=spec.timeout_s,
-            chunk_size=spec.chunk_size,
-            # The tiny model lives in each run's directory; its KV depends only on the seed.
-            model_name=f"kvtb-tiny-seed{spec.seed}" if spec.model is None else "",
-            load_async=spec.load_async,
-            lookup_wait_s=wait_s,
-            load_wait_s=wait_s,
-            store_wait_s=wait_s if spec.store_wait else 0.0,
-            transfer_mode=spec.transfer_mode,
-            engine_id=spec.run_id,
-            fault_drop_fraction=spec.fault_drop_fraction,
-            fault_seed=spec.seed,
-            admin_token=server.admin_token if server and spec.fault_drop_fraction else "",
-        )
-        transfer = KVTransferConfig(
-            kv_connector=CONNECTOR_CLASS,
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=connector.to_extra_config(),
-        )
+            model = str(write_model_dir(directory, tiny, weights_seed=run.seed))
+        transfer = None
+        if server is not None:
+            connector = connector_config(
+                run,
+                server,
+                engine_id=spec.connector_engine_id,
+                # The tiny model lives in each run's directory; its KV depends only on the seed.
+                model_name=f"kvtb-tiny-seed{run.seed}" if run.model is None else "",
+                wait=spec.deterministic,
+            )
+            transfer = kv_transfer_config(connector.to_extra_config())
         with kernel_scan_safe():  # a what-if run before in this process: see vllm_compat
             self.llm = LLM(
                 model=model,
-                skip_tokenizer_init=spec.model is None,
-                dtype="float32" if spec.model is None else "auto",
-                block_size=spec.block_size,
+                skip_tokenizer_init=run.model is None,
+                dtype="float32" if run.model is None else "auto",
+                block_size=run.block_size,
                 max_model_len=spec.max_model_len,
-                max_num_seqs=spec.max_num_seqs,
-                max_num_batched_tokens=spec.max_num_batched_tokens,
+                max_num_seqs=run.max_num_seqs,
+                max_num_batched_tokens=run.max_num_batched_tokens,
                 enable_chunked_prefill=True,
-                enable_prefix_caching=spec.prefix_caching,
+                enable_prefix_caching=run.prefix_caching,
                 enforce_eager=True,
-                seed=spec.seed,
-                tensor_parallel_size=spec.tp,
-                kv_cache_memory_bytes=spec.engine_blocks * spec.block_size * tiny_bytes_per_token()
-                if spec.model is None
+                seed=run.seed,
+                tensor_parallel_size=run.tp,
+                kv_cache_memory_bytes=spec.engine_blocks * run.block_size * tiny_bytes_per_token()
+                if run.model is None
                 else None,
                 use_tqdm_on_load=False,
-                kv_transfer_config=transfer if server else None,
+                kv_transfer_config=transfer,
             )
 
     def effective(self) -> dict[str, Any]:
@@ -150,12 +122,6 @@ class VllmEngine:
         gc.collect()
         if self._tmp is not None:
             self._tmp.cleanup()
-
-    def __enter__(self) -> VllmEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Steps the idle engine until vLLM holds no finished request's blocks (their

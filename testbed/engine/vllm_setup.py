@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from testbed.core.keys import KeyExtras
+from testbed.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
 CONNECTOR_CLASS = "KVTBConnector"
@@ -49,16 +50,16 @@ CONNECTOR_MODULE = "connector.vllm_connector"
 
 @dataclass(frozen=True)
 class SchedulerSpec:
+    """vLLM's configuration for a scheduler without workers: the run's spec (``run``: its
+    block size, vLLM's batch limits, TP, prefix caching) and what vLLM needs besides."""
+
     model_dir: Path
-    block_size: int = 64
+    run: RunSpec = field(default_factory=RunSpec)
     num_blocks: int = 4096
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
+    """vLLM's KV pool in blocks."""
     max_model_len: int = 8192
     connector_config: dict[str, Any] | None = None
     """``kv_connector_extra_config``; ``None`` runs without a connector."""
-    tp_size: int = 1
-    prefix_caching: bool = True
     kv_events: bool = False
     """vLLM's KV events (its own blocks' and the connector's): the scheduler collects them
     each step and hands them to its publisher (vLLM's null publisher here: replace
@@ -76,31 +77,24 @@ def offline_environment() -> None:
 
 def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
     offline_environment()
+    run = spec.run
     model = ModelConfig(
         model=str(spec.model_dir),
         skip_tokenizer_init=True,
         max_model_len=spec.max_model_len,
         dtype="float16",
     )
-    cache = CacheConfig(block_size=spec.block_size, enable_prefix_caching=spec.prefix_caching)
+    cache = CacheConfig(block_size=run.block_size, enable_prefix_caching=run.prefix_caching)
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=max(spec.max_num_batched_tokens, spec.block_size),
-        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=max(run.max_num_batched_tokens, run.block_size),
+        max_num_seqs=run.max_num_seqs,
         enable_chunked_prefill=True,
         max_model_len=spec.max_model_len,
         is_encoder_decoder=False,
     )
     transfer = None
     if spec.connector_config is not None:
-        transfer = KVTransferConfig(
-            kv_connector=CONNECTOR_CLASS,
-            kv_connector_module_path=CONNECTOR_MODULE,
-            kv_role="kv_both",
-            # vLLM's default ("fail") would end a request whose chunk vanished; a best-effort
-            # cache recomputes instead.
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=dict(spec.connector_config),
-        )
+        transfer = kv_transfer_config(spec.connector_config)
     config = VllmConfig(
         model_config=model,
         cache_config=cache,
@@ -110,9 +104,22 @@ def build_vllm_config(spec: SchedulerSpec) -> VllmConfig:
         if spec.kv_events
         else None,
     )
-    config.parallel_config.tensor_parallel_size = spec.tp_size
+    config.parallel_config.tensor_parallel_size = run.tp
     config.cache_config.num_gpu_blocks = spec.num_blocks
     return config
+
+
+def kv_transfer_config(connector_config: dict[str, Any]) -> KVTransferConfig:
+    """vLLM's transfer configuration naming our connector, with its ``kvtb.*`` settings."""
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_CLASS,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        # vLLM's default ("fail") would end a request whose chunk vanished; a best-effort
+        # cache recomputes instead.
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=dict(connector_config),
+    )
 
 
 def build_kv_cache_config(config: VllmConfig, num_blocks: int) -> KVCacheConfig:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from testbed.engine.results import EngineResult
 from testbed.run.interface import EngineEntry, EngineRun
-from testbed.run.replay import replay_kv_bytes, replay_spec
+from testbed.run.replay import replay_kv_bytes
+from testbed.run.servable import engine_spec
 from testbed.runspec import RunSpec
 
 
@@ -12,10 +13,11 @@ def run(job: EngineRun) -> EngineResult:
     """``instances`` replay instances on one virtual clock against the run's cache servers
     (one shared, or one per instance)."""
     from testbed.engine.fleet import FleetEngine
+    from testbed.engine.replay_spec import ReplaySpec
     from testbed.fleet.routers import make_router
 
     spec = job.spec
-    replay = replay_spec(spec, job.plan.requests)
+    replay = engine_spec(ReplaySpec, spec, job.plan.requests)
     router = make_router(spec.router, spec.router_params, spec.instances, spec.seed)
     servers = list(job.endpoints)
     with FleetEngine(replay, router, servers, spec.instances, work_dir=job.run_dir) as fleet:

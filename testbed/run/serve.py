@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from connector.config import ConnectorConfig
 from testbed.core.telemetry import sampling
 from testbed.engine.results import EngineResult
 from testbed.footprint import pool_blocks
 from testbed.run import vllm
 from testbed.run.interface import CacheServers, EngineEntry, EngineRun
 from testbed.run.options import RunOptions
-from testbed.run.servable import max_model_len
+from testbed.run.servable import engine_spec
 from testbed.runspec import RunSpec
 
 if TYPE_CHECKING:
@@ -77,38 +76,24 @@ def _check_answering(urls: list[str]) -> None:
 
 def launch_spec(job: EngineRun, instance: int) -> LaunchSpec:
     """vLLM's server for instance ``instance`` of the run, its connector pointed at the run's
-    cache server (every run key read from the run's spec)."""
+    cache server (reading the credential from the server's token file) and writing its spans
+    into the run directory."""
+    from testbed.engine.engine_spec import connector_config
     from testbed.engine.fleet import instance_engine_id
     from testbed.engine.serve_launch import LaunchSpec
 
-    spec, requests = job.spec, job.plan.requests
+    spec = job.spec
     server = job.started[0]
-    connector = ConnectorConfig(
-        server_url=server.endpoint.url,
-        token_file=str(server.token_file),
-        mq_timeout_s=spec.server_timeout_s,
-        chunk_size=spec.chunk_size,
-        load_async=spec.load_async,
-        lookup_wait_s=spec.server_timeout_s,  # deterministic, as the other engines
-        load_wait_s=spec.server_timeout_s,
-        store_wait_s=spec.server_timeout_s if spec.store_wait else 0.0,
-        transfer_mode=spec.transfer_mode,
+    connector = connector_config(
+        spec,
+        server.endpoint,
         engine_id=instance_engine_id(spec.run_id, instance) if spec.instances > 1 else spec.run_id,
+        faults=False,
+        token_file=server.token_file,
         run_id=spec.run_id,
         span_dir=str(job.run_dir),
     )
-    return LaunchSpec(
-        model=spec.model,
-        max_model_len=max_model_len(requests, spec.block_size),
-        block_size=spec.block_size,
-        engine_blocks=pool_blocks(spec, requests),
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        prefix_caching=spec.prefix_caching,
-        tp=spec.tp,
-        seed=spec.seed,
-        connector=connector.to_extra_config(),
-    )
+    return engine_spec(LaunchSpec, spec, job.plan.requests, connector=connector.to_extra_config())
 
 
 def _launch(job: EngineRun, stack: ExitStack, events: ZmqEventStream | None) -> list[str]:

@@ -1,60 +1,16 @@
-"""The vllm engine's run (the full vLLM engine in this process), its checks, and the one
-function that makes its spec from a run's."""
+"""The vllm engine's run (the full vLLM engine in this process) and its checks."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from testbed.engine.results import EngineResult
-from testbed.footprint import pool_blocks
 from testbed.run.interface import REPLAY_VOCAB, EngineEntry, EngineRun
 from testbed.run.options import RunOptions
-from testbed.run.servable import max_model_len
+from testbed.run.servable import engine_spec
 from testbed.runspec import RunSpec
-from testbed.workloads import RequestShape
-
-if TYPE_CHECKING:
-    from testbed.engine.vllm_engine import VllmEngineSpec
 
 VLLM_VOCAB = 1024
 """The tiny model's vocabulary."""
 _CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend
-
-
-def vllm_spec(
-    spec: RunSpec,
-    requests: Sequence[RequestShape] = (),
-    *,
-    model_len: int | None = None,
-    engine_blocks: int | None = None,
-    run_id: str | None = None,
-    deterministic: bool = True,
-) -> VllmEngineSpec:
-    """The vllm engine's spec for a run of ``spec`` (every run key read from it), with
-    ``max_model_len`` and the KV pool resolved from ``requests`` unless given (see
-    :func:`testbed.run.replay.replay_spec`)."""
-    from testbed.engine.vllm_engine import VllmEngineSpec
-
-    return VllmEngineSpec(
-        chunk_size=spec.chunk_size,
-        model=spec.model,
-        block_size=spec.block_size,
-        engine_blocks=engine_blocks or pool_blocks(spec, requests),
-        max_num_seqs=spec.max_num_seqs,
-        max_num_batched_tokens=spec.max_num_batched_tokens,
-        max_model_len=model_len or max_model_len(requests, spec.block_size),
-        tp=spec.tp,
-        load_async=spec.load_async,
-        prefix_caching=spec.prefix_caching,
-        transfer_mode=spec.transfer_mode,
-        store_wait=spec.store_wait,
-        seed=spec.seed,
-        timeout_s=spec.server_timeout_s,
-        run_id=run_id or spec.run_id,
-        fault_drop_fraction=spec.fault_drop_fraction,
-        deterministic=deterministic,
-    )
 
 
 def check_spec(spec: RunSpec, options: RunOptions | None = None) -> None:
@@ -100,9 +56,9 @@ def vocab_size(spec: RunSpec) -> int:
 
 def run(job: EngineRun) -> EngineResult:
     """The full vLLM engine with the connector against the run's cache server."""
-    from testbed.engine.vllm_engine import VllmEngine
+    from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
-    spec = vllm_spec(job.spec, job.plan.requests)
+    spec = engine_spec(VllmEngineSpec, job.spec, job.plan.requests)
     with VllmEngine(spec, job.endpoints[0], work_dir=job.run_dir) as engine:
         return engine.run(job.plan.requests, on_finish=job.progress.finished)
 

@@ -42,7 +42,7 @@ VLLM_PROCESS = textwrap.dedent(
     from testbed.engine.model_dir import TinyModel, write_model_dir
     model_dir = write_model_dir(Path(sys.argv[2]), TinyModel(max_position_embeddings=2048))
     config = vllm_setup.build_vllm_config(vllm_setup.SchedulerSpec(
-        model_dir=model_dir, block_size=64, num_blocks=32, max_model_len=2048,
+        model_dir=model_dir, num_blocks=32, max_model_len=2048,
         connector_config={"kvtb.server_url": sys.argv[1], "kvtb.mq_timeout_s": 1.0},
     ))
     config.kv_transfer_config.kv_connector_module_path = None

@@ -192,6 +192,7 @@ def test_the_vllm_connector_reports_a_frozen_servers_sync_load_as_load_errors(
     from connector.ops import RetrieveOp, StepPlan, StoreOp
     from connector.vllm_connector import KVTBConnectorMetadata
     from testbed.engine.model_dir import TinyModel, write_model_dir
+    from testbed.runspec import RunSpec
 
     server = start_server("--chunk-size", str(C))
     model_dir = write_model_dir(tmp_path / "model", TinyModel(max_position_embeddings=4096))
@@ -201,7 +202,7 @@ def test_the_vllm_connector_reports_a_frozen_servers_sync_load_as_load_errors(
     vllm_config = vllm_setup.build_vllm_config(
         vllm_setup.SchedulerSpec(
             model_dir=model_dir,
-            block_size=BLOCK_SIZE * 2,
+            run=RunSpec(block_size=BLOCK_SIZE * 2),
             num_blocks=64,
             max_model_len=4096,
             connector_config=config.to_extra_config(),

@@ -51,7 +51,10 @@ def test_a_lookup_answered_after_the_timeout_leaves_no_lock_and_no_session(tmp_p
     tokens = prompt(1, 3 * C + 10)
     tracing = configure_tracing(TracingConfig("kvtb-engine", run_dir=run_dir))
     try:
-        with stepped_engine(server, tmp_path, timeout_s=1.0) as engine, connect(server) as observer:
+        with (
+            stepped_engine(server, tmp_path, server_timeout_s=1.0) as engine,
+            connect(server) as observer,
+        ):
             engine.submit(request("writer", tokens))
             run_until_idle(engine)
             os.kill(server.pid, signal.SIGSTOP)  # frozen past the connector's 1 s timeout

@@ -21,6 +21,7 @@ from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noq
 from testbed.core import protocol as p  # noqa: E402
 from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
+from testbed.runspec import RunSpec  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 from tests.support.scheduler_steps import (  # noqa: E402
     assert_scheduler_empty,
@@ -40,7 +41,7 @@ def build(tmp_path: Path, server, **connector):
     vllm_config = vllm_setup.build_vllm_config(
         vllm_setup.SchedulerSpec(
             model_dir=model_dir,
-            block_size=B,
+            run=RunSpec(block_size=B),
             num_blocks=64,
             max_model_len=4096,
             connector_config=config.to_extra_config(),

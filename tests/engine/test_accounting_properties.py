@@ -71,8 +71,9 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
     capacity = options.pop("capacity_tokens", None)
     blocks = options.pop("engine_blocks")
     requests, _ = split_servable(requests, 32, blocks)
-    spec = ReplaySpec(
-        profile=profile,
+    replay_spec = ReplaySpec.of(
+        profile=profile.name,
+        time_profile="flat",
         chunk_size=chunk,
         block_size=32,
         engine_blocks=blocks,
@@ -84,10 +85,11 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
         seed=1,
         **options,
     )
+    spec = replay_spec.run
     saw = observe_vllm(monkeypatch)
 
     def replay(endpoint):
-        with ReplayEngine(spec, endpoint) as engine:
+        with ReplayEngine(replay_spec, endpoint) as engine:
             return engine.run(requests)
 
     server = ["--chunk-size", str(chunk), "--capacity", "1GiB"]

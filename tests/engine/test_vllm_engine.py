@@ -30,11 +30,14 @@ def prompts() -> list[WorkloadRequest]:
 
 
 def generate(tmp_path, server, name, transfer_mode="worker") -> Recorded:
-    spec = VllmEngineSpec(
+    spec = VllmEngineSpec.of(
         chunk_size=C,
+        block_size=32,
+        max_num_seqs=16,
+        max_num_batched_tokens=2048,
         max_model_len=1024,
         engine_blocks=256,
-        run_id=name,
+        engine_id=name,
         transfer_mode=transfer_mode,
     )
 

@@ -95,9 +95,12 @@ def test_the_routers_prompt_hashes_are_vllms_block_hashes(tmp_path):
         build_vllm_config,
     )
     from testbed.fleet.kv_events import PromptHasher, event_block_hashes
+    from testbed.runspec import RunSpec
 
     config = build_vllm_config(
-        SchedulerSpec(model_dir=write_model_dir(tmp_path / "model", TinyModel()), block_size=32)
+        SchedulerSpec(
+            model_dir=write_model_dir(tmp_path / "model", TinyModel()), run=RunSpec(block_size=32)
+        )
     )
     factory = RequestFactory(config, build_kv_cache_config(config, 64))
     tokens = [(7 * i + 3) % 1000 for i in range(200)]  # 6 full blocks and a tail

@@ -21,6 +21,7 @@ import nbformat
 import pytest
 
 from testbed.analysis.source import SOURCE_ENV, open_source
+from tests.support.sweeps import SMALL_RUNS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -38,18 +39,12 @@ NOT_SHOWN = re.compile(r"\bNaN\b|<NA>|\bnan\b|\bNone\b|Traceback")
 """What no output may show: a missing value drawn as a number, an error."""
 FLEET_NOTEBOOKS = {"07_fleet_routers.ipynb"}
 """Notebooks about fleets: they read the fleet sweep."""
-FLEET_SWEEP = """
+FLEET_SWEEP = f"""
 name = "nbfleet"
 [base]
 engine = "fleet"
-workload = "chat"
-requests = 24
-chunk_size = 64
-engine_blocks = 16
-capacity_tokens = 2048
 instances = 2
-workload_params = { system_prompt_tokens = 256, concurrent_conversations = 8 }
-[grid]
+{SMALL_RUNS}[grid]
 router = ["round_robin", "kv_precise"]
 """
 

@@ -20,6 +20,7 @@ from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
 from connector.scheduler_client import SchedulerClient
 from connector.worker_client import RetrieveOutcome, WorkerClient
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
 from testbed.core.ranks import WorkerIdentity, kv_world_size, readers_per_object
 from testbed.core.rpc import RpcClient
 
@@ -45,7 +46,7 @@ def connect(server: ServerLike, *, admin: bool = False, **kwargs: Any) -> RpcCli
     return RpcClient(server.url, token=token, **kwargs)
 
 
-class Harness:
+class Harness(Closing):
     def __init__(
         self,
         server: ServerLike,
@@ -165,12 +166,6 @@ class Harness:
             rank.client.close()
             rank.rpc.close()
         self.rpc.close()
-
-    def __enter__(self) -> Harness:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def blocks_equal(kv: PagedKV, a: list[int], b: list[int]) -> bool:

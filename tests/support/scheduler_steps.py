@@ -18,7 +18,6 @@ import numpy as np
 
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.replay import ReplayEngine, ReplaySpec
-from testbed.models.profiles import get_profile
 from testbed.workloads import WorkloadRequest
 from tests.support.cache_harness import ServerLike
 
@@ -26,19 +25,21 @@ from tests.support.cache_harness import ServerLike
 @contextmanager
 def stepped_engine(server: ServerLike, work_dir: Path, **spec: object) -> Iterator[ReplayEngine]:
     """A replay engine against ``server`` (tiny profile, vLLM's prefix cache off so that
-    repeats come from the cache server; ``spec`` overrides :class:`ReplaySpec` fields)."""
+    repeats come from the cache server; ``spec`` overrides fields of :class:`ReplaySpec` and
+    of the run's spec it holds)."""
     options: dict = dict(
-        profile=get_profile("tiny"),
         chunk_size=64,
         block_size=32,
         engine_blocks=256,
         max_model_len=2048,
         prefix_caching=False,
-        timeout_s=2.0,
+        server_timeout_s=2.0,
+        time_profile="flat",
+        engine_id="replay",
     )
     options.update(spec)
     endpoint = ServerEndpoint(server.url, server.token, server.admin_token)
-    with ReplayEngine(ReplaySpec(**options), endpoint, work_dir=work_dir) as engine:
+    with ReplayEngine(ReplaySpec.of(**options), endpoint, work_dir=work_dir) as engine:
         yield engine
 
 
