@@ -79,7 +79,7 @@ def test_without_a_server_the_engine_computes_every_request_itself_and_never_han
     timeout_s = 1.0
     started = time.monotonic()
     with stepped_engine(
-        NoServer(), tmp_path, chunk_size=C, block_size=B, timeout_s=timeout_s, log_stats=True
+        NoServer(), tmp_path, chunk_size=C, block_size=B, server_timeout_s=timeout_s, log_stats=True
     ) as engine:  # both roles start: asking for the server's config, registering time out
         engine.submit(request("r", tokens))
         plans, computed, seen = [], 0, connector_stats.empty()

@@ -31,9 +31,9 @@ from testbed.models.servable import split_servable  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.runspec import RunSpec  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
-from tests.engine.test_accounting_properties import VllmSaw, _observe  # noqa: E402
 from tests.support.quiescence import assert_quiescent  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402
+from tests.support.vllm_record import observe_vllm  # noqa: E402
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared/data/mooncake/conversation_trace.jsonl"
 COMPARED = [
@@ -151,8 +151,7 @@ def _table(run) -> pd.DataFrame:
 def test_every_router_puts_every_token_in_one_true_category(
     tmp_path, monkeypatch, workload, instances, capacity_tokens
 ):
-    saw = VllmSaw()
-    _observe(monkeypatch, saw)
+    saw = observe_vllm(monkeypatch)
     routing = {}
     for router in ROUTERS:
         for seen in (saw.local, saw.promised, saw.first_computed):
