@@ -10,7 +10,6 @@ makes one from a mapping (a TOML table, CLI ``key=value`` pairs), coercing text 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,7 +103,6 @@ class WorkloadParams:
             raise ValueError(f"invalid {self._workload} params: " + "; ".join(problems))
 
 
-@functools.cache
 def _bounds(params_cls: type) -> tuple[tuple[str, tuple[FieldBound, ...]], ...]:
     """Each field of ``params_cls`` with the bounds in its annotation, in field order."""
     hints = typing.get_type_hints(params_cls, include_extras=True)
