@@ -26,6 +26,7 @@ from typing import Any
 from testbed.bench.config import BenchConfig, SectionResult, find_trace
 from testbed.bench.figures import missing
 from testbed.bench.machine import LoadWatch, machine, versions
+from testbed.only_flag import add_only_argument, picked
 
 
 @dataclass(frozen=True)
@@ -104,12 +105,7 @@ def add_bench_parser(commands: Any) -> None:
         help="the peer's virtual environment, created there if missing (default: "
         "KVTB_PEER_ENV, else ~/.cache/kvtestbed/peer-env)",
     )
-    bench.add_argument(
-        "--only",
-        action="append",
-        choices=sorted(SECTIONS),
-        help="run only this section (repeatable)",
-    )
+    add_only_argument(bench, SECTIONS, "section")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -123,9 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
         replay_requests=args.replay_requests,
         peer_env=args.peer_env,
     )
-    names = [
-        n for n, s in SECTIONS.items() if s.wanted(config) and (not args.only or n in args.only)
-    ]
+    names = [name for name in picked(SECTIONS, args.only) if SECTIONS[name].wanted(config)]
     from testbed.extras import require_engines
 
     require_engines(["replay", "vllm"])  # MissingExtra, and then bad input: before anything runs

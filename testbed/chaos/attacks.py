@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import zmq
 
+from testbed.chaos.bystander import OpenOperations
 from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext
 from testbed.chaos.fuzz import FuzzSetup, fuzz_server, send_cases
 from testbed.chaos.lab import CHUNK_SIZE, Lab
@@ -80,14 +81,13 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
     data, fresh = chunk_hashes("owner/data", 4), chunk_hashes("owner/fresh", 2)
     with ProbeClient(server.url, server.token, model="owner") as owner:
         owner.register()
-        owner.store("owner:0", data)
-        found = owner.lookup("owner:1", data)
-        pin_op, pin_plan = owner.begin_retrieve("owner:1", found.handle, data[:1], op_id=501)
-        owner.begin_store("owner:2", fresh, op_id=500)
+        owner_ops = OpenOperations.open(
+            owner, "owner", data, fresh, pinned=1, retrieve_op=501, store_op=500
+        )
         context = FuzzContext(
             token=server.token,
             epoch=owner.epoch,
-            foreign_sessions=("owner:1", "owner:2"),
+            foreign_sessions=owner_ops.sessions,
             foreign_op_ids=(500, 501),
             chunk_hashes=tuple(data + fresh),
             models=("owner",),
@@ -110,7 +110,7 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
         impostor = _own_routing_id_refused(server.url, server.token)
         sent, answered = sent + 1, answered + 1
         accepted += 0 if impostor else 1
-        problems = _owner_intact(owner, found, pin_op, pin_plan, data, fresh)
+        problems = list(owner_ops.finish())
         held = wait_quiescent(owner.rpc, 2.0)
         if held is not None:
             result.set(**held.leaks())
@@ -179,31 +179,3 @@ def _own_routing_id_refused(url: str, token: str) -> bool:
         return isinstance(reply, p.Error) and reply.code == "forbidden"
     finally:
         context.term()
-
-
-def _owner_intact(
-    owner: ProbeClient,
-    found: p.LookupResult,
-    pin_op: int,
-    pin_plan: p.RetrievePlan,
-    data: list[ChunkHash],
-    fresh: list[ChunkHash],
-) -> list[str]:
-    problems = []
-    released, errors = owner.end_retrieve(pin_op, pin_plan, data[:1])
-    if (released, errors) != (1, 0):
-        problems.append(f"its retrieve released {released} locks (1) with {errors} errors")
-    committed = owner.commit(500).num_committed
-    if committed != len(fresh):
-        problems.append(f"its store committed {committed} of {len(fresh)}")
-    freed = owner.free_locks("owner:1").num_locks
-    if freed != len(data) - 1:
-        problems.append(f"{freed} of its locks were left to free, not {len(data) - 1}")
-    again = owner.lookup("owner:3", data + fresh)
-    errors = len(data + fresh) - again.hit_chunks
-    errors += owner.retrieve("owner:3", again.handle, (data + fresh)[: again.hit_chunks])
-    if errors:
-        problems.append(f"{errors} of its chunks missed or came back wrong")
-    for session in ("owner:1", "owner:3"):
-        owner.end_session(session)
-    return problems

@@ -22,6 +22,7 @@ from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports
 from testbed.core.bounds import Bound, check
 from testbed.core.paths import absolute_path
+from testbed.only_flag import add_only_argument, picked
 
 TIMEOUT_BOUND = Bound(1e-3, 3600.0, "s")
 """The range of ``--timeout`` (the engines' connector timeout; finite)."""
@@ -83,12 +84,7 @@ def add_chaos_parser(commands: Any) -> None:
         help="the engines' connector timeout in seconds; no engine step may stall longer than "
         "it plus 1 s (default: 2)",
     )
-    chaos.add_argument(
-        "--only",
-        action="append",
-        choices=sorted(SCENARIOS),
-        help="run only this scenario (repeatable)",
-    )
+    add_only_argument(chaos, SCENARIOS, "scenario")
 
 
 def run_chaos(args: argparse.Namespace) -> int:
@@ -96,7 +92,7 @@ def run_chaos(args: argparse.Namespace) -> int:
     if problem is not None:
         raise ValueError(f"--timeout {problem}, got {args.timeout}")
     config = ChaosConfig(args.out, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
-    names = [name for name in SCENARIOS if not args.only or name in args.only]
+    names = picked(SCENARIOS, args.only)
     if any(SCENARIOS[name].engines(config) for name in names):
         from testbed.extras import require_engines
 

@@ -116,24 +116,25 @@ def is_struct_list(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
+_KINDS: dict[type[mi.Type], str] = {
+    mi.IntType: "int",
+    mi.StrType: "str",
+    mi.BytesType: "bytes",
+    mi.BoolType: "bool",
+    mi.ListType: "list",
+    mi.StructType: "map",
+    mi.NoneType: "nil",
+}
+"""The msgpack kind (a key of :data:`OTHER_KIND_VALUES`) of each field type a request has."""
+
+
 def kinds_of(info: mi.Type) -> set[str]:
-    if isinstance(info, mi.IntType):
-        return {"int"}
-    if isinstance(info, mi.StrType):
-        return {"str"}
-    if isinstance(info, mi.BytesType):
-        return {"bytes"}
-    if isinstance(info, mi.BoolType):
-        return {"bool"}
-    if isinstance(info, mi.ListType):
-        return {"list"}
-    if isinstance(info, mi.StructType):
-        return {"map"}
-    if isinstance(info, mi.NoneType):
-        return {"nil"}
     if isinstance(info, mi.UnionType):  # an optional field: any of its kinds, or nil
         return set().union(*(kinds_of(t) for t in info.types))
-    raise TypeError(f"unexpected field type {info!r}")
+    kind = _KINDS.get(type(info))
+    if kind is None:
+        raise TypeError(f"unexpected field type {info!r}")
+    return {kind}
 
 
 def violations(info: mi.Type) -> list[Any]:

@@ -26,11 +26,11 @@ import msgspec
 import zmq
 
 from server.launch import ServerProcess
+from testbed.chaos.bystander import OpenOperations
 from testbed.chaos.frames import FrameFuzzer, FuzzCase, FuzzContext
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.watch import Held
 from testbed.core import protocol as p
-from testbed.core.keys import ChunkHash
 from testbed.core.rpc import RemoteError, ServerUnavailable
 
 _MAX_EXAMPLES = 10
@@ -206,27 +206,29 @@ def fuzz_server(
     stored, reserved = chunk_hashes(f"{_VICTIM}/stored", 4), chunk_hashes(f"{_VICTIM}/new", 3)
     with ProbeClient(server.url, server.token, model=_VICTIM, heartbeat_interval_s=0.3) as victim:
         victim.register()
-        victim.store(f"{_VICTIM}:0", stored)
-        found = victim.lookup(f"{_VICTIM}:1", stored)
-        pin_op, pin_plan = victim.begin_retrieve(
-            f"{_VICTIM}:1", found.handle, stored[:2], op_id=_VICTIM_OPS[0]
-        )
-        victim.begin_store(f"{_VICTIM}:2", reserved, op_id=_VICTIM_OPS[1])
+        victim_ops = OpenOperations.open(
+            victim, _VICTIM, stored, reserved,
+            pinned=2, retrieve_op=_VICTIM_OPS[0], store_op=_VICTIM_OPS[1],
+        )  # fmt: skip
         context = FuzzContext(
             token=server.token,
             epoch=victim.epoch,
-            foreign_sessions=(f"{_VICTIM}:1", f"{_VICTIM}:2"),
+            foreign_sessions=victim_ops.sessions,
             foreign_op_ids=_VICTIM_OPS,
-            foreign_handles=(found.handle,),
+            foreign_handles=(victim_ops.found.handle,),
             chunk_hashes=tuple(stored + reserved),
             models=(_VICTIM,),
             max_message_bytes=setup.max_message_bytes,
         )
         cases = FrameFuzzer(seed, context).cases(num_frames)
         stats = send_cases(server.url, cases, alive=alive)
-        problems = []
+        problems: list[str] = []
         if alive():
-            problems = _finish_victim(victim, found, pin_op, pin_plan, stored, reserved)
+            try:
+                for problem in victim_ops.finish():
+                    problems.append(problem)
+            except (RemoteError, ServerUnavailable) as exc:
+                problems.append(f"the victim's own requests failed: {exc}")
     dropped = alive() and _oversized_drops_connection(server.url, setup.max_message_bytes)
     probe_errors = 0
     if alive():
@@ -244,41 +246,6 @@ def fuzz_server(
                     break
                 time.sleep(0.1)
     return FuzzReport(stats, problems, probe_errors, dropped, held, reaped, alive())
-
-
-def _finish_victim(
-    victim: ProbeClient,
-    found: p.LookupResult,
-    pin_op: int,
-    pin_plan: p.RetrievePlan,
-    stored: list[ChunkHash],
-    reserved: list[ChunkHash],
-) -> list[str]:
-    """Completes the victim's operations; what differs from an undisturbed run."""
-    problems = []
-    try:
-        released, errors = victim.end_retrieve(pin_op, pin_plan, stored[:2])
-        if (released, errors) != (2, 0):
-            problems.append(f"its retrieve released {released} locks (2) with {errors} errors")
-        done = victim.commit(_VICTIM_OPS[1])
-        if done.num_committed != len(reserved):
-            problems.append(f"its store committed {done.num_committed} of {len(reserved)}")
-        freed = victim.free_locks(f"{_VICTIM}:1")
-        if freed.num_locks != len(stored) - 2:
-            problems.append(f"{freed.num_locks} of its locks were left to free, not 2")
-        again = victim.lookup(f"{_VICTIM}:3", stored + reserved)
-        if again.hit_chunks != len(stored + reserved):
-            problems.append(f"its data: {again.hit_chunks} of {len(stored + reserved)} chunks hit")
-        errors = victim.retrieve(
-            f"{_VICTIM}:3", again.handle, (stored + reserved)[: again.hit_chunks]
-        )
-        if errors:
-            problems.append(f"its data: {errors} chunks came back wrong")
-        for session in (f"{_VICTIM}:1", f"{_VICTIM}:3"):
-            victim.end_session(session)
-    except (RemoteError, ServerUnavailable) as exc:
-        problems.append(f"the victim's own requests failed: {exc}")
-    return problems
 
 
 def _oversized_drops_connection(url: str, max_message_bytes: int) -> bool:

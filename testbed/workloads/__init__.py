@@ -19,7 +19,6 @@ from testbed.workloads.base import (
     Workload,
     WorkloadOptions,
     WorkloadRequest,
-    parse_params,
 )
 from testbed.workloads.block_trace import BlockRequest, BlockTraceWorkload
 from testbed.workloads.chat import ChatParams, ChatWorkload
@@ -27,6 +26,7 @@ from testbed.workloads.documents import DocQAParams, DocQAWorkload, RAGParams, R
 from testbed.workloads.generator import Generator
 from testbed.workloads.mooncake import BLOCK_TOKENS, MooncakeWorkload
 from testbed.workloads.no_reuse import RandomParams, RandomWorkload
+from testbed.workloads.params import parse_params
 
 __all__ = [
     "BLOCK_TOKENS",

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 
@@ -50,8 +51,9 @@ from testbed.workloads.arrivals import (
     T,
     instant_order,
 )
-from testbed.workloads.base import WorkloadOptions, check_at_least, parse_params, raise_problems
+from testbed.workloads.base import WorkloadOptions
 from testbed.workloads.block_trace import BlockRequest, BlockTraceWorkload
+from testbed.workloads.params import AtLeast, WorkloadParams, parse_params
 
 __all__ = ["GROUP_SEPARATOR", "AgenticParams", "AgenticWorkload"]
 
@@ -59,25 +61,17 @@ _SAMPLE = 1  # what a seed of this module is for: the sample of sessions
 
 
 @dataclass(frozen=True)
-class AgenticParams:
+class AgenticParams(WorkloadParams, workload="agentic"):
     """Parameters of ``agentic:PATH`` (``--workload-param KEY=VALUE``)."""
 
-    users: int | None = None
+    users: Annotated[int | None, AtLeast(1)] = None
     """Closed-loop users (arrival mode ``users``); ``None``: arrival mode ``trace``."""
-    max_sessions: int | None = None
+    max_sessions: Annotated[int | None, AtLeast(1)] = None
     """Keep a seeded sample of this many sessions (``None``: all)."""
-    max_input_tokens: int | None = None
+    max_input_tokens: Annotated[int | None, AtLeast(1)] = None
     """End each agent before its first request with more input tokens (``None``: no cap)."""
-    max_think_s: float | None = None
+    max_think_s: Annotated[float | None, AtLeast(0.0)] = None
     """Cap on every closed-loop delay (think time, sub-agent start), seconds."""
-
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        check_at_least(problems, "users", self.users, 1)
-        check_at_least(problems, "max_sessions", self.max_sessions, 1)
-        check_at_least(problems, "max_input_tokens", self.max_input_tokens, 1)
-        check_at_least(problems, "max_think_s", self.max_think_s, 0.0)
-        raise_problems("agentic", problems)
 
     @property
     def arrival_mode(self) -> str:

@@ -1,4 +1,5 @@
-"""What every workload yields and promises, and the option parsing all of them share.
+"""What every workload yields and promises, and the options all of them take (a workload's
+own parameters: :mod:`.params`).
 
 A workload is an iterable of :class:`WorkloadRequest` in arrival order. Iteration is lazy (a
 trace is streamed, a generator builds each prompt when it is reached) and deterministic: the
@@ -7,17 +8,15 @@ same options give identical requests on every iteration, on every machine.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from testbed.core.keys import KeyExtras, MultiModalInput
-from testbed.core.typed_values import convert
+from testbed.models.servable import ServableShape
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -90,20 +89,15 @@ def lora_identity(name: str) -> tuple[str, str]:
     return name, f"replay://lora/{name}"
 
 
-class RequestShape(Protocol):
+class RequestShape(ServableShape, Protocol):
     """What a run needs of a request before its tokens: a :class:`WorkloadRequest`, or a
-    block-hash trace's request as block ids (``testbed.workloads.block_trace``)."""
+    block-hash trace's request as block ids (``testbed.workloads.block_trace``): what the
+    servable filter reads, and when it arrives in which group."""
 
-    @property
-    def request_id(self) -> str: ...
     @property
     def arrival_s(self) -> float: ...
     @property
     def group(self) -> str: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def max_output_tokens(self) -> int: ...
 
 
 @runtime_checkable
@@ -170,57 +164,3 @@ def poisson_arrivals_s(
     gaps_s = rng.exponential(1.0 / rate_per_s, size=num_requests)
     gaps_s[0] = 0.0
     return np.cumsum(gaps_s)
-
-
-# -------------------------------------------------------------------------------------------
-# Parameter dataclasses: parsing a mapping (TOML table, CLI key=value pairs) into one
-# -------------------------------------------------------------------------------------------
-
-
-def parse_params(params_cls: type[Any], values: Mapping[str, object] | None, workload: str) -> Any:
-    """``params_cls(**values)`` after checking keys and coercing values to the field types.
-
-    Unknown keys and uncoercible values raise ValueError naming the key and the valid keys;
-    ranges and bounds are then checked by ``params_cls.__post_init__``.
-    """
-    fields = {field.name: field for field in dataclasses.fields(params_cls)}
-    hints = typing.get_type_hints(params_cls)
-    kwargs: dict[str, object] = {}
-    for key, value in (values or {}).items():
-        if key not in fields:
-            valid = ", ".join(fields) or "(none)"
-            raise ValueError(f"unknown {workload} param {key!r}; valid params: {valid}")
-        kwargs[key] = _coerce(f"{workload} param {key!r}", value, hints[key])
-    return params_cls(**kwargs)
-
-
-def _coerce(what: str, value: object, hint: Any) -> object:
-    """``value`` as ``hint`` (:func:`testbed.core.typed_values.convert`, text read as the type):
-    ``"none"`` is ``None`` for an optional field, ``"a,b"`` a pair."""
-    optional = type(None) in typing.get_args(hint)
-    if optional and isinstance(value, str) and value.lower() == "none":
-        return None
-    options = typing.get_args(hint) if optional else (hint,)
-    if any(typing.get_origin(option) is tuple for option in options) and isinstance(value, str):
-        value = value.split(",")
-    return convert(value, hint, what)
-
-
-def check_range(problems: list[str], name: str, bounds: tuple[int, int], minimum: int) -> None:
-    """Appends a problem unless ``minimum <= bounds[0] <= bounds[1]``."""
-    low, high = bounds
-    if low < minimum or high < low:
-        problems.append(
-            f"{name} must be a [min, max] pair with {minimum} <= min <= max, got {list(bounds)}"
-        )
-
-
-def check_at_least(problems: list[str], name: str, value: float | None, minimum: float) -> None:
-    """Appends a problem unless ``value`` is ``None`` or ``>= minimum``."""
-    if value is not None and not value >= minimum:
-        problems.append(f"{name} must be >= {minimum}, got {value}")
-
-
-def raise_problems(workload: str, problems: list[str]) -> None:
-    if problems:
-        raise ValueError(f"invalid {workload} params: " + "; ".join(problems))

@@ -5,60 +5,41 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
-from testbed.workloads.base import check_at_least, check_range, raise_problems
-from testbed.workloads.generator import (
-    DOCUMENT,
-    QUESTION,
-    REQUEST,
-    SCHEDULE,
-    SYSTEM,
-    Generator,
-    check_rate,
-    interleave,
-)
+from testbed.workloads.generator import DOCUMENT, QUESTION, REQUEST, Generator, GroupedGenerator
+from testbed.workloads.params import AtLeast, NotAbove, Range, Rate, WorkloadParams
 
 
 @dataclass(frozen=True)
-class DocQAParams:
+class DocQAParams(WorkloadParams, workload="docqa"):
     """Parameters of ``docqa``: several questions about each of a pool of long documents."""
 
-    document_tokens: tuple[int, int] = (8192, 16384)
+    document_tokens: Annotated[tuple[int, int], Range(1)] = (8192, 16384)
     """Length range of each document."""
 
-    questions_per_document: int = 4
+    questions_per_document: Annotated[int, AtLeast(1)] = 4
     """Questions asked about each document."""
 
-    num_documents: int | None = None
+    num_documents: Annotated[int | None, AtLeast(1)] = None
     """Documents; ``None``: ``ceil(num_requests / questions_per_document)``."""
 
-    concurrent_documents: int = 4
+    concurrent_documents: Annotated[int, AtLeast(1)] = 4
     """Documents being asked about at once (bounds the distance between their questions)."""
 
-    question_tokens: tuple[int, int] = (16, 128)
+    question_tokens: Annotated[tuple[int, int], Range(1)] = (16, 128)
     """Length range of each question."""
 
-    output_tokens: tuple[int, int] = (32, 256)
+    output_tokens: Annotated[tuple[int, int], Range(1)] = (32, 256)
     """Length range of each answer."""
 
-    arrival_rate_per_s: float = 2.0
+    arrival_rate_per_s: Annotated[float, Rate()] = 2.0
     """Poisson arrival rate of requests (``inf``: all at time 0)."""
 
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        check_range(problems, "document_tokens", self.document_tokens, 1)
-        check_at_least(problems, "questions_per_document", self.questions_per_document, 1)
-        check_at_least(problems, "num_documents", self.num_documents, 1)
-        check_at_least(problems, "concurrent_documents", self.concurrent_documents, 1)
-        check_range(problems, "question_tokens", self.question_tokens, 1)
-        check_range(problems, "output_tokens", self.output_tokens, 1)
-        check_rate(problems, self.arrival_rate_per_s)
-        raise_problems("docqa", problems)
 
-
-class DocQAWorkload(Generator):
+class DocQAWorkload(GroupedGenerator):
     """Long-document QA (parameters: :class:`DocQAParams`).
 
     Prompt = document + question; a document's questions arrive in order, interleaved with those
@@ -67,26 +48,14 @@ class DocQAWorkload(Generator):
 
     name = "docqa"
     params_type = DocQAParams
-
-    def _resolve_num_requests(self) -> int:
-        num_requests, self.num_documents = self._resolve_grouped(
-            "num_documents", "questions_per_document"
-        )
-        return num_requests
-
-    def describe(self) -> dict[str, object]:
-        description = super().describe()
-        description["num_documents"] = self.num_documents
-        return description
+    groups_param = "num_documents"
+    per_group_param = "questions_per_document"
+    concurrent_param = "concurrent_documents"
 
     def _prompts(self) -> Iterator[tuple[np.ndarray, int, str]]:
         p = self.params
         documents: dict[int, np.ndarray] = {}  # open documents only
-        order = interleave(
-            self._rng(SCHEDULE), self.num_documents, p.questions_per_document,
-            p.concurrent_documents, self.num_requests,
-        )  # fmt: skip
-        for document, question_index in order:
+        for document, question_index in self._order():
             if document not in documents:
                 documents[document] = self._tokens(self._rng(DOCUMENT, document), p.document_tokens)
             text = documents[document]
@@ -98,50 +67,33 @@ class DocQAWorkload(Generator):
 
 
 @dataclass(frozen=True)
-class RAGParams:
+class RAGParams(WorkloadParams, workload="rag"):
     """Parameters of ``rag``: retrieved documents drawn by Zipf popularity from a pool."""
 
-    num_documents: int = 128
+    num_documents: Annotated[int, AtLeast(1)] = 128
     """Documents in the pool."""
 
-    docs_per_request: int = 4
+    docs_per_request: Annotated[int, AtLeast(1), NotAbove("num_documents")] = 4
     """Documents retrieved into each prompt (distinct)."""
 
-    zipf_alpha: float = 1.0
+    zipf_alpha: Annotated[float, AtLeast(0.0)] = 1.0
     """Popularity exponent: document of rank ``r`` (1 = most popular) has weight ``r**-alpha``
     (0: uniform)."""
 
-    system_prompt_tokens: int = 256
+    system_prompt_tokens: Annotated[int, AtLeast(0)] = 256
     """Tokens of the system prompt every request starts with (0: none)."""
 
-    document_tokens: tuple[int, int] = (256, 1024)
+    document_tokens: Annotated[tuple[int, int], Range(1)] = (256, 1024)
     """Length range of each document."""
 
-    question_tokens: tuple[int, int] = (16, 128)
+    question_tokens: Annotated[tuple[int, int], Range(1)] = (16, 128)
     """Length range of each question."""
 
-    output_tokens: tuple[int, int] = (32, 256)
+    output_tokens: Annotated[tuple[int, int], Range(1)] = (32, 256)
     """Length range of each answer."""
 
-    arrival_rate_per_s: float = 2.0
+    arrival_rate_per_s: Annotated[float, Rate()] = 2.0
     """Poisson arrival rate of requests (``inf``: all at time 0)."""
-
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        check_at_least(problems, "num_documents", self.num_documents, 1)
-        check_at_least(problems, "docs_per_request", self.docs_per_request, 1)
-        if self.docs_per_request > self.num_documents:
-            problems.append(
-                f"docs_per_request ({self.docs_per_request}) must not exceed num_documents "
-                f"({self.num_documents})"
-            )
-        check_at_least(problems, "zipf_alpha", self.zipf_alpha, 0.0)
-        check_at_least(problems, "system_prompt_tokens", self.system_prompt_tokens, 0)
-        check_range(problems, "document_tokens", self.document_tokens, 1)
-        check_range(problems, "question_tokens", self.question_tokens, 1)
-        check_range(problems, "output_tokens", self.output_tokens, 1)
-        check_rate(problems, self.arrival_rate_per_s)
-        raise_problems("rag", problems)
 
 
 class RAGWorkload(Generator):
@@ -158,7 +110,7 @@ class RAGWorkload(Generator):
 
     def _prompts(self) -> Iterator[tuple[np.ndarray, int, str]]:
         p = self.params
-        system = self._tokens(self._rng(SYSTEM), (p.system_prompt_tokens, p.system_prompt_tokens))
+        system = self._system_prompt(p.system_prompt_tokens)
         weights = np.arange(1, p.num_documents + 1, dtype=np.float64) ** -p.zipf_alpha
         weights /= weights.sum()
         documents: dict[int, np.ndarray] = {}

@@ -29,11 +29,6 @@ from testbed.workloads.base import (
 SYSTEM, QUESTION, ANSWER, DOCUMENT, REQUEST, ARRIVALS, SCHEDULE = range(7)
 
 
-def check_rate(problems: list[str], rate_per_s: float) -> None:
-    if not rate_per_s > 0:
-        problems.append(f"arrival_rate_per_s must be > 0 (inf: all at time 0), got {rate_per_s}")
-
-
 class Generator:
     """Shared machinery: options, seeding, arrivals, request ids, ``describe``."""
 
@@ -48,23 +43,6 @@ class Generator:
 
     def _resolve_num_requests(self) -> int:
         return self.options.num_requests or self.default_num_requests
-
-    def _resolve_grouped(self, groups_param: str, per_group_param: str) -> tuple[int, int]:
-        """``(num_requests, num_groups)`` for a workload of groups of ``per_group_param`` items
-        (turns of a conversation, questions about a document)."""
-        num_groups: int | None = getattr(self.params, groups_param)
-        per_group: int = getattr(self.params, per_group_param)
-        if num_groups is None:
-            num_requests = self.options.num_requests or self.default_num_requests
-            return num_requests, math.ceil(num_requests / per_group)
-        num_requests = self.options.num_requests or num_groups * per_group
-        if num_requests > num_groups * per_group:
-            raise ValueError(
-                f"{self.name}: num_requests {num_requests} exceeds {groups_param} x "
-                f"{per_group_param} = {num_groups} x {per_group}; raise {groups_param} or leave "
-                "it unset"
-            )
-        return num_requests, num_groups
 
     def describe(self) -> dict[str, object]:
         return {
@@ -103,6 +81,55 @@ class Generator:
 
     def _output_tokens(self, rng: np.random.Generator, bounds: tuple[int, int]) -> int:
         return self.options.cap_output(draw(rng, bounds))
+
+    def _system_prompt(self, num_tokens: int) -> np.ndarray:
+        """The ``num_tokens`` of the system prompt every request or group starts with."""
+        return self._tokens(self._rng(SYSTEM), (num_tokens, num_tokens))
+
+
+class GroupedGenerator(Generator):
+    """A generator of groups of items (a conversation's turns, a document's questions), at most
+    ``concurrent`` groups open at a time (:func:`interleave`).
+
+    Its params name the group count ``groups_param`` (``None``: as many as ``num_requests``
+    needs), the items per group ``per_group_param`` and the open groups ``concurrent_param``;
+    ``describe`` adds the resolved group count under ``groups_param``.
+    """
+
+    groups_param: ClassVar[str]
+    per_group_param: ClassVar[str]
+    concurrent_param: ClassVar[str]
+    num_groups: int
+
+    def _resolve_num_requests(self) -> int:
+        """``num_requests``; sets ``num_groups``."""
+        groups: int | None = getattr(self.params, self.groups_param)
+        per_group: int = getattr(self.params, self.per_group_param)
+        if groups is None:
+            num_requests = self.options.num_requests or self.default_num_requests
+            self.num_groups = math.ceil(num_requests / per_group)
+            return num_requests
+        num_requests = self.options.num_requests or groups * per_group
+        if num_requests > groups * per_group:
+            raise ValueError(
+                f"{self.name}: num_requests {num_requests} exceeds {self.groups_param} x "
+                f"{self.per_group_param} = {groups} x {per_group}; raise {self.groups_param} or "
+                "leave it unset"
+            )
+        self.num_groups = groups
+        return num_requests
+
+    def describe(self) -> dict[str, object]:
+        description = super().describe()
+        description[self.groups_param] = self.num_groups
+        return description
+
+    def _order(self) -> Iterator[tuple[int, int]]:
+        """``(group, item)`` pairs in arrival order (:func:`interleave`)."""
+        return interleave(
+            self._rng(SCHEDULE), self.num_groups, getattr(self.params, self.per_group_param),
+            getattr(self.params, self.concurrent_param), self.num_requests,
+        )  # fmt: skip
 
 
 def draw(rng: np.random.Generator, bounds: tuple[int, int]) -> int:

@@ -4,32 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 
-from testbed.workloads.base import check_range, raise_problems
-from testbed.workloads.generator import REQUEST, Generator, check_rate
+from testbed.workloads.generator import REQUEST, Generator
+from testbed.workloads.params import Range, Rate, WorkloadParams
 
 
 @dataclass(frozen=True)
-class RandomParams:
+class RandomParams(WorkloadParams, workload="random"):
     """Parameters of ``random``: independent uniformly random prompts."""
 
-    prompt_tokens: tuple[int, int] = (256, 4096)
+    prompt_tokens: Annotated[tuple[int, int], Range(1)] = (256, 4096)
     """Length range of each prompt."""
 
-    output_tokens: tuple[int, int] = (32, 256)
+    output_tokens: Annotated[tuple[int, int], Range(1)] = (32, 256)
     """Length range of each answer."""
 
-    arrival_rate_per_s: float = 2.0
+    arrival_rate_per_s: Annotated[float, Rate()] = 2.0
     """Poisson arrival rate of requests (``inf``: all at time 0)."""
-
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        check_range(problems, "prompt_tokens", self.prompt_tokens, 1)
-        check_range(problems, "output_tokens", self.output_tokens, 1)
-        check_rate(problems, self.arrival_rate_per_s)
-        raise_problems("random", problems)
 
 
 class RandomWorkload(Generator):
