@@ -131,7 +131,7 @@ def launch_spec(server: ServerProcess, run_dir, port: int) -> LaunchSpec:
     )
     events = {"enable_kv_cache_events": True, "publisher": "zmq"}
     events["endpoint"] = f"tcp://127.0.0.1:{port}"
-    return LaunchSpec(
+    return LaunchSpec.of(
         model=None,
         max_model_len=2048,
         block_size=BLOCK,
