@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from testbed.bench.figures import Figure, missing
 from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
 from testbed.bench.processes import BenchProcesses
 from testbed.bench.stats import Ratio, Spread
-from testbed.bench.vllm_e2e import Answers, EngineChild, series, start_our_engine
+from testbed.bench.vllm_e2e import NATIVE, Answers, EngineChild, series, start_our_engine
 
 HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hit_16k_vs_recompute"}
 
@@ -24,7 +25,7 @@ def section(config: BenchConfig) -> SectionResult:
 
     lengths, samples = config.e2e_lengths, config.e2e_samples
     max_len = -(-max(lengths) // BLOCK) * BLOCK
-    ours = ["no cache", "worker"] + ([] if config.quick else ["server"])
+    ours = ["no cache", "worker"] + ([] if config.quick else ["server", NATIVE])
     work = config.work_dir / "vllm"
     with ExitStack() as stack:
         processes = stack.enter_context(BenchProcesses())
@@ -33,7 +34,7 @@ def section(config: BenchConfig) -> SectionResult:
             run_dir = work / name.replace(" ", "-")
             run_dir.mkdir(parents=True, exist_ok=True)
             server = None
-            if name != "no cache":
+            if name not in ("no cache", NATIVE):
                 args = [
                     "--chunk-size",
                     str(CHUNK),
@@ -127,10 +128,22 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
                 r.value,
                 what.format(pass_="second pass (a hit)", n=length, s=n),
                 ratio=r,
-                details={"modes": {m: round(ratio(length, m, "second").value, 4) for m in modes}},
+                details=_hit_details(answers, length, modes, ratio),
             )
         )
     return figures
+
+
+def _hit_details(
+    answers: Answers, length: int, modes: list[str], ratio: Callable[[int, str, str], Ratio]
+) -> dict[str, object]:
+    """The hit's ratio in each transfer mode, and vLLM's own prefix-cache hit's (the floor)."""
+    details: dict[str, object] = {
+        "modes": {m: round(ratio(length, m, "second").value, 4) for m in modes}
+    }
+    if (length, NATIVE) in answers:
+        details["vllm_prefix_cache_hit"] = round(ratio(length, NATIVE, "second").value, 4)
+    return details
 
 
 def rpc_figure(run_dir: Path) -> Figure:

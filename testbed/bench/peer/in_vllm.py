@@ -131,7 +131,8 @@ def equality_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure]
             "outputs_identical",
             outputs_equal,
             f"greedy output tokens of all {checked} passes identical across vLLM without a "
-            "connector, ours (both modes) and LMCache (both modes)",
+            "connector (its prefix cache off, and on), ours (both modes) and LMCache (both "
+            "modes)",
         ),
     ]
 
