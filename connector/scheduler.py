@@ -32,7 +32,7 @@ the lookup's status and the preemptions.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from connector.ops import StepPlan
 from connector.planner import (
@@ -73,31 +73,22 @@ class ScheduledRequest:
     """A new or resumed request: ``block_ids`` is its complete block table."""
 
 
+@dataclass(eq=False)
 class SchedulerSide:
-    def __init__(
-        self,
-        client: SchedulerClient,
-        geometry: Geometry,
-        *,
-        engine_id: str,
-        default_cache_salt: str = "",
-        load_async: bool = True,
-        lookup_wait_s: float = 0.0,
-        wait_pending: bool = True,
-        store_decode_tokens: bool = False,
-        tp_size: int = 1,
-    ) -> None:
-        self.client = client
-        self.geometry = geometry
-        self.engine_id = engine_id
-        self.default_cache_salt = default_cache_salt
-        self.load_async = load_async
-        self.lookup_wait_s = lookup_wait_s
-        self.wait_pending = wait_pending
-        """Whether a ``pending`` answer (a store in flight) is waited for within
-        ``lookup_wait_s``, or the request deferred to the next step at once."""
-        self.store_decode_tokens = store_decode_tokens
-        self.tp_size = tp_size
+    client: SchedulerClient
+    geometry: Geometry
+    _: KW_ONLY
+    engine_id: str
+    default_cache_salt: str = ""
+    load_async: bool = True
+    lookup_wait_s: float = 0.0
+    wait_pending: bool = True
+    """Whether a ``pending`` answer (a store in flight) is waited for within
+    ``lookup_wait_s``, or the request deferred to the next step at once."""
+    store_decode_tokens: bool = False
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
         self.trackers: dict[str, RequestTracker] = {}
         self._spans: dict[str, telemetry.Span] = {}
         self._delayed: list[str] = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from connector.stats import StatsRecorder
 from testbed.core import protocol as p
@@ -78,35 +78,26 @@ class _Lookup:
         self.poll_wait_s += waited_s
 
 
+@dataclass(eq=False)
 class SchedulerClient:
-    def __init__(
-        self,
-        rpc: RpcClient,
-        *,
-        model: str,
-        world_size: int,
-        num_readers: int,
-        chunk_size: int,
-        poll_interval_s: float = 0.001,
-        track_evictions: bool = False,
-        eviction_seq: int = 0,
-        defer_releases: bool = False,
-    ) -> None:
-        self.rpc = rpc
-        self.defer_releases = defer_releases
-        self.model = model
-        self.world_size = world_size
-        self.num_readers = num_readers
-        self.chunk_size = chunk_size
-        self.poll_interval_s = poll_interval_s
+    rpc: RpcClient
+    _: KW_ONLY
+    model: str
+    world_size: int
+    num_readers: int
+    chunk_size: int
+    poll_interval_s: float = 0.001
+    track_evictions: bool = False
+    """Lookups ask the server which chunks it removed since the last answer (for vLLM's KV
+    events; :meth:`take_evictions`)."""
+    eviction_seq: int = 0
+    """The server's latest removal number this client knows (``GetConfig`` at start)."""
+    defer_releases: bool = False
+
+    def __post_init__(self) -> None:
         self.stats = StatsRecorder()
         """Lookups and abandoned releases for vLLM's connector stats."""
         self._lookups: dict[str, _Lookup] = {}
-        self.track_evictions = track_evictions
-        """Lookups ask the server which chunks it removed since the last answer (for vLLM's KV
-        events; :meth:`take_evictions`)."""
-        self._eviction_seq = eviction_seq
-        """The server's latest removal number this client knows (``GetConfig`` at start)."""
         self._eviction_epoch = 0
         self._evicted: list[tuple[str, ChunkHash, int]] = []
         self._evictions_lost = False
@@ -144,7 +135,7 @@ class SchedulerClient:
                     chunk_hashes=chunk_hashes,
                     num_readers=self.num_readers,
                     traceparent=telemetry.traceparent_of(span),
-                    evictions_after=self._eviction_seq if self.track_evictions else None,
+                    evictions_after=self.eviction_seq if self.track_evictions else None,
                 )
             )
         self._lookups[session_id] = _Lookup(
@@ -254,8 +245,8 @@ class SchedulerClient:
             self._evictions_lost = True
             self._evicted = []
         self._evicted += [(c.cache_salt, c.chunk_hash, c.seq) for c in reply.evicted]
-        if reply.evictions_lost or restarted or reply.eviction_seq > self._eviction_seq:
-            self._eviction_seq = reply.eviction_seq
+        if reply.evictions_lost or restarted or reply.eviction_seq > self.eviction_seq:
+            self.eviction_seq = reply.eviction_seq
 
     def take_evictions(self) -> tuple[list[tuple[str, ChunkHash, int]], bool]:
         """Chunks ``(cache salt, chunk hash, removal number)`` the server removed, as the lookups

@@ -111,12 +111,40 @@ class BlockCopier:
 
     def gather(self, pool: np.ndarray, copies: Sequence[ChunkCopy]) -> int:
         """Copies each chunk's blocks into its slot of ``pool``; returns the bytes written."""
+        return self._copy(pool, copies, _take)
+
+    def scatter(self, pool: np.ndarray, copies: Sequence[ChunkCopy]) -> int:
+        """Copies each slot of ``pool`` into its chunk's blocks, except the first
+        ``skip_blocks`` of each chunk; returns the bytes written into the KV."""
+        return self._copy(pool, copies, _put)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    # -----------------------------------------------------------------------------------------
+    # Internal
+    # -----------------------------------------------------------------------------------------
+
+    def _copy(self, pool: np.ndarray, copies: Sequence[ChunkCopy], op: _Copy) -> int:
+        """Copies in the direction of ``op`` (``_take``: blocks into slots; ``_put``: slots into
+        blocks): as one call where the slots lie back to back, else chunk by chunk."""
         _check_buffer(pool)
-        whole = self._back_to_back(pool, copies, _take)
+        whole = self._back_to_back(pool, copies, op)
         if whole is not None:
             self._run([whole])
             return sum(copy.slot.nbytes for copy in copies)
         work: list[_Work] = []
+        if op is _take:
+            written = self._gather_work(pool, copies, work)
+        else:
+            written = self._scatter_work(pool, copies, work)
+        self._run(work)
+        return written
+
+    def _gather_work(self, pool: np.ndarray, copies: Sequence[ChunkCopy], work: list[_Work]) -> int:
+        """Appends the copies of each chunk's blocks into its slot; the bytes they write."""
         written = 0
         for copy, indices in zip(copies, self.geometry.indices(copies, skip=False), strict=True):
             if copy.skip_blocks:
@@ -130,18 +158,13 @@ class BlockCopier:
                 target = obj[start : start + segment.num_layers * per_layer]
                 work.append((_take, runs, index, target))
             written += copy.slot.nbytes
-        self._run(work)
         return written
 
-    def scatter(self, pool: np.ndarray, copies: Sequence[ChunkCopy]) -> int:
-        """Copies each slot of ``pool`` into its chunk's blocks, except the first
-        ``skip_blocks`` of each chunk; returns the bytes written into the KV."""
-        _check_buffer(pool)
-        whole = self._back_to_back(pool, copies, _put)
-        if whole is not None:
-            self._run([whole])
-            return sum(copy.slot.nbytes for copy in copies)
-        work: list[_Work] = []
+    def _scatter_work(
+        self, pool: np.ndarray, copies: Sequence[ChunkCopy], work: list[_Work]
+    ) -> int:
+        """Appends the copies of each slot into its chunk's blocks but the skipped ones; the
+        bytes they write."""
         written = 0
         for copy in copies:
             if not 0 <= copy.skip_blocks <= len(copy.block_ids):
@@ -161,17 +184,7 @@ class BlockCopier:
                 source = shaped[segment.first_layer : segment.first_layer + segment.num_layers]
                 work.append((_put, runs, index, source[kept]))
             written += (n - skip) * geometry.object_block_bytes
-        self._run(work)
         return written
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
-    # -----------------------------------------------------------------------------------------
-    # Internal
-    # -----------------------------------------------------------------------------------------
 
     def _back_to_back(
         self, pool: np.ndarray, copies: Sequence[ChunkCopy], op: _Copy

@@ -289,15 +289,20 @@ class OpItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Server-driven retrieves: leading blocks the engine already holds (never written)."""
 
 
-class StoreBegin(_Request, tag="store_begin", kw_only=True):
-    """Reserve pool slots for the chunks of each item not stored yet."""
+class _BatchBegin(_Request, kw_only=True):
+    """The start of a batched store or retrieve: its fields, the same in both."""
 
     op_id: OpId
     epoch: Count
     """The epoch the worker registered (and mapped the pool) with."""
     items: Annotated[list[OpItem], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
     ready_event: CudaEvent | None = None
-    """CUDA IPC: the server copies only after this event (the forward pass wrote the blocks)."""
+    """CUDA IPC: the server copies only after this event (a store's: the forward pass wrote
+    the blocks; a retrieve's: earlier reads of the blocks are done)."""
+
+
+class StoreBegin(_BatchBegin, tag="store_begin", kw_only=True):
+    """Reserve pool slots for the chunks of each item not stored yet."""
 
 
 class StoreCommit(_Request, tag="store_commit", kw_only=True):
@@ -307,14 +312,8 @@ class StoreCommit(_Request, tag="store_commit", kw_only=True):
     ok: bool = True
 
 
-class RetrieveBegin(_Request, tag="retrieve_begin", kw_only=True):
+class RetrieveBegin(_BatchBegin, tag="retrieve_begin", kw_only=True):
     """Pin the chunks of each item and return their slots (``None`` where missing)."""
-
-    op_id: OpId
-    epoch: Count
-    items: Annotated[list[OpItem], msgspec.Meta(max_length=MAX_ITEMS_PER_BATCH)]
-    ready_event: CudaEvent | None = None
-    """CUDA IPC: the server writes the blocks only after this event (earlier reads are done)."""
 
 
 class RetrieveEnd(_Request, tag="retrieve_end", kw_only=True):

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import Link
 
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
 from testbed.core.telemetry.otlp_json import any_value, encode_span, key_values
@@ -66,20 +67,26 @@ def span_text(span: ReadableSpan) -> str:
         + (f',"message":{_string(status.description)}}}' if status.description else "}")
     )
     if span.events:
-        events = (
-            f'{{"timeUnixNano":"{event.timestamp}","name":{_string(event.name)},'
-            f'"attributes":{attributes_text(event.attributes)}}}'
-            for event in span.events
-        )
-        text += ',"events":[' + ",".join(events) + "]"
+        text += ',"events":[' + ",".join(map(event_text, span.events)) + "]"
     if span.links:
-        links = (
-            f'{{"traceId":"{link.context.trace_id:032x}","spanId":"{link.context.span_id:016x}",'
-            f'"attributes":{attributes_text(link.attributes)}}}'
-            for link in span.links
-        )
-        text += ',"links":[' + ",".join(links) + "]"
+        text += ',"links":[' + ",".join(map(link_text, span.links)) + "]"
     return text + "}"
+
+
+def event_text(event: Event) -> str:
+    """One span event's OTLP JSON object."""
+    return (
+        f'{{"timeUnixNano":"{event.timestamp}","name":{_string(event.name)},'
+        f'"attributes":{attributes_text(event.attributes)}}}'
+    )
+
+
+def link_text(link: Link) -> str:
+    """One span link's OTLP JSON object."""
+    return (
+        f'{{"traceId":"{link.context.trace_id:032x}","spanId":"{link.context.span_id:016x}",'
+        f'"attributes":{attributes_text(link.attributes)}}}'
+    )
 
 
 def attributes_text(attributes: Mapping[str, Any] | None) -> str:

@@ -44,9 +44,11 @@ MIXED = pa.large_binary()
 
 STRING = pa.large_string()
 """Strings are large strings: what pandas' ``str`` columns hold, taken without a cast."""
+SPAN_KEY: tuple[tuple[str, pa.DataType], ...] = (("trace_id", STRING), ("span_id", STRING))
+"""The columns that name a span: first in the span table, and in the event table, whose rows
+name their span by them."""
 SPAN_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
-    ("trace_id", STRING),
-    ("span_id", STRING),
+    *SPAN_KEY,
     ("parent_span_id", STRING),
     ("name", STRING),
     ("kind", pa.int64()),
@@ -57,8 +59,7 @@ SPAN_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("links", pa.list_(STRING)),
 )
 EVENT_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
-    ("trace_id", STRING),
-    ("span_id", STRING),
+    *SPAN_KEY,
     ("span_name", STRING),
     ("event", STRING),
     ("time", pa.int64()),
