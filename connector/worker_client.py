@@ -21,7 +21,6 @@ The rank and fan-out rules (:class:`~testbed.core.ranks.WorkerIdentity`) are the
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Generic, Never, Self, TypeVar, overload
 
 from connector.cuda_ipc import CudaExport
 from connector.faults import FaultInjector
@@ -37,39 +36,6 @@ from testbed.core.ranks import WorkerIdentity
 from testbed.core.rpc import RpcClient
 
 __all__ = ["RetrieveOutcome", "WorkerClient"]
-
-T = TypeVar("T")
-
-
-class _Delegated(Generic[T]):
-    """An attribute of one of the client's parts (its ``registration`` or ``stores``), read
-    through the client: under the same name, or ``name`` in the part."""
-
-    def __init__(self, part: str, name: str = "") -> None:
-        self.part = part
-        self.name = name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    @overload
-    def __get__(self, client: None, owner: type | None = None) -> Self: ...
-    @overload
-    def __get__(self, client: object, owner: type | None = None) -> T: ...
-    def __get__(self, client: object, owner: type | None = None) -> Any:
-        if client is None:
-            return self
-        return getattr(getattr(client, self.part), self.name)
-
-    def __set__(self, client: object, value: Never) -> None:
-        raise AttributeError(f"{self.name} is read-only")
-
-
-class _DelegatedSettable(_Delegated[T]):
-    """A part's attribute also set through the client."""
-
-    def __set__(self, client: object, value: T) -> None:
-        setattr(getattr(client, self.part), self.name, value)
 
 
 class WorkerClient:
@@ -97,15 +63,30 @@ class WorkerClient:
         (in place: vLLM keeps using them) into a shared file the server maps."""
         self.registration.register(kv)
 
-    kv = _DelegatedSettable[PagedKV | None]("registration")
-    """The registered KV (set without registering when the server was down: the first store or
-    retrieve registers it)."""
-    epoch = _Delegated[int]("registration")
-    """The server instance this worker registered with (and whose pool it maps)."""
-    blocks_per_chunk = _Delegated[int]("registration")
-    shared = _Delegated[SharedKV | CudaExport | None]("registration")
-    """Server-driven transfers: the KV tensors moved into a file the server maps, or exported
-    through CUDA IPC."""
+    @property
+    def kv(self) -> PagedKV | None:
+        """The registered KV (set without registering when the server was down: the first
+        store or retrieve registers it)."""
+        return self.registration.kv
+
+    @kv.setter
+    def kv(self, kv: PagedKV | None) -> None:
+        self.registration.kv = kv
+
+    @property
+    def epoch(self) -> int:
+        """The server instance this worker registered with (and whose pool it maps)."""
+        return self.registration.epoch
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.registration.blocks_per_chunk
+
+    @property
+    def shared(self) -> SharedKV | CudaExport | None:
+        """Server-driven transfers: the KV tensors moved into a file the server maps, or
+        exported through CUDA IPC."""
+        return self.registration.shared
 
     # -----------------------------------------------------------------------------------------
     # Store
@@ -130,12 +111,24 @@ class WorkerClient:
         abandoned (server-driven: once the server's copies of them are done)."""
         self.stores.cancel(request_ids)
 
-    pending_store_requests = _Delegated[set[str]]("stores", "pending_requests")
-    """Requests with a store of this worker still in flight."""
-    stores_failed = _Delegated[int]("stores", "failed")
-    """Stores (batches) that did not commit, since the client started."""
-    report_chunks = _DelegatedSettable[bool]("stores")
-    """Whether finished stores report their chunks (vLLM's KV events)."""
+    @property
+    def pending_store_requests(self) -> set[str]:
+        """Requests with a store of this worker still in flight."""
+        return self.stores.pending_requests
+
+    @property
+    def stores_failed(self) -> int:
+        """Stores (batches) that did not commit, since the client started."""
+        return self.stores.failed
+
+    @property
+    def report_chunks(self) -> bool:
+        """Whether finished stores report their chunks (vLLM's KV events)."""
+        return self.stores.report_chunks
+
+    @report_chunks.setter
+    def report_chunks(self, report: bool) -> None:
+        self.stores.report_chunks = report
 
     def take_chunk_reports(self) -> list[ChunkReport]:
         """The chunks of the stores finished since the last call (see :attr:`report_chunks`)."""
