@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from testbed.core import telemetry
+from testbed.core.closing import Closing
 from testbed.core.telemetry import attributes as a
 from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
 from testbed.workloads import WorkloadRequest
@@ -61,7 +62,7 @@ class ServeSpec:
             raise ValueError(f"arrival must be 'trace' or 'all', got {self.arrival!r}")
 
 
-class ServeEngine:
+class ServeEngine(Closing):
     """Context manager (nothing to close: the servers are someone else's). With several
     endpoints, ``routing`` decides each request's server."""
 
@@ -71,11 +72,8 @@ class ServeEngine:
         self.spec = spec
         self.routing = routing
 
-    def __enter__(self) -> ServeEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def close(self) -> None:
+        """Nothing to release: the servers are someone else's."""
 
     def run(
         self,
