@@ -20,14 +20,20 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from testbed.core import telemetry
 from testbed.core.closing import Closing
 from testbed.core.telemetry import attributes as a
-from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.engine.results import (
+    EngineResult,
+    OnFinish,
+    RequestRecord,
+    close_request,
+    open_request,
+)
 from testbed.workloads import WorkloadRequest
 
 if TYPE_CHECKING:
@@ -76,16 +82,14 @@ class ServeEngine(Closing):
         """Nothing to release: the servers are someone else's."""
 
     def run(
-        self,
-        requests: Iterable[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
+        self, requests: Iterable[WorkloadRequest], on_finish: OnFinish | None = None
     ) -> EngineResult:
         return asyncio.run(self._run(list(requests), on_finish))
 
     async def _run(
         self,
         requests: list[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None,
+        on_finish: OnFinish | None,
     ) -> EngineResult:
         import aiohttp
 
