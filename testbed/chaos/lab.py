@@ -73,6 +73,8 @@ class Lab(Closing):
 
     def __init__(self, config: ChaosConfig, name: str) -> None:
         self.config = config
+        self.name = name
+        """The scenario's name (its key in ``testbed.chaos.command.SCENARIOS``)."""
         self.dir = config.out_dir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.servers: list[ServerProcess] = []
@@ -82,6 +84,10 @@ class Lab(Closing):
         self.stopped: set[int] = set()
         self.max_rss_mib = 0.0
         self._crashes: int | None = None
+
+    def result(self, proves: str) -> ScenarioResult:
+        """The scenario's result, under its name, saying what the scenario ``proves``."""
+        return ScenarioResult(self.name, proves)
 
     # --- processes -----------------------------------------------------------------------------
 
