@@ -1,10 +1,12 @@
 """Workload parameter dataclasses: their bounds, declared once, and parsing a mapping into one.
 
 A workload's parameters are a frozen dataclass deriving from :class:`WorkloadParams`; each
-field that has a bound carries it in its annotation (``turns: Annotated[int, AtLeast(1)] = 4``).
-The one ``__post_init__`` checks every field against its bounds, in field order, and raises
-one ValueError ``invalid {workload} params: ...`` that lists every problem. :func:`parse_params`
-makes one from a mapping (a TOML table, CLI ``key=value`` pairs), coercing text to the types.
+field that has a bound carries it in its annotation (``turns: Annotated[int, AtLeast(1)] = 4``),
+as every config does (:mod:`testbed.core.bounds`); the bounds here are the kinds workload
+parameters need. The one ``__post_init__`` checks every field against its bounds, in field
+order, and raises one ValueError ``invalid {workload} params: ...`` that lists every problem.
+:func:`parse_params` makes one from a mapping (a TOML table, CLI ``key=value`` pairs), coercing
+text to the types.
 """
 
 from __future__ import annotations
@@ -15,16 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from testbed.core.bounds import FieldBound, bound_problems
 from testbed.core.typed_values import convert
-
-
-class FieldBound:
-    """A check of one field (an ``Annotated`` metadata item of a :class:`WorkloadParams`)."""
-
-    def problem(self, name: str, value: Any, params: object) -> str | None:
-        """Why field ``name`` of ``params``, holding ``value``, is out of bounds (``None``: it
-        is not)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -93,24 +87,9 @@ class WorkloadParams:
         cls._workload = workload
 
     def __post_init__(self) -> None:
-        problems = [
-            problem
-            for name, bounds in _bounds(type(self))
-            for bound in bounds
-            if (problem := bound.problem(name, getattr(self, name), self)) is not None
-        ]
+        problems = bound_problems(self)
         if problems:
             raise ValueError(f"invalid {self._workload} params: " + "; ".join(problems))
-
-
-def _bounds(params_cls: type) -> tuple[tuple[str, tuple[FieldBound, ...]], ...]:
-    """Each field of ``params_cls`` with the bounds in its annotation, in field order."""
-    hints = typing.get_type_hints(params_cls, include_extras=True)
-    return tuple(
-        (field.name, tuple(item for item in metadata if isinstance(item, FieldBound)))
-        for field in dataclasses.fields(params_cls)
-        if (metadata := getattr(hints[field.name], "__metadata__", ()))
-    )
 
 
 def parse_params(params_cls: type[Any], values: Mapping[str, object] | None, workload: str) -> Any:
