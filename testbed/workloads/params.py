@@ -27,9 +27,9 @@ class AtLeast(FieldBound):
 
     minimum: float
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
         if value is not None and not value >= self.minimum:
-            return f"{name} must be >= {self.minimum}, got {value}"
+            return f"{label} must be >= {self.minimum}, got {value}"
         return None
 
 
@@ -39,11 +39,11 @@ class Range(FieldBound):
 
     minimum: int
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
         low, high = value
         if low < self.minimum or high < low:
             return (
-                f"{name} must be a [min, max] pair with {self.minimum} <= min <= max, "
+                f"{label} must be a [min, max] pair with {self.minimum} <= min <= max, "
                 f"got {list(value)}"
             )
         return None
@@ -55,10 +55,10 @@ class NotAbove(FieldBound):
 
     other: str
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
-        limit = getattr(params, self.other)
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
+        limit = getattr(owner, self.other)
         if value > limit:
-            return f"{name} ({value}) must not exceed {self.other} ({limit})"
+            return f"{label} ({value}) must not exceed {self.other} ({limit})"
         return None
 
 
@@ -66,9 +66,9 @@ class NotAbove(FieldBound):
 class Rate(FieldBound):
     """A Poisson arrival rate: ``> 0``, ``inf`` putting every request at time 0."""
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
         if not value > 0:
-            return f"{name} must be > 0 (inf: all at time 0), got {value}"
+            return f"{label} must be > 0 (inf: all at time 0), got {value}"
         return None
 
 
