@@ -3,23 +3,26 @@
 Every limit below bounds memory outside the pool or the time one request may hold the
 single-threaded server; a request beyond a limit gets an ``Error`` reply with code ``limit``
 (a server-wide limit) or ``quota`` (one client's share, ``*_per_client``) that names the limit
-and its flag, and the server goes on. Numeric fields have declared ranges (:data:`BOUNDS`),
-checked when the config is made.
+and its flag, and the server goes on. Numeric fields declare their ranges in their annotations
+(:mod:`testbed.core.bounds`; :data:`BOUNDS` lists them), checked when the config is made.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from server.auth import is_loopback
-from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.bounds import Bound, bound_problems, field_bounds
 from testbed.core.policies import POLICIES
 from testbed.core.protocol import POOL_MEDIA, PoolMedium
 
 DEFAULT_PORT = 5555
 PREFAULT_ALL = 1 << 50
 """``prefault_bytes`` that covers any pool: every pool is mapped at start (the default)."""
+_HOUR_S = 3600.0
+_DAY_S = 24 * _HOUR_S
 
 
 @dataclass(frozen=True)
@@ -28,13 +31,13 @@ class ServerConfig:
     """Interface to bind. Loopback by default; any other interface requires CURVE
     (``curve_dir``), since tokens would otherwise cross the network in clear text."""
 
-    port: int = DEFAULT_PORT
+    port: Annotated[int, Bound(0, 65535)] = DEFAULT_PORT
     """TCP port; 0 lets the OS choose (the readiness line prints the bound endpoint)."""
 
-    chunk_size: int = 256
+    chunk_size: Annotated[int, Bound(1, 1 << 16, "tokens")] = 256
     """Tokens per cached chunk; clients read it from the server and must use it."""
 
-    capacity_bytes: int = 1 << 30
+    capacity_bytes: Annotated[int, Bound(1, 1 << 50, "bytes")] = 1 << 30
     """Upper bound on the bytes of all objects, reserved or committed. Never exceeded."""
 
     metadata_only: bool = False
@@ -49,76 +52,76 @@ class ServerConfig:
     pool_dir: Path | None = None
     """The directory of a ``disk`` pool (default: the temporary directory)."""
 
-    pool_device: int = 0
+    pool_device: Annotated[int, Bound(0, 1 << 10)] = 0
     """The GPU (local index) of a ``gpu`` pool."""
 
     policy: str = "lru"
     """Eviction policy name (see ``testbed.core.policies.POLICIES``)."""
 
-    read_lock_ttl_s: float = 300.0
+    read_lock_ttl_s: Annotated[float, Bound(1e-3, _DAY_S, "s")] = 300.0
     """A lookup's read locks are released after this long if no retrieve or free came."""
 
-    session_ttl_s: float = 600.0
+    session_ttl_s: Annotated[float, Bound(1e-3, _DAY_S, "s")] = 600.0
     """A session (request) idle this long is forgotten, as if it had been ended."""
 
-    client_timeout_s: float = 60.0
+    client_timeout_s: Annotated[float, Bound(1e-3, _DAY_S, "s")] = 60.0
     """A client silent this long is reaped: locks released, stores aborted, pins dropped."""
 
-    lookup_pending_timeout_s: float = 2.0
+    lookup_pending_timeout_s: Annotated[float, Bound(1e-3, _HOUR_S, "s")] = 2.0
     """How long a lookup may stay pending on an in-flight store before it settles."""
 
-    op_ttl_s: float = 30.0
+    op_ttl_s: Annotated[float, Bound(1e-3, _DAY_S, "s")] = 30.0
     """Deadline of a store reservation or retrieve pin: an operation its client never
     finished (nor aborted) is expired after this long (reservation dropped, pins and the
     item's lock units released)."""
 
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: Annotated[int, Bound(1024, 1 << 31, "bytes")] = 64 << 20
     """Frames larger than this get a ``too_large`` error reply."""
 
-    max_chunks_per_request: int = 1 << 14
+    max_chunks_per_request: Annotated[int, Bound(1, 1 << 24, "chunks")] = 1 << 14
     """Chunks one lookup, store or retrieve may name (all items together)."""
 
-    max_sessions: int = 1 << 16
+    max_sessions: Annotated[int, Bound(1, 1 << 24, "sessions")] = 1 << 16
     """Live sessions on the server."""
 
-    max_sessions_per_client: int = 1 << 14
+    max_sessions_per_client: Annotated[int, Bound(1, 1 << 24, "sessions")] = 1 << 14
     """Live sessions one client connection may own (a quota)."""
 
-    max_tracked_chunks_per_client: int | None = None
+    max_tracked_chunks_per_client: Annotated[int | None, Bound(1, 1 << 30, "chunks")] = None
     """Chunks one client may have tracked at once: in its lock groups and its sessions'
     refresh lists (a quota, so that no client can take the whole table of
     ``max_tracked_chunks``); ``None``: a quarter of ``max_tracked_chunks``."""
 
-    max_pending_lookups_per_client: int = 1024
+    max_pending_lookups_per_client: Annotated[int, Bound(0, 1 << 20, "lookups")] = 1024
     """Lookups of one client left pending on in-flight stores at once; over it a lookup is
     answered at once (its in-flight chunk a miss) instead of waiting."""
 
-    max_inflight_ops_per_client: int = 1024
+    max_inflight_ops_per_client: Annotated[int, Bound(1, 1 << 20, "operations")] = 1024
     """Stores and retrieves one client may have begun and not finished (a quota)."""
 
-    auth_timeout_s: float = 5.0
+    auth_timeout_s: Annotated[float, Bound(1e-3, _HOUR_S, "s")] = 5.0
     """A connection that has sent no request with a valid credential this long after it was
     accepted is closed (counted as ``unauthenticated_closed``)."""
 
-    max_unauthenticated: int | None = None
+    max_unauthenticated: Annotated[int | None, Bound(1, 1 << 20, "connections")] = None
     """Connections not yet authenticated that may be open at once (the oldest are closed
     beyond it), so that descriptors stay for authenticated clients; ``None``: a quarter of the
     descriptor limit, at most 256."""
 
-    max_tracked_chunks: int = 1 << 21
+    max_tracked_chunks: Annotated[int, Bound(1, 1 << 30, "chunks")] = 1 << 21
     """Chunks held in lock groups and session refresh lists, over all sessions."""
 
-    min_object_bytes: int = 4096
+    min_object_bytes: Annotated[int, Bound(1, 1 << 30, "bytes")] = 4096
     """Smallest object (chunk_size x bytes per token) a worker may register: bounds the number
     of objects, hence the index memory, to capacity / min_object_bytes."""
 
-    prefault_bytes: int = PREFAULT_ALL
+    prefault_bytes: Annotated[int, Bound(0, PREFAULT_ALL, "bytes")] = PREFAULT_ALL
     """Pools up to this size are mapped at start, before the server says it is ready (the
     readiness line's ``prefault_ms`` is what it took), so no request pays first-touch page
     faults; by default every pool, whatever its size (their memory is reserved when they are
     made in any case: ``server.pool``). 0: never."""
 
-    reap_interval_s: float = 0.1
+    reap_interval_s: Annotated[float, Bound(1e-3, 60.0, "s")] = 0.1
     """How often TTLs, deadlines and liveness are checked."""
 
     token_file: Path | None = None
@@ -132,7 +135,7 @@ class ServerConfig:
     the chunk event log (``RUN_DIR/chunks/``); ``None``: no chunk log, spans only over OTLP."""
 
     def __post_init__(self) -> None:
-        problems = out_of_bounds(self, BOUNDS, flag_name)
+        problems = bound_problems(self, flag_name)
         if self.policy not in POLICIES:
             problems.append(
                 f"--policy {self.policy!r} is unknown; choose one of {', '.join(sorted(POLICIES))}"
@@ -157,33 +160,8 @@ class ServerConfig:
         return self.max_tracked_chunks_per_client or max(1, self.max_tracked_chunks // 4)
 
 
-_HOUR_S = 3600.0
-_DAY_S = 24 * _HOUR_S
-BOUNDS: dict[str, Bound] = {
-    "port": Bound(0, 65535),
-    "chunk_size": Bound(1, 1 << 16, "tokens"),
-    "capacity_bytes": Bound(1, 1 << 50, "bytes"),
-    "read_lock_ttl_s": Bound(1e-3, _DAY_S, "s"),
-    "session_ttl_s": Bound(1e-3, _DAY_S, "s"),
-    "client_timeout_s": Bound(1e-3, _DAY_S, "s"),
-    "lookup_pending_timeout_s": Bound(1e-3, _HOUR_S, "s"),
-    "op_ttl_s": Bound(1e-3, _DAY_S, "s"),
-    "max_message_bytes": Bound(1024, 1 << 31, "bytes"),
-    "max_chunks_per_request": Bound(1, 1 << 24, "chunks"),
-    "max_sessions": Bound(1, 1 << 24, "sessions"),
-    "max_sessions_per_client": Bound(1, 1 << 24, "sessions"),
-    "max_tracked_chunks": Bound(1, 1 << 30, "chunks"),
-    "max_tracked_chunks_per_client": Bound(1, 1 << 30, "chunks"),
-    "max_pending_lookups_per_client": Bound(0, 1 << 20, "lookups"),
-    "max_inflight_ops_per_client": Bound(1, 1 << 20, "operations"),
-    "min_object_bytes": Bound(1, 1 << 30, "bytes"),
-    "prefault_bytes": Bound(0, PREFAULT_ALL, "bytes"),
-    "reap_interval_s": Bound(1e-3, 60.0, "s"),
-    "auth_timeout_s": Bound(1e-3, _HOUR_S, "s"),
-    "max_unauthenticated": Bound(1, 1 << 20, "connections"),
-    "pool_device": Bound(0, 1 << 10),
-}
-"""Declared ranges of the numeric fields (RELIABILITY.md lists the limits)."""
+BOUNDS: dict[str, Bound] = field_bounds(ServerConfig)
+"""The ranges the numeric fields declare (RELIABILITY.md lists the limits)."""
 
 _FLAGS = {"capacity_bytes": "--capacity", "prefault_bytes": "--prefault", "pool_medium": "--pool"}
 

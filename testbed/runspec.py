@@ -2,8 +2,9 @@
 
 Every ``kvtb run`` flag is a field here (``--chunk-size`` ↔ ``chunk_size``), and so is every key
 of a sweep's ``[base]`` and ``[grid]``. :func:`RunSpec.from_mapping` rejects unknown keys with
-the list of valid ones; every numeric field has a declared range (:data:`BOUNDS`), checked
-before anything else, so that a value no run could use fails at once with its range.
+the list of valid ones; every numeric field declares its range in its annotation
+(:mod:`testbed.core.bounds`; :data:`BOUNDS` lists them), checked before anything else, so that a
+value no run could use fails at once with its range.
 
 Run identity: :attr:`RunSpec.run_id` is a short hash of :data:`SPEC_SCHEMA` and *every* field
 of the resolved spec (defaults included), so the same experiment always lands in the same
@@ -26,9 +27,9 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.bounds import Bound, bound_problems, field_bounds
 from testbed.core.policies import POLICIES
 from testbed.core.protocol import POOL_MEDIA
 from testbed.core.sizes import parse_bytes
@@ -67,23 +68,6 @@ instance)."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
-BOUNDS: dict[str, Bound] = {
-    "requests": Bound(1, 10_000_000, "requests"),
-    "seed": Bound(0, 2**63 - 1),
-    "chunk_size": Bound(1, 1 << 16, "tokens"),
-    "tp": Bound(1, 256, "ranks"),
-    "engine_blocks": Bound(2, 1 << 24, "blocks"),
-    "block_size": Bound(1, 1 << 12, "tokens"),
-    "max_num_batched_tokens": Bound(1, 1 << 24, "tokens"),
-    "max_num_seqs": Bound(1, 1 << 16, "requests"),
-    "max_output_tokens": Bound(1, 1 << 20, "tokens"),
-    "capacity_tokens": Bound(1, 1 << 40, "tokens"),
-    "capacity_bytes": Bound(1, 1 << 50, "bytes"),
-    "fault_drop_fraction": Bound(0.0, 1.0),
-    "server_timeout_s": Bound(1e-3, _HOUR_S, "s"),
-}
-"""Declared ranges of the numeric fields (RELIABILITY.md lists them); the machine's memory is
-checked separately, before a run starts (``testbed.footprint``)."""
 DOCUMENT_ONLY_KEYS = ("run_id", "spec_schema", "effective")
 """``spec.json`` keys that are not fields: the id, the schema, and ``effective`` (what an
 engine actually ran where it differs from the spec), none of them compared."""
@@ -99,11 +83,11 @@ class RunSpec:
     """A generator name (chat, docqa, rag, random) or a trace, ``KIND:PATH`` (mooncake:PATH, or
     agentic:PATH: a kv-cache-tester conversation file or directory): the path absolute once
     parsed (:mod:`testbed.spec_inputs`), recorded, not part of the id."""
-    requests: int | None = 200
+    requests: Annotated[int | None, Bound(1, 10_000_000, "requests")] = 200
     """How many requests (traces: the first N; None: all)."""
-    seed: int = 0
-    chunk_size: int = 256
-    tp: int = 1
+    seed: Annotated[int, Bound(0, 2**63 - 1)] = 0
+    chunk_size: Annotated[int, Bound(1, 1 << 16, "tokens")] = 256
+    tp: Annotated[int, Bound(1, 256, "ranks")] = 1
     mla: bool = False
     """Use the profile's MLA variant (one latent copy for all TP ranks)."""
     profile: str = "tiny"
@@ -111,20 +95,20 @@ class RunSpec:
     model: str | None = None
     """vllm engine: a model name or path (GPU machines); None: the tiny model the testbed
     writes (CPU)."""
-    capacity_tokens: int | None = None
+    capacity_tokens: Annotated[int | None, Bound(1, 1 << 40, "tokens")] = None
     """Cache capacity in tokens of KV (all ranks); None with capacity_bytes None: unlimited."""
-    capacity_bytes: int | None = None
+    capacity_bytes: Annotated[int | None, Bound(1, 1 << 50, "bytes")] = None
     """Cache capacity in bytes (alternative to capacity_tokens)."""
     policy: str = "lru"
     """Eviction policy: lru, fifo, lfu (server); lru or belady (oracle)."""
-    engine_blocks: int | None = None
+    engine_blocks: Annotated[int | None, Bound(2, 1 << 24, "blocks")] = None
     """vLLM's own KV pool, in blocks of block_size tokens. None: sized from the workload, room
     for its longest request twice over (``testbed.footprint.pool_blocks``), so that reuse beyond a
     few requests needs the external cache; a number: that pool (longer requests are left out)."""
-    block_size: int = 64
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 64
-    max_output_tokens: int | None = 16
+    block_size: Annotated[int, Bound(1, 1 << 12, "tokens")] = 64
+    max_num_batched_tokens: Annotated[int, Bound(1, 1 << 24, "tokens")] = 8192
+    max_num_seqs: Annotated[int, Bound(1, 1 << 16, "requests")] = 64
+    max_output_tokens: Annotated[int | None, Bound(1, 1 << 20, "tokens")] = 16
     """Cap on generated tokens per request (None: as the workload says)."""
     load_async: bool = True
     prefix_caching: bool = True
@@ -144,8 +128,8 @@ class RunSpec:
     """Where the run's own cache server keeps its pool: ``shm`` (``/dev/shm``) or ``disk`` (the
     temporary directory; copy times then measure a disk-backed pool). Its memory is reserved
     when the server starts; a pool that does not fit is refused before the run."""
-    fault_drop_fraction: float = 0.0
-    server_timeout_s: float = 30.0
+    fault_drop_fraction: Annotated[float, Bound(0.0, 1.0)] = 0.0
+    server_timeout_s: Annotated[float, Bound(1e-3, _HOUR_S, "s")] = 30.0
     """The connector's longest wait for a server reply (``kvtb.mq_timeout_s``): a dead or hung
     server stalls no engine step for longer."""
     time_profile: str = "h100"
@@ -179,7 +163,7 @@ class RunSpec:
     """fleet: one cache server for every instance (shared) or one each (per-instance)."""
 
     def __post_init__(self) -> None:
-        problems = out_of_bounds(self, BOUNDS)
+        problems = bound_problems(self)
         if self.engine not in ENGINES:
             problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.profile not in PROFILES:
@@ -347,6 +331,11 @@ class RunSpec:
             return cls(**resolved)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
+
+
+BOUNDS: dict[str, Bound] = field_bounds(RunSpec)
+"""The ranges the numeric fields declare (RELIABILITY.md lists them); the machine's memory is
+checked separately, before a run starts (``testbed.footprint``)."""
 
 
 def _fleet_problems(spec: RunSpec) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed.bench.figures import Figure
+from testbed.quick_sizes import QuickOrFull
 
 TRACE_IN_CHECKOUT = Path("..") / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 """Where a checkout finds the Mooncake conversation trace, relative to its root."""
@@ -28,33 +29,20 @@ class BenchConfig:
     """The peer's virtual environment (``None``: ``testbed.bench.peer.env.default_root``)."""
     seed: int = 0
 
-    @property
-    def rounds(self) -> int:
-        """Rounds of every comparison that repeats cheaply."""
-        return 3 if self.quick else 30
-
-    @property
-    def replay_rounds(self) -> int:
-        return 1 if self.quick else 3
+    rounds = QuickOrFull(3, 30)
+    """Rounds of every comparison that repeats cheaply."""
+    replay_rounds = QuickOrFull(1, 3)
+    loader_spans = QuickOrFull(4_000, 200_000)
+    e2e_lengths = QuickOrFull((1024,), (1024, 4096, 16384))
+    e2e_samples = QuickOrFull(1, 7)
+    _replay_default = QuickOrFull(24, 2000)
 
     @property
     def replay_size(self) -> int | None:
         """Requests of the replay (``None``: the whole trace)."""
         if self.replay_requests is not None:
             return self.replay_requests or None
-        return 24 if self.quick else 2000
-
-    @property
-    def loader_spans(self) -> int:
-        return 4_000 if self.quick else 200_000
-
-    @property
-    def e2e_lengths(self) -> tuple[int, ...]:
-        return (1024,) if self.quick else (1024, 4096, 16384)
-
-    @property
-    def e2e_samples(self) -> int:
-        return 1 if self.quick else 7
+        return self._replay_default
 
     @property
     def work_dir(self) -> Path:

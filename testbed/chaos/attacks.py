@@ -28,8 +28,7 @@ _CASES_PER_OP = 8
 
 def fuzz(lab: Lab) -> ScenarioResult:
     frames = lab.config.fuzz_frames
-    result = ScenarioResult(
-        "fuzz",
+    result = lab.result(
         f"{frames:,} structure-aware fuzz frames (every request type, valid and mutated: wrong "
         "types, out-of-range values, hostile lengths, truncation, bit flips, 20,000-deep "
         "nesting, oversized and multi-frame messages, bad credentials, another client's ids) "
@@ -70,8 +69,7 @@ def fuzz(lab: Lab) -> ScenarioResult:
 
 
 def unauthenticated(lab: Lab) -> ScenarioResult:
-    result = ScenarioResult(
-        "unauthenticated",
+    result = lab.result(
         "no request but ping is accepted without the client token; drop_objects needs the "
         "admin token; another client's sessions cannot be freed, ended, polled or taken over "
         "and its operations cannot be committed, ended or aborted; a client-chosen routing id "

@@ -36,8 +36,7 @@ _ENGINE_CLIENT_TIMEOUT_S = 15.0
 
 
 def client_kill(lab: Lab) -> ScenarioResult:
-    result = ScenarioResult(
-        "client_kill",
+    result = lab.result(
         "a client SIGKILLed while holding a lock group, pins, a reservation and a pending "
         "lookup loses all of it once silent past the client timeout (every other deadline is "
         "far off), and what it committed stays readable"
@@ -132,8 +131,7 @@ def _when_holding(checker: ProbeClient, timeout_s: float) -> p.ServerStats:
 
 
 def lost_replies(lab: Lab) -> ScenarioResult:
-    result = ScenarioResult(
-        "lost_replies",
+    result = lab.result(
         "a live client that gives up on its replies at once (zero timeout) leaks nothing: the "
         "reservations and pins it aborts go at once, the rest expire by their deadlines "
         "(op, read-lock and pending-lookup TTLs) while it keeps heartbeating, every request "

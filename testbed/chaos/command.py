@@ -142,7 +142,7 @@ def run_scenarios(config: ChaosConfig, names: list[str]) -> list[ScenarioResult]
                 result = scenario.run(lab)
                 lab.finish(result)
             except Exception as exc:  # a scenario's failure is a finding, not a crash
-                result = ScenarioResult(name, "(stopped before it finished)")
+                result = lab.result("(stopped before it finished)")
                 result.error = f"{type(exc).__name__}: {exc}"
                 lab.finish(result)
         result.wall_s = time.perf_counter() - started

@@ -27,8 +27,7 @@ _RUN_TIMEOUT_S = 300.0
 
 def connection_flood(lab: Lab) -> ScenarioResult:
     num_idle = 350 if lab.config.quick else 1000
-    result = ScenarioResult(
-        "connection_flood",
+    result = lab.result(
         f"{num_idle} TCP connections that never send a byte, against a server limited to "
         f"{_DESCRIPTORS} descriptors: it closes them (counted, logged) and an authenticated "
         "client is answered within seconds and reads back what it stores",
@@ -78,8 +77,7 @@ def _idle_connection(host: str, port: int) -> socket.socket:
 def lock_hog(lab: Lab) -> ScenarioResult:
     n = lab.config.shared_requests
     engine = not lab.config.quick
-    result = ScenarioResult(
-        "lock_hog",
+    result = lab.result(
         "one client locks all its lookups can until it is refused for its quota (typed "
         "`quota` errors); another client on the same server meanwhile is never refused and "
         "reads every byte right"

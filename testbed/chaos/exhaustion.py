@@ -33,8 +33,7 @@ _RUN_TIMEOUT_S = 300.0
 
 def shm_exhaustion(lab: Lab) -> ScenarioResult:
     pool_mib, shm_mib, chunks = (24, 40, 2048) if lab.config.quick else (96, 128, 8192)
-    result = ScenarioResult(
-        "shm_exhaustion",
+    result = lab.result(
         f"a server whose {pool_mib} MiB pool fits a {shm_mib} MiB /dev/shm keeps every page when "
         f"another process fills /dev/shm ({chunks} chunks stored and read back, no SIGBUS); a "
         "server whose pool no longer fits is refused at start, naming its size and what is free",
@@ -67,8 +66,7 @@ def shm_exhaustion(lab: Lab) -> ScenarioResult:
 
 def disk_full(lab: Lab) -> ScenarioResult:
     n = lab.config.run_requests
-    result = ScenarioResult(
-        "disk_full",
+    result = lab.result(
         f"a server whose span and chunk log directory is full serves a {n}-request replay, "
         "counts and logs (once) what it could not write, and stops cleanly"
         + (

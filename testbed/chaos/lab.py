@@ -23,6 +23,7 @@ from testbed.chaos.runs import EngineRun, RunChild
 from testbed.chaos.watch import leftover_files, rss_mib
 from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
+from testbed.quick_sizes import QuickOrFull
 from testbed.runspec import RunSpec
 
 CHUNK_SIZE = 64
@@ -47,25 +48,14 @@ class ChaosConfig:
     step_s: float = 0.02
     """The least wall time of an engine step (a forward pass; see ``testbed.chaos.runs``)."""
 
-    @property
-    def fuzz_frames(self) -> int:
-        return 10_000 if self.quick else 30_000
-
-    @property
-    def run_requests(self) -> int:
-        """Requests of each run that a server kill interrupts."""
-        return 12 if self.quick else 48
-
-    @property
-    def shared_requests(self) -> int:
-        """Requests of each of the four engines that share one server."""
-        return 8 if self.quick else 24
-
-    @property
-    def engine_kill(self) -> bool:
-        """Whether to also SIGKILL a whole engine (its server reaps it after a client timeout
-        above the connector's 10 s heartbeat: slow, so the full run only)."""
-        return not self.quick
+    fuzz_frames = QuickOrFull(10_000, 30_000)
+    run_requests = QuickOrFull(12, 48)
+    """Requests of each run that a server kill interrupts."""
+    shared_requests = QuickOrFull(8, 24)
+    """Requests of each of the four engines that share one server."""
+    engine_kill = QuickOrFull(False, True)
+    """Whether to also SIGKILL a whole engine (its server reaps it after a client timeout
+    above the connector's 10 s heartbeat: slow, so the full run only)."""
 
 
 class Lab(Closing):
@@ -73,6 +63,8 @@ class Lab(Closing):
 
     def __init__(self, config: ChaosConfig, name: str) -> None:
         self.config = config
+        self.name = name
+        """The scenario's name (its key in ``testbed.chaos.command.SCENARIOS``)."""
         self.dir = config.out_dir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.servers: list[ServerProcess] = []
@@ -82,6 +74,10 @@ class Lab(Closing):
         self.stopped: set[int] = set()
         self.max_rss_mib = 0.0
         self._crashes: int | None = None
+
+    def result(self, proves: str) -> ScenarioResult:
+        """The scenario's result, under its name, saying what the scenario ``proves``."""
+        return ScenarioResult(self.name, proves)
 
     # --- processes -----------------------------------------------------------------------------
 

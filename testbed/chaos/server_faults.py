@@ -30,8 +30,7 @@ _WORKLOAD = "docqa"
 
 
 def server_kill(lab: Lab) -> ScenarioResult:
-    result = ScenarioResult(
-        "server_kill",
+    result = lab.result(
         "a run whose own server is SIGKILLed mid-replay (no restart) still serves every request "
         "as misses, writes summary.json and metrics.parquet, counts the failed stores/retrieves "
         "and the outage, and no step waits past the connector timeout",
@@ -60,8 +59,7 @@ def server_kill(lab: Lab) -> ScenarioResult:
 
 
 def server_restart(lab: Lab) -> ScenarioResult:
-    result = ScenarioResult(
-        "server_restart",
+    result = lab.result(
         "an external server SIGKILLed mid-replay and restarted on its port and token file: the "
         "run finishes, its workers remap the new pool (no write into the dead one), and a "
         "second run reading what was stored gets hits with 0 integrity errors",

@@ -21,8 +21,7 @@ _CAPACITY = "4MiB"
 
 def shared_server(lab: Lab) -> ScenarioResult:
     n = lab.config.shared_requests
-    result = ScenarioResult(
-        "shared_server",
+    result = lab.result(
         f"four engines ({', '.join(WORKLOADS)}, {n} requests each) on one {_CAPACITY} server at "
         "once: capacity never exceeded under constant eviction, every retrieved byte right, "
         "nothing held once they are done",

@@ -1,21 +1,37 @@
-"""Declared ranges of configuration fields, checked in one place.
+"""Declared bounds of configuration fields, checked in one place.
 
-A config type lists its numeric fields in a table ``{field: Bound(min, max, unit)}``; its
-``__post_init__`` calls :func:`out_of_bounds` and reports every problem at once. Floats must
-also be finite (``nan`` and ``inf`` are refused: a timeout of ``inf`` is a hang). The tables
-are data, so any parser (argparse, TOML, ``msgspec.convert``) ends at the same check, and
-RELIABILITY.md can list them.
+A config dataclass declares each field's bounds in its annotation, ``port: Annotated[int,
+Bound(0, 65535)] = 5555`` (any :class:`FieldBound`: :class:`Bound` is a numeric range, workload
+parameters add their own kinds), and its ``__post_init__`` calls :func:`bound_problems`, which
+checks every field in field order and reports every problem at once. A :class:`Bound` refuses
+floats that are not finite (``nan`` and ``inf``: a timeout of ``inf`` is a hang). The bounds
+are data (:func:`field_bounds` lists a config's ranges as a table), so any parser (argparse,
+TOML, ``msgspec.convert``) ends at the same check, and RELIABILITY.md can list them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 
-class Bound(NamedTuple):
-    """``min <= value <= max`` (either end ``None``: open), in ``unit`` (for messages)."""
+class FieldBound:
+    """A check of one field, declared as an ``Annotated`` metadata item of its type."""
+
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
+        """Why ``value``, of the field named ``label`` in messages, of config ``owner``, is
+        out of bounds (``None``: it is not)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Bound(FieldBound):
+    """``min <= value <= max`` (either end ``None``: open), in ``unit`` (for messages); a
+    ``None`` value (absent) is not checked."""
 
     min: float | None
     max: float | None
@@ -31,22 +47,71 @@ class Bound(NamedTuple):
             return f"at most {_number(self.max)}{unit}"
         return "a finite number"
 
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
+        if value is None:
+            return None
+        problem = check(value, self)
+        return None if problem is None else f"{label} {problem}, got {value!r}"
+
+
+Declared = tuple[tuple[str, tuple[FieldBound, ...]], ...]
+_DECLARED: dict[type, Declared] = {}
+
+
+def declared_bounds(config_cls: type) -> Declared:
+    """Each field of dataclass ``config_cls`` that declares bounds, with them, in field
+    order (read once per class)."""
+    declared = _DECLARED.get(config_cls)
+    if declared is None:
+        hints = typing.get_type_hints(config_cls, include_extras=True)
+        declared = tuple(
+            (field.name, bounds)
+            for field in dataclasses.fields(config_cls)
+            if (
+                bounds := tuple(
+                    item
+                    for item in getattr(hints[field.name], "__metadata__", ())
+                    if isinstance(item, FieldBound)
+                )
+            )
+        )
+        _DECLARED[config_cls] = declared
+    return declared
+
+
+def field_bounds(config_cls: type) -> dict[str, Bound]:
+    """The numeric ranges ``config_cls`` declares, as a table ``{field: Bound}``."""
+    return {
+        name: bound
+        for name, bounds in declared_bounds(config_cls)
+        for bound in bounds
+        if isinstance(bound, Bound)
+    }
+
+
+def bound_problems(config: object, label: Callable[[str], str] = str) -> list[str]:
+    """One message per declared bound that a field of ``config`` (a dataclass) is outside, in
+    field order. ``label`` names a field in messages (e.g. as its command-line flag)."""
+    return [
+        problem
+        for name, bounds in declared_bounds(type(config))
+        for bound in bounds
+        if (problem := bound.problem(label(name), getattr(config, name), config)) is not None
+    ]
+
 
 def out_of_bounds(
     values: object, table: Mapping[str, Bound], label: Callable[[str], str] = str
 ) -> list[str]:
     """One message per field of ``values`` (an object with those attributes) outside its
-    bound; ``None`` values are not checked (absent). ``label`` names a field in messages
-    (e.g. as its command-line flag)."""
-    problems = []
-    for name, bound in table.items():
-        value = getattr(values, name)
-        if value is None:
-            continue
-        problem = check(value, bound)
-        if problem is not None:
-            problems.append(f"{label(name)} {problem}, got {value!r}")
-    return problems
+    bound in ``table`` (a config that keeps its ranges in a table rather than in its
+    annotations); ``None`` values are not checked (absent). ``label`` names a field in
+    messages (e.g. as its command-line flag)."""
+    return [
+        problem
+        for name, bound in table.items()
+        if (problem := bound.problem(label(name), getattr(values, name), values)) is not None
+    ]
 
 
 def check(value: Any, bound: Bound) -> str | None:

@@ -38,19 +38,24 @@ from testbed.core import protocol as p
 from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.ranks import WorkerIdentity
 from testbed.core.rpc import RpcClient
+from testbed.models.profiles import PROFILES
 
 SLEEP_CYCLES = 200_000_000
 """``torch.cuda._sleep`` cycles queued before a write (~0.1 s): long enough that a copy which
 does not wait for the engine's event runs before the write lands."""
 
 
+_LLAMA3_8B = PROFILES["llama3-8b"]
+
+
 @dataclass(frozen=True)
 class Shape:
-    """Paged KV of one TP rank (defaults: Llama-3-8B, 256-token chunks of 16-token blocks)."""
+    """Paged KV of one TP rank (defaults: the ``llama3-8b`` profile's KV at TP 1, 256-token
+    chunks of 16-token blocks)."""
 
-    num_layers: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
+    num_layers: int = _LLAMA3_8B.num_layers
+    num_kv_heads: int = _LLAMA3_8B.num_kv_heads
+    head_dim: int = _LLAMA3_8B.head_dim
     block_size: int = 16
     num_blocks: int = 1024
     dtype: torch.dtype = torch.bfloat16
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="")
     parser.add_argument("--token", default="", help="the server's client token")
     parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--num-layers", type=int, default=Shape.num_layers)
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=4)
     args = parser.parse_args(argv)

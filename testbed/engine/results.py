@@ -10,6 +10,7 @@ connector's spans hang under it (engines pass its context to vLLM as the trace h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,11 @@ class RequestRecord:
             "ttft_ms": self.ttft_ms,
             "finish_s": self.finish_s,
         }
+
+
+OnFinish = Callable[[RequestRecord], None]
+"""What an engine's ``run`` tells each request's record as the request finishes (a run's
+progress bar, a test's observer)."""
 
 
 @dataclass

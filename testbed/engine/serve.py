@@ -20,13 +20,20 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from testbed.core import telemetry
+from testbed.core.closing import Closing
 from testbed.core.telemetry import attributes as a
-from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.engine.results import (
+    EngineResult,
+    OnFinish,
+    RequestRecord,
+    close_request,
+    open_request,
+)
 from testbed.workloads import WorkloadRequest
 
 if TYPE_CHECKING:
@@ -61,7 +68,7 @@ class ServeSpec:
             raise ValueError(f"arrival must be 'trace' or 'all', got {self.arrival!r}")
 
 
-class ServeEngine:
+class ServeEngine(Closing):
     """Context manager (nothing to close: the servers are someone else's). With several
     endpoints, ``routing`` decides each request's server."""
 
@@ -71,23 +78,18 @@ class ServeEngine:
         self.spec = spec
         self.routing = routing
 
-    def __enter__(self) -> ServeEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    def close(self) -> None:
+        """Nothing to release: the servers are someone else's."""
 
     def run(
-        self,
-        requests: Iterable[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
+        self, requests: Iterable[WorkloadRequest], on_finish: OnFinish | None = None
     ) -> EngineResult:
         return asyncio.run(self._run(list(requests), on_finish))
 
     async def _run(
         self,
         requests: list[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None,
+        on_finish: OnFinish | None,
     ) -> EngineResult:
         import aiohttp
 

@@ -22,7 +22,7 @@ this machine runs the steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from testbed.core import telemetry
 from testbed.core.closing import Closing
 from testbed.engine.instance import ReplayInstance, StepReport
-from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.engine.results import (
+    EngineResult,
+    OnFinish,
+    RequestRecord,
+    close_request,
+    open_request,
+)
 from testbed.workloads import ArrivalProcess, OpenLoop, WorkloadRequest
 
 if TYPE_CHECKING:
@@ -102,7 +108,7 @@ class VirtualClock:
         self,
         arrivals: ArrivalProcess[WorkloadRequest],
         result: EngineResult,
-        on_finish: Callable[[RequestRecord], None] | None = None,
+        on_finish: OnFinish | None = None,
     ) -> EngineResult:
         started = time.perf_counter()
         while (event := self._next_event(arrivals)) is not None:
@@ -184,7 +190,7 @@ class VirtualClock:
         index: int,
         arrivals: ArrivalProcess[WorkloadRequest],
         result: EngineResult,
-        on_finish: Callable[[RequestRecord], None] | None,
+        on_finish: OnFinish | None,
     ) -> None:
         lane = self._lanes[index]
         report, lane.pending = lane.pending, None
@@ -211,7 +217,7 @@ def drive(
     instances: Sequence[ReplayInstance],
     requests: RequestFactory,
     workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
-    on_finish: Callable[[RequestRecord], None] | None = None,
+    on_finish: OnFinish | None = None,
     placement: Placement | None = None,
 ) -> EngineResult:
     """Runs ``workload`` (requests in arrival order, or an arrival process: closed-loop users
@@ -239,7 +245,7 @@ class ClockedEngine(Closing):
     def run(
         self,
         workload: Iterable[WorkloadRequest] | ArrivalProcess[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
+        on_finish: OnFinish | None = None,
     ) -> EngineResult:
         """Runs ``workload``: requests in arrival order, or an arrival process (closed-loop
         users) that is told, on the virtual clock, when each request finished (:func:`drive`)."""

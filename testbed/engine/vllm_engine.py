@@ -18,7 +18,7 @@ import gc
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,13 @@ from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
 from testbed.engine.engine_spec import EngineSpec, connector_config
 from testbed.engine.model_dir import TinyModel, write_model_dir
-from testbed.engine.results import EngineResult, RequestRecord, close_request, open_request
+from testbed.engine.results import (
+    EngineResult,
+    OnFinish,
+    RequestRecord,
+    close_request,
+    open_request,
+)
 from testbed.engine.vllm_compat import kernel_scan_safe
 from testbed.workloads import WorkloadRequest
 
@@ -137,9 +143,7 @@ class VllmEngine(Closing):
         return True
 
     def run(
-        self,
-        requests: Iterable[WorkloadRequest],
-        on_finish: Callable[[RequestRecord], None] | None = None,
+        self, requests: Iterable[WorkloadRequest], on_finish: OnFinish | None = None
     ) -> EngineResult:
         from vllm import SamplingParams
 

@@ -33,6 +33,7 @@ from vllm.distributed.kv_events import (
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
+from testbed.core.closing import Closing
 from testbed.fleet.kv_index import KVEventIndex
 
 
@@ -116,7 +117,7 @@ class PromptHasher:
         return event_block_hashes(hashes)
 
 
-class ZmqEventStream:
+class ZmqEventStream(Closing):
     """Receives the KV events of several vLLM servers on one socket. It binds ``bind`` (a
     loopback ``tcp://127.0.0.1:0`` by default; :attr:`endpoint` is the address bound) and each
     server's publisher connects to it, its batches under its own ``topic`` (vLLM's
@@ -147,9 +148,3 @@ class ZmqEventStream:
 
     def close(self) -> None:
         self._socket.close()
-
-    def __enter__(self) -> ZmqEventStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

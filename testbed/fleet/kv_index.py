@@ -48,17 +48,20 @@ class KVEventIndex:
 
     def stored(self, instance: int, medium: str | None, block_hashes: Iterable[Hashable]) -> None:
         self.num_events += 1
-        if medium in ENGINE_MEDIA:
-            self.engine.add(instance, block_hashes)
-        else:
-            self.external.add(self.server_of[instance], block_hashes)
+        locations, slot = self._holder(instance, medium)
+        locations.add(slot, block_hashes)
 
     def removed(self, instance: int, medium: str | None, block_hashes: Iterable[Hashable]) -> None:
         self.num_events += 1
+        locations, slot = self._holder(instance, medium)
+        locations.remove(slot, block_hashes)
+
+    def _holder(self, instance: int, medium: str | None) -> tuple[BlockLocations, int]:
+        """Where an event of ``instance`` about ``medium`` lands: its own prefix cache's slot
+        of :attr:`engine`, or the slot of :attr:`external` of the server it uses."""
         if medium in ENGINE_MEDIA:
-            self.engine.remove(instance, block_hashes)
-        else:
-            self.external.remove(self.server_of[instance], block_hashes)
+            return self.engine, instance
+        return self.external, self.server_of[instance]
 
     def cleared(self, instance: int) -> None:
         """vLLM reset the instance's prefix cache (``AllBlocksCleared``)."""

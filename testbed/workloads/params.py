@@ -1,10 +1,12 @@
 """Workload parameter dataclasses: their bounds, declared once, and parsing a mapping into one.
 
 A workload's parameters are a frozen dataclass deriving from :class:`WorkloadParams`; each
-field that has a bound carries it in its annotation (``turns: Annotated[int, AtLeast(1)] = 4``).
-The one ``__post_init__`` checks every field against its bounds, in field order, and raises
-one ValueError ``invalid {workload} params: ...`` that lists every problem. :func:`parse_params`
-makes one from a mapping (a TOML table, CLI ``key=value`` pairs), coercing text to the types.
+field that has a bound carries it in its annotation (``turns: Annotated[int, AtLeast(1)] = 4``),
+as every config does (:mod:`testbed.core.bounds`); the bounds here are the kinds workload
+parameters need. The one ``__post_init__`` checks every field against its bounds, in field
+order, and raises one ValueError ``invalid {workload} params: ...`` that lists every problem.
+:func:`parse_params` makes one from a mapping (a TOML table, CLI ``key=value`` pairs), coercing
+text to the types.
 """
 
 from __future__ import annotations
@@ -15,16 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from testbed.core.bounds import FieldBound, bound_problems
 from testbed.core.typed_values import convert
-
-
-class FieldBound:
-    """A check of one field (an ``Annotated`` metadata item of a :class:`WorkloadParams`)."""
-
-    def problem(self, name: str, value: Any, params: object) -> str | None:
-        """Why field ``name`` of ``params``, holding ``value``, is out of bounds (``None``: it
-        is not)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -33,9 +27,9 @@ class AtLeast(FieldBound):
 
     minimum: float
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
         if value is not None and not value >= self.minimum:
-            return f"{name} must be >= {self.minimum}, got {value}"
+            return f"{label} must be >= {self.minimum}, got {value}"
         return None
 
 
@@ -45,11 +39,11 @@ class Range(FieldBound):
 
     minimum: int
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
         low, high = value
         if low < self.minimum or high < low:
             return (
-                f"{name} must be a [min, max] pair with {self.minimum} <= min <= max, "
+                f"{label} must be a [min, max] pair with {self.minimum} <= min <= max, "
                 f"got {list(value)}"
             )
         return None
@@ -61,10 +55,10 @@ class NotAbove(FieldBound):
 
     other: str
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
-        limit = getattr(params, self.other)
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
+        limit = getattr(owner, self.other)
         if value > limit:
-            return f"{name} ({value}) must not exceed {self.other} ({limit})"
+            return f"{label} ({value}) must not exceed {self.other} ({limit})"
         return None
 
 
@@ -72,9 +66,9 @@ class NotAbove(FieldBound):
 class Rate(FieldBound):
     """A Poisson arrival rate: ``> 0``, ``inf`` putting every request at time 0."""
 
-    def problem(self, name: str, value: Any, params: object) -> str | None:
+    def problem(self, label: str, value: Any, owner: object) -> str | None:
         if not value > 0:
-            return f"{name} must be > 0 (inf: all at time 0), got {value}"
+            return f"{label} must be > 0 (inf: all at time 0), got {value}"
         return None
 
 
@@ -93,24 +87,9 @@ class WorkloadParams:
         cls._workload = workload
 
     def __post_init__(self) -> None:
-        problems = [
-            problem
-            for name, bounds in _bounds(type(self))
-            for bound in bounds
-            if (problem := bound.problem(name, getattr(self, name), self)) is not None
-        ]
+        problems = bound_problems(self)
         if problems:
             raise ValueError(f"invalid {self._workload} params: " + "; ".join(problems))
-
-
-def _bounds(params_cls: type) -> tuple[tuple[str, tuple[FieldBound, ...]], ...]:
-    """Each field of ``params_cls`` with the bounds in its annotation, in field order."""
-    hints = typing.get_type_hints(params_cls, include_extras=True)
-    return tuple(
-        (field.name, tuple(item for item in metadata if isinstance(item, FieldBound)))
-        for field in dataclasses.fields(params_cls)
-        if (metadata := getattr(hints[field.name], "__metadata__", ()))
-    )
 
 
 def parse_params(params_cls: type[Any], values: Mapping[str, object] | None, workload: str) -> Any:

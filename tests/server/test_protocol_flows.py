@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from testbed.core import protocol as p
+from testbed.core.closing import Closing
 from testbed.core.keys import chunk_hashes
 from testbed.core.rpc import RpcClient
 from tests.support.cache_harness import connect
@@ -14,7 +15,7 @@ C = 64
 LAYOUT = p.KVLayout(num_layers=2, block_size=16, bytes_per_token=128)
 
 
-class Worker:
+class Worker(Closing):
     """A registered raw client: op ids and its epoch filled in."""
 
     def __init__(self, server, role: str = "worker", **kwargs) -> None:
@@ -40,12 +41,6 @@ class Worker:
 
     def close(self) -> None:
         self.rpc.close()
-
-    def __enter__(self) -> Worker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def lookup(client: RpcClient, session: str, hashes: list[bytes]) -> p.LookupResult:
