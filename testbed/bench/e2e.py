@@ -10,6 +10,9 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+
 from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure, missing
 from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
@@ -171,8 +174,42 @@ def rpc_figure(run_dir: Path) -> Figure:
             "server_handling_ms_p50": round(float(server["duration_ms"].median()), 4)
             if not server.empty
             else None,
+            "timeline_ms_p50": store_timeline(stores, server),
         },
     )
+
+
+def store_timeline(stores: pd.DataFrame, server: pd.DataFrame) -> dict[str, float]:
+    """Where a store's time goes inside vLLM, p50 over the stores, in ms from the start of the
+    connector's store span: when each request reached the server's handler and when its reply
+    left (the server's spans of the same store: its children), and the span's end."""
+    from testbed.core.telemetry import attributes as a
+
+    client = stores.set_index("span_id")
+    own = server[server["parent_span_id"].isin(client.index)]
+    if own.empty:
+        return {}
+    started = _ms(client.loc[own["parent_span_id"], "start_time"])
+    since = pd.DataFrame(
+        {
+            "op": own[a.OP].to_numpy(),
+            "reached": _ms(own["start_time"]) - started,
+            "answered": _ms(own["end_time"]) - started,
+        }
+    )
+    timeline = {
+        f"{op}_{moment}": round(float(rows[moment].median()), 3)
+        for op, rows in since.groupby("op")
+        for moment in ("reached", "answered")
+    }
+    timeline["store_span_end"] = round(float(client["duration_ms"].median()), 3)
+    return timeline
+
+
+def _ms(times: pd.Series) -> np.ndarray:
+    """Timestamps (UTC) as float milliseconds."""
+    naive = times.dt.tz_localize(None).to_numpy(dtype="datetime64[ns]")
+    return naive.view(np.int64) / 1e6
 
 
 def ttft_table(answers: Answers, lengths: tuple[int, ...]) -> Table:
