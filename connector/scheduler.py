@@ -267,8 +267,9 @@ class SchedulerSide:
                 cache_salt=request.cache_salt or self.default_cache_salt,
                 traceparent=telemetry.traceparent_of(span) or request.traceparent,
                 chunk_hashes=chunk_hashes(
-                    request.token_ids[:num_prompt],
+                    request.token_ids,  # no copy of the prompt: num_chunks stops at its end
                     self.geometry.chunk_size,
+                    num_chunks=num_prompt // self.geometry.chunk_size,
                     extras=request.key_extras,
                 ),
                 key_extras=request.key_extras,

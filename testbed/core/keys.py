@@ -21,6 +21,8 @@ trailing partial chunk has no hash and is never stored.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
@@ -122,8 +124,7 @@ def extend_chunk_hashes(
     start = len(hashes)
     if num_chunks <= start:
         return hashes
-    tokens = _as_uint32(token_ids[start * chunk_size : num_chunks * chunk_size])
-    data = tokens.tobytes()
+    data = _uint32_bytes(token_ids[start * chunk_size : num_chunks * chunk_size])
     step = chunk_size * 4
     prev: bytes = hashes[-1] if hashes else _SEED
     for i in range(num_chunks - start):
@@ -137,6 +138,23 @@ def extend_chunk_hashes(
         hashes.append(digest)
         prev = digest
     return hashes
+
+
+def _uint32_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The ids as little-endian uint32, the bytes a chunk's hash covers. A list of ints (what
+    vLLM's requests hold) is packed by ``array`` (about 4× numpy's conversion of a list);
+    anything it refuses takes numpy's route, which checks the range."""
+    if not isinstance(token_ids, np.ndarray):
+        try:
+            packed = array.array("I", token_ids)
+        except (OverflowError, TypeError):
+            pass  # out of range or not ints: numpy's route says which
+        else:
+            if packed.itemsize == 4:
+                if sys.byteorder != "little":
+                    packed.byteswap()
+                return packed.tobytes()
+    return _as_uint32(token_ids).tobytes()
 
 
 def _as_uint32(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
