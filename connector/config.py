@@ -10,23 +10,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from testbed.core.bounds import Bound, out_of_bounds
+from testbed.core.bounds import Bound, bound_problems, field_bounds
 from testbed.core.typed_values import convert, hints
 
 PREFIX = "kvtb."
 _HOUR_S = 3600.0
-BOUNDS: dict[str, Bound] = {
-    "mq_timeout_s": Bound(1e-3, _HOUR_S, "s"),
-    "heartbeat_interval_s": Bound(1e-3, _HOUR_S, "s"),
-    "lookup_wait_s": Bound(0.0, _HOUR_S, "s"),
-    "load_wait_s": Bound(0.0, _HOUR_S, "s"),
-    "store_wait_s": Bound(0.0, _HOUR_S, "s"),
-    "chunk_size": Bound(1, 1 << 16, "tokens"),
-    "fault_drop_fraction": Bound(0.0, 1.0),
-}
-"""Declared ranges of the numeric keys: timeouts finite (``nan`` and ``inf`` refused)."""
+_TIMEOUT = Bound(1e-3, _HOUR_S, "s")
+_WAIT = Bound(0.0, _HOUR_S, "s")
 
 
 @dataclass(frozen=True)
@@ -34,15 +26,15 @@ class ConnectorConfig:
     server_url: str = "tcp://127.0.0.1:5555"
     """ZeroMQ endpoint of the cache server (``kvtb server`` prints it when ready)."""
 
-    mq_timeout_s: float = 5.0
+    mq_timeout_s: Annotated[float, _TIMEOUT] = 5.0
     """Longest wait for any server reply. A timeout marks the server down: lookups answer 0
     and loads fail (the engine recomputes) until a heartbeat is answered again."""
 
-    heartbeat_interval_s: float = 10.0
+    heartbeat_interval_s: Annotated[float, _TIMEOUT] = 10.0
     """Seconds between liveness heartbeats (the server reaps clients silent for longer than
     its ``--client-timeout``)."""
 
-    chunk_size: int = 256
+    chunk_size: Annotated[int, Bound(1, 1 << 16, "tokens")] = 256
     """Chunk size to assume if the server cannot be asked at start-up; otherwise the
     server's chunk size is used."""
 
@@ -59,15 +51,15 @@ class ConnectorConfig:
     """Load between scheduler steps (request waits in WAITING_FOR_REMOTE_KVS) rather than
     synchronously before the forward pass."""
 
-    lookup_wait_s: float = 0.0
+    lookup_wait_s: Annotated[float, _WAIT] = 0.0
     """How long one ``get_num_new_matched_tokens`` call may wait for the lookup's answer
     before telling the scheduler to ask again next step. 0 keeps the scheduler non-blocking;
     replays set it so that results do not depend on timing."""
 
-    load_wait_s: float = 0.0
+    load_wait_s: Annotated[float, _WAIT] = 0.0
     """How long ``get_finished`` may wait for in-flight retrieves (replays: deterministic)."""
 
-    store_wait_s: float = 0.0
+    store_wait_s: Annotated[float, _WAIT] = 0.0
     """How long ``get_finished`` may wait for in-flight stores. 0: stores complete on their
     own timing (the forward pass never waits for them; a repeat request may find its
     predecessor's store still in flight). Replays set it so that every step's stores commit
@@ -109,7 +101,7 @@ class ConnectorConfig:
     run_id: str = ""
     """``kvcache.run_id`` of the connector's spans (groups a deployment's traces)."""
 
-    fault_drop_fraction: float = 0.0
+    fault_drop_fraction: Annotated[float, Bound(0.0, 1.0)] = 0.0
     """Fault injection for experiments: the share of retrieves whose first chunk rank 0 drops
     from the server just before retrieving it (the load-error path, under vLLM's own
     recovery). Which retrieves is decided by a hash of the request id, its attempt and
@@ -122,7 +114,7 @@ class ConnectorConfig:
     """The server's admin token (only fault injection uses it)."""
 
     def __post_init__(self) -> None:
-        problems = out_of_bounds(self, BOUNDS, lambda name: PREFIX + name)
+        problems = bound_problems(self, lambda name: PREFIX + name)
         if not self.server_url.startswith(("tcp://", "ipc://", "inproc://")):
             problems.append(
                 "server_url must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555, "
@@ -157,3 +149,8 @@ class ConnectorConfig:
 
     def to_extra_config(self) -> dict[str, Any]:
         return {PREFIX + f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+BOUNDS: dict[str, Bound] = field_bounds(ConnectorConfig)
+"""The numeric keys' declared ranges (RELIABILITY.md lists them): timeouts finite (``nan``
+and ``inf`` refused)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,20 +97,6 @@ def bound_problems(config: object, label: Callable[[str], str] = str) -> list[st
         for name, bounds in declared_bounds(type(config))
         for bound in bounds
         if (problem := bound.problem(label(name), getattr(config, name), config)) is not None
-    ]
-
-
-def out_of_bounds(
-    values: object, table: Mapping[str, Bound], label: Callable[[str], str] = str
-) -> list[str]:
-    """One message per field of ``values`` (an object with those attributes) outside its
-    bound in ``table`` (a config that keeps its ranges in a table rather than in its
-    annotations); ``None`` values are not checked (absent). ``label`` names a field in
-    messages (e.g. as its command-line flag)."""
-    return [
-        problem
-        for name, bound in table.items()
-        if (problem := bound.problem(label(name), getattr(values, name), values)) is not None
     ]
 
 
