@@ -114,6 +114,12 @@ def check(value: Any, bound: Bound) -> str | None:
 
 
 def _number(value: float) -> str:
+    if isinstance(value, int) and value >= 10_000:  # exactly: a float rounds 2^63 - 1 up
+        if value & (value - 1) == 0:
+            return f"2^{value.bit_length() - 1}"
+        if value & (value + 1) == 0:
+            return f"2^{value.bit_length()} - 1"
+        return f"{value:,}"
     if float(value).is_integer() and abs(value) >= 10_000:
         exponent = math.log2(value) if value > 0 else 0.0
         if exponent.is_integer():

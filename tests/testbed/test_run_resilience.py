@@ -239,6 +239,7 @@ def test_values_no_run_could_use_are_refused_with_their_range_before_any_work(tm
     cases = [
         (["run", "--block-size", "0"], "block_size must be in [1, 4096]"),
         (["run", "--requests", str(10**12)], "requests must be in [1, 10,000,000]"),
+        (["run", "--seed", "-1"], "seed must be in [0, 2^63 - 1]"),  # not rounded to 2^63
         (["run", "--capacity-bytes", str(10**18)], "capacity_bytes must be in [1, 2^50]"),
         (["run", "--engine-blocks", str(10**9)], "engine_blocks must be in [2, 2^24]"),
         (["run", "--server-timeout-s", "nan"], "server_timeout_s must be finite"),
