@@ -18,7 +18,14 @@ from testbed.bench.figures import Figure, missing
 from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
 from testbed.bench.processes import BenchProcesses
 from testbed.bench.stats import Ratio, Spread
-from testbed.bench.vllm_e2e import NATIVE, Answers, EngineChild, series, start_our_engine
+from testbed.bench.vllm_e2e import (
+    NATIVE,
+    WITHOUT_CONNECTOR,
+    Answers,
+    EngineChild,
+    series,
+    start_our_engine,
+)
 
 HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hit_16k_vs_recompute"}
 
@@ -37,7 +44,7 @@ def section(config: BenchConfig) -> SectionResult:
             run_dir = work / name.replace(" ", "-")
             run_dir.mkdir(parents=True, exist_ok=True)
             server = None
-            if name not in ("no cache", NATIVE):
+            if name not in WITHOUT_CONNECTOR:
                 args = [
                     "--chunk-size",
                     str(CHUNK),

@@ -60,6 +60,8 @@ CHILD_CONFIGS = ("no cache", "worker", "server", "vllm prefix cache")
 NATIVE = "vllm prefix cache"
 """vLLM alone with its own prefix cache on: its second pass is a hit held in vLLM's blocks,
 the least any hit can cost (no lookup, no load), beside which a cache server's hits are read."""
+WITHOUT_CONNECTOR = ("no cache", NATIVE)
+"""The configurations that run vLLM alone (no connector, no cache server)."""
 
 
 def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None:
@@ -84,7 +86,7 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
         transfer_mode="server" if config == "server" else "worker",
         engine_id=f"e2e-{config.replace(' ', '-')}",
     )
-    endpoint = None if config in ("no cache", NATIVE) else ServerEndpoint(url, token)
+    endpoint = None if config in WITHOUT_CONNECTOR else ServerEndpoint(url, token)
     tracing = configure_tracing(TracingConfig("kvtb-engine", run_dir=Path(run_dir)))
     vocab = TinyModel().vocab_size
     timer = LookupTimer()
