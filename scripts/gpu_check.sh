@@ -82,12 +82,12 @@ if ! grep -q '"ipc_works": true' "$OUT_DIR/ipc_probe.json" 2>/dev/null; then
   echo "running the in-process GPU checks only"
   [ "$DRY_RUN" = 1 ] && finish 0
   step gpu-tests-in-process 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-    tests/connector/test_kv_copy.py tests/testbed/test_torch_block_copy.py \
+    tests/connector/test_kv_copy.py tests/core/test_torch_block_copy.py \
     --junitxml="$OUT_DIR/gpu_tests.xml"
   finish 3
 fi
 step gpu-tests 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu \
-  tests/connector/test_kv_copy.py tests/testbed/test_torch_block_copy.py \
+  tests/connector/test_kv_copy.py tests/core/test_torch_block_copy.py \
   --junitxml="$OUT_DIR/gpu_tests.xml"
 tests_rc=$?
 if [ "$BENCH" = 1 ]; then

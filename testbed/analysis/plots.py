@@ -1,8 +1,8 @@
 """Figures from the analysis tables (matplotlib; every axis labelled with its unit).
 
-Each function takes DataFrames and returns a ``Figure``; :mod:`testbed.report` saves them as
-PNG, notebooks show them inline. Oracle runs are drawn dashed: they are bounds, not
-measurements. Token categories take :mod:`testbed.analysis.palette`'s colours.
+Each function takes DataFrames and returns a ``Figure``; :mod:`testbed.report.sweep_report`
+saves them as PNG, notebooks show them inline. Oracle runs are drawn dashed: they are bounds,
+not measurements. Token categories take :mod:`testbed.analysis.palette`'s colours.
 """
 
 from __future__ import annotations

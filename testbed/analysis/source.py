@@ -2,7 +2,7 @@
 
 :func:`open_source` takes any directory :func:`testbed.analysis.spans.run_dirs` accepts and
 returns a :class:`Source`: one row per complete run (``run_id``, ``label``, every
-:class:`~testbed.runspec.RunSpec` field from ``spec.json``, every ``summary.json`` field, named
+:class:`~testbed.spec.runspec.RunSpec` field from ``spec.json``, every ``summary.json`` field, named
 as in a sweep's ``index.parquet``: a table-valued field one column per entry, ``tokens_cold``;
 a summary field named like a spec field ``summary_<name>``), the keys that vary between the
 runs (the x-axis and series of the figures), and each run's :class:`~testbed.analysis.tables.Run`.
@@ -154,7 +154,7 @@ def run_row(run_dir: Path) -> dict[str, Any]:
 
 def varying_keys(runs: pd.DataFrame) -> list[str]:
     """The spec keys whose values differ between ``runs`` (``engine`` first, if it does)."""
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     spec_keys = RunSpec.keys()
     keys = [k for k in spec_keys if k in runs and k not in _NOT_COMPARED]

@@ -44,9 +44,8 @@ import pyarrow.compute as pc
 
 from testbed.analysis.span_json import read_tables
 from testbed.core.telemetry import attributes as a
-from testbed.core.telemetry import collector
 from testbed.core.telemetry import span_table as st
-from testbed.core.telemetry.setup import SPANS_DIR
+from testbed.core.telemetry.setup import COLLECTED_PREFIX, SPANS_DIR
 
 SUMMARY_FILE = "summary.json"  # written last by a run (testbed.run): a complete run
 SWEEP_FILE = "sweep.json"  # a sweep's manifest (testbed.sweep.index): its run ids in order
@@ -118,7 +117,7 @@ def load_spans(path: Path | str, *, columnar: bool = True) -> pd.DataFrame:
 def _load_spans(path: Path | str, columnar: bool) -> pd.DataFrame:
     runs = run_dirs(path)
     collected = any(
-        file.name.startswith(collector.FILE_PREFIX) for run in runs for file in span_files(run)
+        file.name.startswith(COLLECTED_PREFIX) for run in runs for file in span_files(run)
     )
     parts = [
         (index, spans)

@@ -67,7 +67,7 @@ class Run:
 
     @cached_property
     def requests(self) -> pd.DataFrame:
-        """The per-request table, ``metrics.parquet`` (METRICS.md; ``testbed.summary``)."""
+        """The per-request table, ``metrics.parquet`` (METRICS.md; ``testbed.run.summary``)."""
         return pd.read_parquet(self.path / "metrics.parquet")
 
     @cached_property

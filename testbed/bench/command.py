@@ -26,7 +26,7 @@ from typing import Any
 from testbed.bench.config import BenchConfig, SectionResult, find_trace
 from testbed.bench.figures import missing
 from testbed.bench.machine import LoadWatch, machine, versions
-from testbed.only_flag import add_only_argument, picked
+from testbed.commands.only_flag import add_only_argument, picked
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def run_bench(args: argparse.Namespace) -> int:
         peer_env=args.peer_env,
     )
     names = [name for name in picked(SECTIONS, args.only) if SECTIONS[name].wanted(config)]
-    from testbed.extras import require_engines
+    from testbed.core.extras import require_engines
 
     require_engines(["replay", "vllm"])  # MissingExtra, and then bad input: before anything runs
     if {"replay", "others"} & set(names):

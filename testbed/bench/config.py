@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testbed.bench.figures import Figure
-from testbed.quick_sizes import QuickOrFull
+from testbed.commands.quick_sizes import QuickOrFull
 
 TRACE_IN_CHECKOUT = Path("..") / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 """Where a checkout finds the Mooncake conversation trace, relative to its root."""

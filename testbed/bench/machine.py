@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
 
 def versions() -> dict[str, str | None]:
     """kvtestbed's version and commit, and its main dependencies' versions."""
-    from testbed.version import package_version, source_commit
+    from testbed.core.version import package_version, source_commit
 
     found: dict[str, str | None] = {"kvtestbed": package_version()}
     commit = source_commit()

@@ -40,7 +40,7 @@ def whatif_child(spec_values: dict[str, Any], sizes: list[int], rounds: int, rat
     from testbed.analysis.whatif import lru_curve, stack_distances
     from testbed.analysis.whatif.curves import capacity_grid, max_abs_difference
     from testbed.analysis.whatif.sources import workload_traces
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     spec = RunSpec(**spec_values)
     warm = workload_traces(RunSpec(**{**spec_values, "requests": 20}), sizes[:1])
@@ -118,7 +118,7 @@ def oracle_baseline(spec_values: dict[str, Any], sizes: list[int], child: dict) 
     from testbed.analysis.whatif.sources import servable_requests
     from testbed.models.access_trace import hashed_trace
     from testbed.models.oracle import simulate, simulate_keys
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     started = time.perf_counter()
     requests = servable_requests(RunSpec(**spec_values))

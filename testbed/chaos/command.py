@@ -20,9 +20,9 @@ from typing import Any
 from testbed.chaos import attacks, client_faults, crowds, exhaustion, server_faults, sharing
 from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports
+from testbed.commands.only_flag import add_only_argument, picked
 from testbed.core.bounds import Bound, check
-from testbed.core.paths import absolute_path
-from testbed.only_flag import add_only_argument, picked
+from testbed.spec.paths import absolute_path
 
 TIMEOUT_BOUND = Bound(1e-3, 3600.0, "s")
 """The range of ``--timeout`` (the engines' connector timeout; finite)."""
@@ -94,12 +94,12 @@ def run_chaos(args: argparse.Namespace) -> int:
     config = ChaosConfig(args.out, quick=args.quick, seed=args.seed, timeout_s=args.timeout)
     names = picked(SCENARIOS, args.only)
     if any(SCENARIOS[name].engines(config) for name in names):
-        from testbed.extras import require_engines
+        from testbed.core.extras import require_engines
 
         require_engines(["replay"])  # before anything starts
     started = time.perf_counter()
     results = run_scenarios(config, names)
-    from testbed.version import source_commit
+    from testbed.core.version import source_commit
 
     document = write_reports(
         config.out_dir,

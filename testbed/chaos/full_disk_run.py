@@ -19,7 +19,7 @@ from pathlib import Path
 from testbed.chaos.mounts import fill
 from testbed.chaos.runs import pace_steps
 from testbed.run import RunOptions, execute_run
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,10 +21,10 @@ from server.launch import ServerProcess
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.runs import EngineRun, RunChild
 from testbed.chaos.watch import leftover_files, rss_mib
+from testbed.commands.quick_sizes import QuickOrFull
 from testbed.core.closing import Closing
 from testbed.core.credentials import ServerEndpoint
-from testbed.quick_sizes import QuickOrFull
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 CHUNK_SIZE = 64
 BLOCK_SIZE = 16

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.core.credentials import ServerEndpoint
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 _PRELOAD = ["testbed.chaos.runs", "testbed.run", "testbed.engine.replay"]
 _context: ForkServerContext | None = None

@@ -1,4 +1,4 @@
-"""What an engine runs: the run's :class:`~testbed.runspec.RunSpec` itself, and what a run
+"""What an engine runs: the run's :class:`~testbed.spec.runspec.RunSpec` itself, and what a run
 resolves from its workload before the engine starts.
 
 Every run key, and its one default, is the spec's: an engine reads ``spec.run.block_size``,
@@ -19,7 +19,7 @@ from typing import Any, Self
 
 from connector.config import ConnectorConfig
 from testbed.core.credentials import ServerEndpoint
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 @dataclass(frozen=True)

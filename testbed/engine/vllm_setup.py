@@ -41,7 +41,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from testbed.core.keys import KeyExtras
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
 CONNECTOR_CLASS = "KVTBConnector"

@@ -1,4 +1,4 @@
-"""Run orchestration: one :class:`~testbed.runspec.RunSpec` → its engine → a run directory.
+"""Run orchestration: one :class:`~testbed.spec.runspec.RunSpec` → its engine → a run directory.
 
 Runs in the ``kvtb run`` process (and in sweep and chaos children). Modules, each one job:
 
@@ -14,8 +14,8 @@ Runs in the ``kvtb run`` process (and in sweep and chaos children). Modules, eac
 - :mod:`~testbed.run.servable`: which requests an engine can serve
 """
 
-from testbed.footprint import pool_blocks
 from testbed.run.execute import execute_run, failure, is_complete, is_reusable, reuse_differences
+from testbed.run.footprint import pool_blocks
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.prepare import prepare_run

@@ -13,9 +13,9 @@ from testbed.run.interface import CacheServers, EngineEntry, EngineRun, Progress
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.registry import ENGINES
+from testbed.run.server_state import server_state_after
 from testbed.run.servers import RunServers, run_servers
-from testbed.runspec import RunSpec
-from testbed.server_state import server_state_after
+from testbed.spec.runspec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 ``<out>/<run_id>/`` receives ``spec.json`` (the resolved spec), ``env.json`` (versions, git
 commit, machine, the pool medium), ``spans/`` (OTLP JSON lines from the engine and the
 server, with span counts), ``server.log``, ``metrics.parquet`` (one row per request) and,
-last, ``summary.json``. A run that does not fit on the machine (``testbed.footprint``) is
+last, ``summary.json``. A run that does not fit on the machine (``testbed.run.footprint``) is
 refused before anything is written; space for the results is reserved at the start, so a
 disk that fills during the run costs spans (counted, and listed in the summary's
 ``missing``), not the summary. A directory without ``summary.json`` is an unfinished run: it
 is cleared and redone. A finished run is reused only if it did not fail (:func:`failure`: its
-summary lists no failures, :mod:`testbed.run_health`, and no ``error.txt`` says it died) and its
+summary lists no failures, :mod:`testbed.run.health`, and no ``error.txt`` says it died) and its
 ``spec.json`` equals the resolved spec (:meth:`RunSpec.differences`); otherwise it is redone,
 with a log line saying why. Every process the run starts is stopped before it returns, and
 every process gets absolute paths and the spec's trace sampler.
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from testbed import footprint
 from testbed.core.owned_files import ReservedSpace
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing
+from testbed.run import footprint
 from testbed.run.dispatch import drive_engine
 from testbed.run.options import RunOptions
 from testbed.run.prepare import prepare_run
@@ -38,7 +38,7 @@ from testbed.run.record import (
     write_json,
     write_summary,
 )
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from testbed.engine.results import EngineResult
 from testbed.run.interface import EngineEntry, EngineRun
 from testbed.run.replay import replay_kv_bytes
 from testbed.run.servable import engine_spec
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 def run(job: EngineRun) -> EngineResult:

@@ -20,7 +20,7 @@ from testbed.core.credentials import ServerEndpoint
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 REPLAY_VOCAB = 32_000
 """The token ids a workload draws for engines without a real model's vocabulary."""
@@ -143,7 +143,7 @@ class EngineEntry:
     """The model the run's resource attributes name."""
     engine_kv_bytes: Callable[[RunSpec, int, int], int] | None = None
     """Memory of the engine's own KV pool for (spec, blocks, bytes per token), checked
-    against the machine before the run (``testbed.footprint``); ``None``: it has none here."""
+    against the machine before the run (``testbed.run.footprint``); ``None``: it has none here."""
     engine_pool: bool = True
     """Whether the engine has vLLM's KV pool (sized from the workload when the spec leaves
     ``engine_blocks`` out; the size that ran is recorded)."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from testbed.core import protocol as p
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import (
     ArrivalProcess,
     BlockRequest,

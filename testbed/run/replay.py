@@ -5,7 +5,7 @@ from __future__ import annotations
 from testbed.engine.results import EngineResult
 from testbed.run.interface import EngineEntry, EngineRun
 from testbed.run.servable import engine_spec
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 def run(job: EngineRun) -> EngineResult:

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from testbed.footprint import pool_blocks
 from testbed.models.servable import split_servable
-from testbed.runspec import RunSpec
+from testbed.run.footprint import pool_blocks
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import RequestShape
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def engine_spec(
 ) -> Spec:
     """The spec of an engine (``kind``: its spec class) for a run of ``spec``: the run's spec
     itself, with vLLM's ``max_model_len`` (:func:`max_model_len`) and KV pool
-    (``testbed.footprint.pool_blocks``) resolved from ``requests``; ``switches``: the
+    (``testbed.run.footprint.pool_blocks``) resolved from ``requests``; ``switches``: the
     engine's own fields."""
     return kind(
         run=spec,

@@ -11,12 +11,12 @@ from tqdm import tqdm
 
 from testbed.core.telemetry import sampling
 from testbed.engine.results import EngineResult
-from testbed.footprint import pool_blocks
 from testbed.run import vllm
+from testbed.run.footprint import pool_blocks
 from testbed.run.interface import CacheServers, EngineEntry, EngineRun
 from testbed.run.options import RunOptions
 from testbed.run.servable import engine_spec
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 if TYPE_CHECKING:
     from testbed.engine.serve_launch import LaunchSpec
@@ -45,7 +45,7 @@ def check(spec: RunSpec, options: RunOptions) -> None:
                 "route --endpoints with round_robin, least_loaded, session or prefix_approx"
             )
     if options.launch or spec.instances > 1:  # the router hashes prompts as vLLM does
-        from testbed.extras import require_engines
+        from testbed.core.extras import require_engines
 
         require_engines(["vllm"])
     if options.launch:
@@ -99,8 +99,8 @@ def launch_spec(job: EngineRun, instance: int) -> LaunchSpec:
 def _launch(job: EngineRun, stack: ExitStack, events: ZmqEventStream | None) -> list[str]:
     """Starts the run's vLLM servers (stopped when ``stack`` closes, before the run's cache
     server, so that their spans are flushed) and returns their URLs once they answer."""
-    from testbed.core.telemetry.collector import SpanCollector
     from testbed.engine.serve_launch import VllmServerProcess, start_fleet
+    from testbed.run.collector import SpanCollector
 
     spec = job.spec
     collector = stack.enter_context(SpanCollector(job.run_dir))

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from server.launch import ServerProcess
-from testbed import footprint
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.telemetry import sampling
+from testbed.run import footprint
 from testbed.run.interface import StartedServer
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
-from testbed.server_state import merged_states, server_state_after
+from testbed.run.server_state import merged_states, server_state_after
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from testbed.engine.results import EngineResult
 from testbed.run.interface import REPLAY_VOCAB, EngineEntry, EngineRun
 from testbed.run.options import RunOptions
 from testbed.run.servable import engine_spec
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 VLLM_VOCAB = 1024
 """The tiny model's vocabulary."""

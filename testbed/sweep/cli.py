@@ -19,29 +19,26 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
-from testbed.extras import require_engines
+from testbed.core.extras import require_engines
 from testbed.run import is_reusable, reuse_differences
-from testbed.run_flags import assignments
-from testbed.runspec import RunSpec
-from testbed.spec_inputs import data_dir
+from testbed.spec.flags import assignments
+from testbed.spec.inputs import data_dir
+from testbed.spec.runspec import RunSpec
 from testbed.sweep.executors import RayMissing, RunOutcome, require_ray, run_local, run_ray
-from testbed.sweep.experiments import experiment_path, resolve_sweep_file
+from testbed.sweep.experiments import resolve_sweep_file
 from testbed.sweep.index import INDEX_FILE, build_index, write_manifest
 from testbed.sweep.spec import SweepSpec, load_sweep
 
 log = logging.getLogger(__name__)
 
 EXECUTORS = ("local", "ray")
-QUICKSTART = experiment_path("quickstart")  # the demo's sweep, shipped with the package
 LOCK_FILE = ".lock"
-DEMO_JOBS = 1  # two cores: a replay run already keeps two processes (engine, server) busy
 
 
 @dataclass(frozen=True)
@@ -173,7 +170,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    _print_result(sweep, result)
+    print_result(sweep, result)
     return 1 if result.failed else 0
 
 
@@ -181,26 +178,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def demo(out_dir: Path, overrides: Mapping[str, Any] | None = None) -> int:
-    """``kvtb demo``: the quickstart sweep on this machine (``overrides``: ``--set``), then its
-    report and its headline (what the external cache served in the headline run)."""
-    sweep = load_sweep(QUICKSTART, overrides=overrides)
-    result = run_sweep(sweep, out_dir, SweepOptions(jobs=DEMO_JOBS))
-    _print_result(sweep, result)
-    if result.failed:
-        return 1
-    from testbed.analysis.headline import headline
-    from testbed.analysis.source import open_source
-    from testbed.report import write_report
-
-    print(f"report: {write_report(result.sweep_dir)}")
-    sentence = headline(open_source(result.sweep_dir).runs)
-    if sentence:
-        print(sentence.replace("`", ""))
-    return 0
-
-
-def _print_result(sweep: SweepSpec, result: SweepResult) -> None:
+def print_result(sweep: SweepSpec, result: SweepResult) -> None:
     print(
         f"sweep {sweep.name}: {len(result.run_ids)} runs: {len(result.executed)} executed, "
         f"{len(result.skipped)} already complete, {len(result.failed)} failed "

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.run import RunOptions, execute_run
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.sweep.index import record_failure
 
 ProgressCallback = Callable[[RunSpec, int, int], None]
@@ -48,7 +48,7 @@ _STOP_GRACE_S = 10.0
 _PROGRESS_INTERVAL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_PRELOAD = ["testbed.run", "testbed.summary", "testbed.engine.replay"]
+_PRELOAD = ["testbed.run", "testbed.run.summary", "testbed.engine.replay"]
 
 
 @dataclass(frozen=True)

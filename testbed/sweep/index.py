@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.run import ERROR, SUMMARY, failure, is_complete
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.sweep.spec import SweepSpec
 
 SWEEP_FILE = "sweep.json"

@@ -13,7 +13,7 @@ grid; its name is free): ``setup = [{workload = "chat", engine_blocks = 64}, {wo
 
 Paths in a sweep file are relative to the file's directory (``$KVTB_DATA_DIR`` names the data
 directory), made absolute and their traces hashed as the file is read
-(:mod:`testbed.spec_inputs`): a missing trace fails here, before any run.
+(:mod:`testbed.spec.inputs`): a missing trace fails here, before any run.
 
 Every mistake is found before any run starts: unknown top-level keys, unknown run keys (the
 message names the key, the file and section, and lists the valid keys, from
@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from testbed.runspec import DERIVED_KEYS, RunSpec
-from testbed.spec_inputs import (
+from testbed.spec.inputs import (
     DataDir,
     InputContext,
     resolve_values,
     with_sampling_from_environment,
 )
+from testbed.spec.runspec import DERIVED_KEYS, RunSpec
 
 TOP_LEVEL_KEYS = ("name", "description", "base", "grid", "include", "exclude")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -95,7 +95,7 @@ def load_sweep(
     path: Path, data: DataDir | None = None, overrides: Mapping[str, Any] | None = None
 ) -> SweepSpec:
     """Reads and expands a sweep file; every error message starts with the file's path.
-    ``data``: the data directory (default: :func:`testbed.spec_inputs.data_dir`);
+    ``data``: the data directory (default: :func:`testbed.spec.inputs.data_dir`);
     ``overrides``: run keys set in every run, over the file's values (``kvtb sweep --set``)."""
     path = Path(path)
     text = path.read_text()

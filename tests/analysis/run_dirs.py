@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 def write_run(

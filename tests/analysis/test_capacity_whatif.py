@@ -6,7 +6,7 @@ from matplotlib import pyplot as plt
 
 from testbed.analysis import capacity_whatif as cw
 from testbed.analysis.source import open_source
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from tests.analysis.run_dirs import write_run, write_sweep
 
 BASE = {"workload": "chat", "requests": 12, "chunk_size": 64}

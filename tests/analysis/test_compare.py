@@ -9,7 +9,7 @@ from matplotlib import pyplot as plt
 from testbed.analysis import compare
 from testbed.analysis.source import open_source
 from testbed.core.telemetry import attributes as a
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from tests.analysis.run_dirs import write_run, write_sweep
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from testbed.analysis import attribution as acc
 from testbed.analysis.explain import Explainer, explain
-from testbed.cli import main
+from testbed.cli.kvtb import main
 from tests.analysis.synthetic import Prompt, SyntheticRun
 
 C = 4

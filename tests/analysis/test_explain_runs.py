@@ -10,7 +10,7 @@ from testbed.analysis.attribution import CATEGORIES
 from testbed.analysis.explain import Explainer, explain
 from testbed.analysis.explain_runs import explain_runs
 from testbed.analysis.source import open_source
-from testbed.cli import main as kvtb
+from testbed.cli.kvtb import main as kvtb
 
 
 @pytest.fixture(scope="module")

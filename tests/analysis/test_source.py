@@ -7,7 +7,7 @@ import pytest
 
 from testbed.analysis.source import open_source
 from testbed.analysis.tables import figure_axes
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from tests.analysis.run_dirs import write_run, write_sweep
 
 SUMMARY = {"requests": 3, "token_hit_rate": 0.5, "tokens": {"cold": 7, "external": 2}}

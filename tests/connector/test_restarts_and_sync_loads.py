@@ -192,7 +192,7 @@ def test_the_vllm_connector_reports_a_frozen_servers_sync_load_as_load_errors(
     from connector.ops import RetrieveOp, StepPlan, StoreOp
     from connector.vllm_connector import KVTBConnectorMetadata
     from testbed.engine.model_dir import TinyModel, write_model_dir
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     server = start_server("--chunk-size", str(C))
     model_dir = write_model_dir(tmp_path / "model", TinyModel(max_position_embeddings=4096))

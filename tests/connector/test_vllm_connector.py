@@ -21,7 +21,7 @@ from connector.vllm_connector import KVTBConnector, KVTBConnectorMetadata  # noq
 from testbed.core import protocol as p  # noqa: E402
 from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.engine.model_dir import TinyModel, write_model_dir  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from testbed.spec.runspec import RunSpec  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
 from tests.support.scheduler_steps import (  # noqa: E402
     assert_scheduler_empty,

@@ -14,7 +14,7 @@ from testbed.analysis import sessions
 from testbed.analysis.attribution import CATEGORIES
 from testbed.analysis.tables import load_run
 from testbed.run import RunOptions, execute_run
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "kv-cache-tester"
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="no kv-cache-tester traces")

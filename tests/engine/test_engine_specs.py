@@ -14,7 +14,7 @@ from testbed.engine.engine_spec import EngineSpec, connector_config
 from testbed.engine.replay_spec import ReplaySpec
 from testbed.engine.serve_launch import LaunchSpec
 from testbed.run.servable import engine_spec
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import WorkloadRequest
 
 RESOLVED = {"engine_blocks"}

@@ -26,10 +26,10 @@ from testbed.engine.fleet import FleetEngine  # noqa: E402
 from testbed.engine.placement import FleetPlacement  # noqa: E402
 from testbed.engine.replay import ReplaySpec  # noqa: E402
 from testbed.fleet.routers import ROUTERS, make_router  # noqa: E402
-from testbed.jaeger import to_jaeger  # noqa: E402
 from testbed.models.servable import split_servable  # noqa: E402
+from testbed.report.jaeger import to_jaeger  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from testbed.spec.runspec import RunSpec  # noqa: E402
 from testbed.workloads import make_workload  # noqa: E402
 from tests.support.quiescence import assert_quiescent  # noqa: E402
 from tests.support.recorded import recorded_run  # noqa: E402

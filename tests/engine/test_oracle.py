@@ -187,7 +187,7 @@ def test_bad_policy_arguments_are_rejected():
 
 def test_a_capacity_limited_oracle_run_tells_capacity_misses_from_cold_ones(tmp_path):
     from testbed.run import RunOptions, execute_run
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     base = dict(engine="oracle", workload="chat", requests=60, chunk_size=64)
     options = RunOptions(progress=False)

@@ -167,7 +167,7 @@ def test_tp2_stores_shards_and_mla_stores_one_copy(tmp_path, profile):
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace is not in ../shared/data")
 def test_replay_matches_the_oracle_on_2000_mooncake_requests(tmp_path):
     from testbed.run import execute_run
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     common = dict(workload=f"mooncake:{MOONCAKE}", requests=2000, chunk_size=512)
     replayed = execute_run(RunSpec(engine="replay", **common), tmp_path)
@@ -221,7 +221,7 @@ def test_the_default_pool_fits_the_workload_and_leaves_reuse_to_the_external_cac
     import json
 
     from testbed.run import RunOptions, execute_run, pool_blocks
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
     from testbed.workloads import make_workload
 
     spec = RunSpec()  # every default: chat, 200 requests, vLLM's pool sized from the workload

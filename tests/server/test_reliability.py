@@ -353,7 +353,7 @@ def test_files_of_a_killed_server_are_reclaimed_by_the_next_server_and_kvtb_clea
         assert _own_files(killed.pid) == []
     again = ServerProcess(["--chunk-size", str(C), "--capacity", "16MiB"]).start()
     again.kill()
-    from testbed.cli import main
+    from testbed.cli.kvtb import main
 
     assert main(["clean"]) == 0
     assert _own_files(again.pid) == []

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 def serve_spec(trace: Path, lines: list[dict[str, Any]], **spec: Any) -> RunSpec:

@@ -18,10 +18,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.cli import main as kvtb
-from testbed.runspec import RunSpec
+from testbed.cli import demo as demo_cli
+from testbed.cli.kvtb import main as kvtb
+from testbed.spec.runspec import RunSpec
 from testbed.sweep import SweepOptions, build_index, load_index, load_sweep, run_sweep
-from testbed.sweep import cli as sweep_cli
 from testbed.sweep.executors import RunProcess
 from testbed.sweep.index import ERROR_FILE, INDEX_FILE, SWEEP_FILE, SWEEP_TOML
 
@@ -388,13 +388,12 @@ def test_quickstart_is_a_small_sweep_of_both_engines():
 
 
 def test_demo_runs_its_sweep_and_writes_the_report(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("testbed.report", reason="testbed.report is not written yet")
     # The oracle half of the quickstart (the replay half runs in the interrupted-sweep test).
     text = QUICKSTART.read_text().replace('engine = ["replay", "oracle"]', 'engine = ["oracle"]')
     assert text != QUICKSTART.read_text()
-    monkeypatch.setattr(sweep_cli, "QUICKSTART", write(tmp_path, text, name="quickstart"))
+    monkeypatch.setattr(demo_cli, "QUICKSTART", write(tmp_path, text, name="quickstart"))
 
-    assert sweep_cli.demo(tmp_path / "runs") == 0
+    assert demo_cli.demo(tmp_path / "runs") == 0
 
     printed = capsys.readouterr().out.strip().splitlines()
     (line,) = [line for line in printed if line.startswith("report: ")]
@@ -453,7 +452,6 @@ chunk_size = [64, 128]
 
 
 def test_report_takes_the_out_directory_of_plain_runs(tmp_path, capsys):
-    pytest.importorskip("testbed.report", reason="testbed.report is not written yet")
     out = tmp_path / "runs"
     common = ["run", "--engine", "oracle", "--workload", "chat", "--requests", "20"]
     assert kvtb([*common, "--out", str(out), "--no-progress"]) == 0

@@ -13,7 +13,7 @@ import pytest
 
 from testbed.core.keys import chunk_hashes
 from testbed.models.access_trace import hashed_trace
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import AgenticWorkload, make_workload
 from testbed.workloads.block_keys import block_key_trace
 

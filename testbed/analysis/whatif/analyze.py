@@ -24,7 +24,7 @@ from testbed.analysis.whatif.timing import break_even_rows, time_models, time_ro
 from testbed.models.access_trace import AccessTrace
 from testbed.models.cache_sim import INFINITE, POLICIES, replay
 from testbed.models.hardware import Hardware
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 SIMULATED_POLICIES = tuple(name for name in POLICIES if name != INFINITE)
 """The policies a what-if can show (``testbed.models.cache_sim``'s, the unlimited cache aside:

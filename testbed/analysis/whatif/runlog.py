@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from testbed.models.access_trace import RUN, AccessTrace
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 REFERENCE_EVENTS = ("commit", "touch")
 

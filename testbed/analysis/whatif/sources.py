@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 from testbed.models.access_trace import AccessTrace, hashed_trace
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import (
     BlockTraceWorkload,
     RequestShape,

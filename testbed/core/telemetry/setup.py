@@ -48,6 +48,9 @@ from testbed.core.telemetry.span_file import JsonLinesSpanExporter
 
 SPANS_DIR = "spans"
 COUNTS_SUFFIX = ".counts.json"
+COLLECTED_PREFIX = "collected-"
+"""Span files an OTLP collector of the run writes (``collected-<pid>.jsonl``; they may repeat
+spans that a process also wrote to its own file)."""
 COUNTS_BYTES = 4096
 """Space of a counts file, reserved when tracing starts (the record is padded to it)."""
 

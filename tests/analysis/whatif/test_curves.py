@@ -12,7 +12,7 @@ from testbed.analysis.whatif.sources import servable_requests, workload_traces
 from testbed.analysis.whatif.stack import COLD
 from testbed.models.access_trace import hashed_trace, keyed_trace
 from testbed.models.oracle import simulate, simulate_keys
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 MOONCAKE_TRACE = (
     Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"

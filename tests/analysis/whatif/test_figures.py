@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 
 from testbed.analysis.whatif import WhatIfOptions, what_if_workload  # noqa: E402
 from testbed.analysis.whatif.figures import whatif_figures  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from testbed.spec.runspec import RunSpec  # noqa: E402
 
 SWEEP = """
 name = "capacity_whatif"

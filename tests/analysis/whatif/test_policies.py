@@ -9,7 +9,7 @@ from testbed.analysis.whatif.sources import servable_requests
 from testbed.core.policies import POLICIES, make_policy
 from testbed.models.access_trace import hashed_trace
 from testbed.models.cache_sim import replay
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 
 @dataclass

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from testbed.analysis.whatif import WhatIfOptions, load_whatif, what_if_workload, write_whatif
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 PARAMS = {"num_documents": 20, "document_tokens": [32, 256]}
 

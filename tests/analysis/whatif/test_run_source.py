@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from testbed.analysis.whatif import WhatIfOptions, load_whatif, what_if_run, write_whatif
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 from tests.analysis.synthetic import Prompt, SyntheticRun
 
 C = 4

@@ -15,7 +15,7 @@ from testbed.analysis.whatif.curves import (
 )
 from testbed.analysis.whatif.sources import workload_traces
 from testbed.analysis.whatif.stack import sampled_keys
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 MOONCAKE_TRACE = (
     Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"

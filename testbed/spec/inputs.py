@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testbed.core.paths import absolute as _absolute
 from testbed.core.telemetry.sampling import from_environment
+from testbed.spec.paths import absolute as _absolute
 
 DATA_DIR_ENV = "KVTB_DATA_DIR"
 """Environment variable: the data directory (the public traces), as ``--data-dir`` sets it."""
@@ -38,7 +38,7 @@ DATA_DIR_VARIABLE = "$" + DATA_DIR_ENV
 """How a path in a spec names the data directory: ``mooncake:$KVTB_DATA_DIR/mooncake/...``."""
 CHECKOUT_DATA_DIR = Path("..") / "shared" / "data"
 """The default data directory, relative to the repository root, when running from a checkout."""
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _READ_BYTES = 1 << 20
 
 

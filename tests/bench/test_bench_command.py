@@ -88,8 +88,8 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path):
 
 
 def test_without_the_lab_extra_or_vllm_it_says_what_to_install(tmp_path, monkeypatch, capsys):
-    from testbed import extras
-    from testbed.cli import main
+    from testbed.cli.kvtb import main
+    from testbed.core import extras
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     assert main(["bench", "--quick", "--out", str(tmp_path / "out")]) == 2

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from testbed.analysis.whatif import load_whatif
-from testbed.cli import main
+from testbed.cli.kvtb import main
 
 WORKLOAD = ["--workload-param", "num_documents=20", "--workload-param", "document_tokens=[32, 256]"]
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from testbed.core.paths import absolute_path
+from testbed.spec.paths import absolute_path
 
 
 def add_explain_parser(commands: Any) -> None:

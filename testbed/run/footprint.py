@@ -33,7 +33,7 @@ from testbed.core.protocol import PoolMedium
 from testbed.core.sizes import format_bytes
 
 if TYPE_CHECKING:
-    from testbed.runspec import RunSpec
+    from testbed.spec.runspec import RunSpec
     from testbed.workloads.base import RequestShape
 
 WORKLOAD_BYTES_PER_TOKEN = 48

@@ -32,16 +32,16 @@ from typing import Any
 
 from server.launch import ServerStartError
 from testbed.core.credentials import ServerEndpoint, client_token
-from testbed.core.paths import absolute_path
-from testbed.extras import MissingExtra, require_engines, require_lab
-from testbed.run_flags import (
+from testbed.core.extras import MissingExtra, require_engines, require_lab
+from testbed.core.version import package_version
+from testbed.spec.flags import (
     add_data_dir_argument,
     add_set_argument,
     add_spec_arguments,
     assignments,
     spec_from_args,
 )
-from testbed.version import package_version
+from testbed.spec.paths import absolute_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from testbed.bench.command import add_bench_parser, run_bench
     from testbed.chaos.command import add_chaos_parser, run_chaos
-    from testbed.explain_cli import add_explain_parser, run_explain
-    from testbed.whatif_cli import add_whatif_parser, run_whatif
+    from testbed.cli.explain import add_explain_parser, run_explain
+    from testbed.cli.whatif import add_whatif_parser, run_whatif
 
     for name, add_parser, handler in (
         ("explain", add_explain_parser, run_explain),
@@ -179,7 +179,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from testbed.report import write_report
+    from testbed.report.sweep_report import write_report
 
     path = write_report(args.sweep_dir)
     print(f"report: {path}")
@@ -187,7 +187,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export_jaeger(args: argparse.Namespace) -> int:
-    from testbed.jaeger import export_jaeger
+    from testbed.report.jaeger import export_jaeger
 
     count = export_jaeger(args.run_dirs, args.output, request_ids=args.request_ids)
     print(f"wrote {count} spans to {args.output}")
@@ -195,7 +195,7 @@ def _export_jaeger(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from testbed.sweep.cli import demo
+    from testbed.cli.demo import demo
 
     return demo(args.out, assignments(args.set))
 
@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace) -> int:
             otlp_protocol=args.otlp_protocol,
         ),
     )
-    from testbed.summary_text import summary_lines
+    from testbed.run.summary_text import summary_lines
 
     print("\n".join(summary_lines(summary, args.out / spec.run_id)))
     return 1 if summary.get("failures") or summary.get("integrity_errors") else 0
@@ -286,6 +286,3 @@ def _endpoint(args: argparse.Namespace) -> ServerEndpoint | None:
         )
     return ServerEndpoint(args.server, token)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ not reused, they are redone under a new id. A trace workload counts by its conte
 (``workload_digest``), not its path (:func:`identity`): a moved checkout keeps its run ids.
 
 The spec holds values, not the machine: paths are made absolute, traces hashed and the
-sampler read from the environment when a spec is parsed (:mod:`testbed.spec_inputs`).
+sampler read from the environment when a spec is parsed (:mod:`testbed.spec.inputs`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class RunSpec:
     workload: str = "chat"
     """A generator name (chat, docqa, rag, random) or a trace, ``KIND:PATH`` (mooncake:PATH, or
     agentic:PATH: a kv-cache-tester conversation file or directory): the path absolute once
-    parsed (:mod:`testbed.spec_inputs`), recorded, not part of the id."""
+    parsed (:mod:`testbed.spec.inputs`), recorded, not part of the id."""
     requests: Annotated[int | None, Bound(1, 10_000_000, "requests")] = 200
     """How many requests (traces: the first N; None: all)."""
     seed: Annotated[int, Bound(0, 2**63 - 1)] = 0
@@ -103,8 +103,9 @@ class RunSpec:
     """Eviction policy: lru, fifo, lfu (server); lru or belady (oracle)."""
     engine_blocks: Annotated[int | None, Bound(2, 1 << 24, "blocks")] = None
     """vLLM's own KV pool, in blocks of block_size tokens. None: sized from the workload, room
-    for its longest request twice over (``testbed.footprint.pool_blocks``), so that reuse beyond a
-    few requests needs the external cache; a number: that pool (longer requests are left out)."""
+    for its longest request twice over (``testbed.run.footprint.pool_blocks``), so that reuse
+    beyond a few requests needs the external cache; a number: that pool (longer requests are
+    left out)."""
     block_size: Annotated[int, Bound(1, 1 << 12, "tokens")] = 64
     max_num_batched_tokens: Annotated[int, Bound(1, 1 << 24, "tokens")] = 8192
     max_num_seqs: Annotated[int, Bound(1, 1 << 16, "requests")] = 64
@@ -150,7 +151,7 @@ class RunSpec:
     """Generator parameters (see testbed.workloads)."""
     workload_digest: str | None = None
     """A trace workload's content hash (``sha256:...``), set when the spec is parsed: with the
-    trace's kind, what the run id hashes instead of its path (:mod:`testbed.spec_inputs`)."""
+    trace's kind, what the run id hashes instead of its path (:mod:`testbed.spec.inputs`)."""
     instances: int = 1
     """fleet: instances behind the router; serve: vLLM servers (--launch starts them)."""
     router: str = "round_robin"
@@ -335,7 +336,7 @@ class RunSpec:
 
 BOUNDS: dict[str, Bound] = field_bounds(RunSpec)
 """The ranges the numeric fields declare (RELIABILITY.md lists them); the machine's memory is
-checked separately, before a run starts (``testbed.footprint``)."""
+checked separately, before a run starts (``testbed.run.footprint``)."""
 
 
 def _fleet_problems(spec: RunSpec) -> list[str]:

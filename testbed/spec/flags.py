@@ -1,8 +1,8 @@
-"""``kvtb run``'s flags: every key of :class:`~testbed.runspec.RunSpec` as a flag
+"""``kvtb run``'s flags: every key of :class:`~testbed.spec.runspec.RunSpec` as a flag
 (``--chunk-size`` for ``chunk_size``), a ``--config`` TOML file under them, and their parsing
 into a validated spec. ``kvtb whatif`` takes the same flags for a workload source.
 
-Paths are resolved as they are parsed (:mod:`testbed.spec_inputs`): a flag's relative to the
+Paths are resolved as they are parsed (:mod:`testbed.spec.inputs`): a flag's relative to the
 working directory, a ``--config`` file's relative to that file's directory."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from testbed.core.paths import absolute_path
 from testbed.core.sizes import parse_bytes
 from testbed.core.typed_values import convert
-from testbed.runspec import DERIVED_KEYS, RunSpec
-from testbed.spec_inputs import (
+from testbed.spec.inputs import (
     DATA_DIR_ENV,
     InputContext,
     data_dir,
     resolve_values,
     with_sampling_from_environment,
 )
+from testbed.spec.paths import absolute_path
+from testbed.spec.runspec import DERIVED_KEYS, RunSpec
 
 _PARAM_FLAGS = {
     "workload_params": ("--workload-param", "workload generator"),

@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from testbed.core.paths import absolute_path
-from testbed.run_flags import add_data_dir_argument
+from testbed.spec.flags import add_data_dir_argument
+from testbed.spec.paths import absolute_path
 
 _WORKLOAD_FLAGS = (
     "requests",
@@ -99,7 +99,7 @@ def run_whatif(args: argparse.Namespace) -> int:
 
 
 def _workload_spec(args: argparse.Namespace, workload: str) -> Any:
-    from testbed.run_flags import spec_from_args
+    from testbed.spec.flags import spec_from_args
 
     values = argparse.Namespace(**vars(args))
     values.workload = workload

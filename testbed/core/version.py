@@ -1,6 +1,6 @@
 """Which kvtestbed this is: the installed version and the git commit of its source.
 
-The commit comes from the file a wheel or sdist build records (``testbed/_build_info.json``,
+The commit comes from the file a wheel or sdist build records (``testbed/core/_build_info.json``,
 see ``setup.py``) or, for a source checkout or an editable install, from ``git`` in the
 checkout the package lives in. ``None`` where neither says (e.g. a copy of the sources).
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 DISTRIBUTION = "kvtestbed"
 BUILD_INFO = Path(__file__).resolve().parent / "_build_info.json"
-_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def package_version() -> str | None:

@@ -26,7 +26,7 @@ from testbed.core.quiescence import QUIESCENCE_KEYS, RUN_QUIESCENCE_KEYS
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.sampling import describe, records_every_trace
 from testbed.engine.results import EngineResult
-from testbed.runspec import RunSpec
+from testbed.spec.runspec import RunSpec
 
 _TIMING_PARTS = {
     "lookup": (("server", a.SERVER_MS), ("poll_wait", a.POLL_WAIT_MS)),
