@@ -32,6 +32,8 @@ from tests.support.serve_runs import serve_spec  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 API_SERVER = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 1200.0
+STOP_TIMEOUT_S = 300.0
+"""Deadlines for a loaded machine: vLLM alone may stop for 60 s before it is killed."""
 
 
 def vllm_processes(watch: CaseWatch) -> tuple[list[Proc], list[Proc]]:
@@ -63,7 +65,7 @@ def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(120)
+            process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
@@ -129,7 +131,7 @@ def test_sigterm_of_kvtb_run_while_it_serves_stops_vllm_and_leaves_nothing(tmp_p
         wait_until(answered, "request answered", process)
         assert len(vllm_processes(watch)[1]) == 1  # an engine core, to be stopped too
         process.send_signal(signal.SIGTERM)
-        assert process.wait(120) == 130
+        assert process.wait(STOP_TIMEOUT_S) == 130
     finally:
         stop(process)
     assert "interrupted" in (tmp_path / "kvtb.log").read_text()
@@ -144,7 +146,7 @@ def test_sigterm_of_kvtb_run_while_its_fleet_starts_stops_both_and_leaves_nothin
     try:
         wait_until(lambda: len(vllm_processes(watch)[1]) == 2, "two engine cores", process)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(120) == 130
+        assert process.wait(STOP_TIMEOUT_S) == 130
     finally:
         stop(process)
     assert "interrupted" in (tmp_path / "kvtb.log").read_text()
