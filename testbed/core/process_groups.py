@@ -68,6 +68,18 @@ def _terminate_with_parent() -> None:  # runs in the child, between fork and exe
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def terminate_with_parent() -> None:
+    """Asks Linux to SIGTERM this process when its parent dies (for a child forked by a
+    multiprocessing fork server, which exits with the process that started it: a starter
+    killed by SIGKILL strands nothing); exits at once if the parent is already gone."""
+    if _prctl is None:
+        return
+    parent_pid = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid or parent_pid == 1:  # it died before prctl took effect
+        raise SystemExit(1)
+
+
 def stop_group(
     process: subprocess.Popen[Any], timeout_s: float, straggler_grace_s: float = STRAGGLER_GRACE_S
 ) -> None:
