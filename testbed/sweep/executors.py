@@ -28,7 +28,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext
@@ -256,9 +256,9 @@ def run_ray(
     """
     ray = require_ray()
     out_dir = Path(out_dir).resolve()  # Ray workers have their own working directory
-    started_here = False
-    if not ray.is_initialized():
-        if address is None:
+    started_here = not ray.is_initialized()  # then shut down after, a failed start too
+    try:
+        if started_here and address is None:
             ray.init(
                 num_cpus=jobs or os.cpu_count(),
                 include_dashboard=False,
@@ -266,11 +266,18 @@ def run_ray(
                 # Workers of a local instance import testbed from this checkout.
                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
             )
-        else:
+        elif started_here:
             ray.init(address=address, log_to_driver=False)
-        started_here = True
-    task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
-    refs = {task.remote(spec, str(out_dir)): spec for spec in specs}
+        task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
+        refs = {task.remote(spec, str(out_dir)): spec for spec in specs}
+        yield from _ray_outcomes(ray, refs, out_dir)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _ray_outcomes(ray: Any, refs: dict[Any, RunSpec], out_dir: Path) -> Iterator[RunOutcome]:
+    """The tasks' outcomes as they end; closing it cancels the tasks still going."""
     try:
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)
@@ -288,8 +295,6 @@ def run_ray(
             ray.cancel(ref, force=False)
         if refs:
             ray.wait(list(refs), num_returns=len(refs), timeout=_STOP_GRACE_S + 5)
-        if started_here:
-            ray.shutdown()
 
 
 def _python_path() -> str:
