@@ -213,10 +213,17 @@ class SchedulerSide:
             tracker.num_stored_chunks = min(tracker.num_stored_chunks, chunk)
             tracker.deferred_tokens = None
 
-    def request_finished(self, request_id: str) -> bool:
+    def request_finished(self, request_id: str, *, failed: bool = False) -> bool:
         """Ends the session and the request's span and forgets the request. True when stores
         of it may still be in flight: vLLM must then keep its blocks until the workers report
-        it in ``finished_sending`` (they learn it from the next step's plan)."""
+        it in ``finished_sending`` (they learn it from the next step's plan).
+
+        ``failed``: vLLM ended the request with an error (``FINISHED_ERROR``; under
+        ``kv_load_failure_policy = "fail"``, a load that failed, reported in this same step
+        before the connector hears of its blocks). What its last step computed is then never
+        stored (it may stand on blocks that never arrived), so only stores planned in earlier
+        steps can keep its blocks: a request that failed its first (synchronous) load is
+        freed at once, as vLLM frees it."""
         tracker = self.trackers.pop(request_id, None)
         if tracker is None:
             return False
@@ -227,7 +234,7 @@ class SchedulerSide:
             self.client.free_locks(tracker.session_id, 0, ALL_TOKENS, parent=tracker.traceparent)
         self.client.end_session(tracker.session_id, parent=tracker.traceparent)
         self._end_span(tracker)
-        if tracker.deferred_tokens is not None:
+        if tracker.deferred_tokens is not None and not failed:
             self._finishing.append(tracker)  # its load was good: vLLM finished it
             tracker.stores_planned = True
         if tracker.stores_planned:

@@ -434,7 +434,9 @@ class KVTBConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
-        delayed = self.scheduler_side.request_finished(request.request_id)
+        delayed = self.scheduler_side.request_finished(
+            request.request_id, failed=request.status == RequestStatus.FINISHED_ERROR
+        )
         if request.status == RequestStatus.FINISHED_ABORTED:  # outside a step: no flush follows
             self.scheduler_side.client.flush()
         if not delayed:

@@ -2,8 +2,11 @@
 
 :class:`ServerProcess` runs ``python -m server`` with the given flags (``--port 0`` by
 default), reads the readiness line for the bound endpoint, its epoch and its token file
-(whose client and admin tokens it then holds), and on close stops the process (SIGTERM,
-then SIGKILL) so no test or run leaves a server behind. The server runs in the caller's working
+(whose client and admin tokens it then holds), and on close stops it with everything in its
+process group (``testbed.core.process_groups``: SIGTERM, a wait, then SIGKILL) so no test or run
+leaves a server behind; it also exits by itself when its starter does (``--exit-with-parent``).
+The server leads a session of its own, so a terminal's Ctrl-C reaches the command that started
+it, which stops it in order. The server runs in the caller's working
 directory, with this package importable from it; paths it is given should be absolute (the
 command line makes them so), so that nothing depends on where it runs.
 """
@@ -11,7 +14,6 @@ command line makes them so), so that nothing depends on where it runs.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from server.app import READY_PREFIX
 from testbed.core.credentials import read_token_file
+from testbed.core.process_groups import kill_group, start_group, stop_group
 
 _STARTUP_TIMEOUT_S = 60.0
 
@@ -59,7 +62,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         stderr = open(self._log_path, "a") if self._log_path else subprocess.PIPE  # noqa: SIM115
-        self.process = subprocess.Popen(
+        self.process = start_group(
             [*self._wrapper, sys.executable, "-m", "server", *self.args],
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -69,7 +72,11 @@ class ServerProcess:
         )
         if stderr is subprocess.PIPE:
             threading.Thread(target=self._drain_stderr, daemon=True).start()
-        self.url = self._wait_ready()
+        try:
+            self.url = self._wait_ready()
+        except BaseException:  # Ctrl-C while it starts: ``with`` would not call __exit__
+            self.close()
+            raise
         threading.Thread(target=self._drain_stdout, daemon=True).start()
         return self
 
@@ -132,16 +139,17 @@ class ServerProcess:
         return self.process.pid
 
     def kill(self) -> None:
-        """Kills the server abruptly (SIGKILL), as a crash would."""
+        """Kills the server abruptly (SIGKILL), as a crash would (its files stay behind, for
+        the next server start or ``kvtb clean`` to reclaim)."""
         if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
+            kill_group(self.process)
 
     def close(self, timeout_s: float = 10.0) -> int | None:
-        """Stops the server (SIGTERM, then SIGKILL); returns its exit code."""
+        """Stops the server and its process group (SIGTERM, then SIGKILL); returns its exit
+        code."""
         if self.process is None:
             return None
-        stop_process(self.process, timeout_s)
+        stop_group(self.process, timeout_s)
         return self.process.returncode
 
     def __enter__(self) -> ServerProcess:
@@ -159,15 +167,3 @@ def _importable(env: Mapping[str, str]) -> dict[str, str]:
         return dict(env)
     paths = [str(root), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-
-
-def stop_process(process: subprocess.Popen, timeout_s: float) -> None:
-    """SIGTERM, then SIGKILL if ``process`` has not exited within ``timeout_s``."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()

@@ -1,11 +1,21 @@
 """Shared fixtures: real cache server processes on 127.0.0.1 (port 0) and clients for them,
 one small sweep of real runs that the tests reading a sweep share, and both ways of computing
-block-copy runs (``index_path``)."""
+block-copy runs (``index_path``).
+
+The session fails if anything it started is still there at its end: every process it starts
+carries a marker in its environment, and :func:`nothing_left_behind` fails the session (an
+error at the last test's teardown, naming each process and the test it appeared in) if a
+marked process still runs or a file it made is still in ``/dev/shm``
+(``tests/support/leaks.py``). Tests that start processes stop them.
+"""
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,7 +23,13 @@ import pytest
 
 from server.launch import ServerProcess
 from testbed.core import block_runs
+from tests.support.leaks import MARKER, Census
 from tests.support.sweeps import SMALL_RUNS
+
+_census: Census | None = None
+LEFTOVER_GRACE_S = 5.0
+"""How long processes get to finish exiting after the last test (a cache server notices its
+starter's exit within a poll), before they count as left behind."""
 
 StartServer = Callable[..., ServerProcess]
 SMALL_SWEEP = f"""
@@ -28,6 +44,45 @@ mla = true
 [[include]]
 engine = "oracle"
 """
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Marks every process the session will start (before any is) and starts watching them."""
+    global _census
+    value = f"session-{os.getpid()}-{secrets.token_hex(4)}"
+    os.environ[MARKER] = value
+    _census = Census(value).start()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _census is not None:
+        _census.current = item.nodeid
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """Fails the session if a process it started still runs, or a file it made is still in
+    ``/dev/shm``, once every test and fixture is done (this fixture is torn down last)."""
+    yield
+    if _census is None:
+        return
+    _stop_multiprocessing_helpers()
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    leftovers = _census.leftovers()
+    while leftovers.processes and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leftovers = _census.leftovers()
+    if leftovers:
+        pytest.fail(leftovers.report(), pytrace=False)
+
+
+def _stop_multiprocessing_helpers() -> None:
+    """The fork server and resource tracker multiprocessing started for this process (the
+    sweep executor's and chaos's run processes fork from one): they would end with it."""
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
 @pytest.fixture

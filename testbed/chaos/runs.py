@@ -6,7 +6,9 @@ a run starts in about a second instead of paying vLLM's import each time; severa
 once. The child counts finished requests in shared memory (:attr:`RunChild.done`), writes
 its log (and a traceback if it fails) to ``<out>/child.log``, and leaves its run directory
 as any run does: ``summary.json`` and ``metrics.parquet``. The chaos process may SIGKILL the
-child, or the cache server the child's run started (:meth:`RunChild.server_pids`).
+child, or the cache server the child's run started (:meth:`RunChild.server_pids`). The child
+gets SIGTERM when its fork server exits, which it does with the chaos process, so a chaos
+process killed by SIGKILL leaves no run going.
 
 Pace: each step of a chaos run lasts at least :attr:`EngineRun.step_s` (20 ms by default), as
 a forward pass would, so that a run lasts long enough for a kill, a restart and a recovery to
@@ -157,8 +159,10 @@ def _child_main(run: EngineRun, done: Synchronized[int], log_path: Path) -> None
         filename=log_path, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s"
     )
     try:
+        from testbed.core.process_groups import terminate_with_parent
         from testbed.run import RunOptions, execute_run
 
+        terminate_with_parent()  # its parent, the fork server, exits with the chaos process
         pace_steps(run.step_s)
 
         def progress(finished: int, total: int) -> None:

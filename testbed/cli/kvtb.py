@@ -19,7 +19,7 @@ Exit status, every command (README, "Exit codes"): 0 done; 1 failed (the work ra
 succeed: a run with integrity errors, a failed sweep run, chaos acceptance not met, an
 operating-system error such as a full disk); 2 bad input (a flag, spec, TOML, token file or a
 resource request the machine cannot meet, refused before any work, nothing written); 130
-interrupted.
+interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 from server.launch import ServerStartError
 from testbed.core.credentials import ServerEndpoint, client_token
 from testbed.core.extras import MissingExtra, require_engines, require_lab
+from testbed.core.process_groups import sigterm_as_interrupt
 from testbed.core.version import package_version
 from testbed.spec.flags import (
     add_data_dir_argument,
@@ -45,11 +46,17 @@ from testbed.spec.paths import absolute_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command of ``argv``; its exit status. SIGTERM interrupts a command as Ctrl-C
+    does (``testbed.core.process_groups.sigterm_as_interrupt``): it unwinds, stopping every
+    process it started, and exits 130 (``kvtb server`` handles its own signals)."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command != "server":
-            require_lab()
-        code: int = args.handler(args)
+        if args.command == "server":
+            code: int = args.handler(args)
+            return code
+        require_lab()
+        with sigterm_as_interrupt():
+            code = args.handler(args)
         return code
     except MissingExtra as exc:
         print(f"kvtb {args.command} {exc}", file=sys.stderr)
@@ -187,7 +194,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export_jaeger(args: argparse.Namespace) -> int:
-    from testbed.report.jaeger import export_jaeger
+    from testbed.report.sweep_report.jaeger import export_jaeger
 
     count = export_jaeger(args.run_dirs, args.output, request_ids=args.request_ids)
     print(f"wrote {count} spans to {args.output}")

@@ -7,7 +7,10 @@ with the connector named only by ``kv_connector`` (the plugin registers it), poi
 run's ``kvtb server`` and writing its spans into the run directory (``KVTB_SPAN_DIR``), and
 vLLM's own tracing exporting to a collector of the run (so requests' trace context reaches the
 connector), waits for ``/health`` (saying what it waits for, ``on_wait``), and on close stops
-it (SIGTERM, then SIGKILL).
+it with its engine core and everything else in its process group (SIGTERM to the server, whose
+shutdown closes the engine core and the connectors; a wait; SIGKILL to what is left:
+``testbed.core.process_groups``). The server leads a session of its own, and gets SIGTERM if the
+thread that started it ends (a starter killed by SIGKILL strands no vLLM).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.tracing import SPAN_DIR_ENV
-from server.launch import stop_process
+from testbed.core.process_groups import start_group, stop_group
 from testbed.engine.engine_spec import EngineSpec
 from testbed.engine.model_dir import TinyModel, write_model_dir
 
@@ -80,9 +83,14 @@ class VllmServerProcess:
         self.url = ""
 
     def start(self) -> VllmServerProcess:
-        """Starts the server and waits until it answers."""
-        self.spawn()
-        self.wait_healthy()
+        """Starts the server and waits until it answers; stops it if that fails or is
+        interrupted."""
+        try:
+            self.spawn()
+            self.wait_healthy()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def spawn(self) -> VllmServerProcess:
@@ -142,8 +150,13 @@ class VllmServerProcess:
             }
             command += ["--kv-events-config", json.dumps(events)]
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
-        self.process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        self.process = start_group(
+            command,
+            die_with_parent=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         log.close()
         self.url = f"http://127.0.0.1:{port}"
@@ -185,9 +198,10 @@ class VllmServerProcess:
         return last if len(last) <= 80 else last[:77] + "..."
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Stops the server; vLLM's graceful shutdown closes the connectors (their spans)."""
+        """Stops the server and its process group (its engine core included); vLLM's graceful
+        shutdown closes the connectors (their spans). Returns once none of it runs."""
         if self.process is not None:
-            stop_process(self.process, timeout_s)
+            stop_group(self.process, timeout_s)
 
     def __enter__(self) -> VllmServerProcess:
         return self.start()
@@ -204,10 +218,19 @@ def start_fleet(servers: list[VllmServerProcess]) -> list[VllmServerProcess]:
         for server in servers:
             server.wait_healthy()
     except BaseException:
-        for server in servers:
-            server.close()
+        stop_fleet(servers)
         raise
     return servers
+
+
+def stop_fleet(servers: list[VllmServerProcess]) -> None:
+    """Stops every server (:meth:`VllmServerProcess.close`), their shutdowns at once: each
+    is asked first, then each is waited for."""
+    for server in servers:
+        if server.process is not None and server.process.poll() is None:
+            server.process.terminate()
+    for server in servers:
+        server.close()
 
 
 def _free_port() -> int:

@@ -3,8 +3,13 @@
 Runs in the ``kvtb run`` process, before anything is written (``testbed.run.prepare_run``).
 A run holds three large things:
 
-- the **workload** in memory: its prompt and output tokens, about
-  :data:`WORKLOAD_BYTES_PER_TOKEN` bytes each once the engine holds them as vLLM requests;
+- the **workload** in memory, for as many requests as the workload yields (capped by
+  ``requests``; a trace shorter than that is all of it). An engine that makes tokens holds
+  each prompt and output token, about :data:`WORKLOAD_BYTES_PER_TOKEN` bytes each once the
+  engine holds them as vLLM requests. A block-key engine over a block-hash trace (the oracle on
+  ``mooncake:`` or ``agentic:``, ``EngineEntry.block_ids``) makes no token: it holds the
+  trace's block ids, :data:`BLOCK_ID_BYTES` each, and one key per chunk of every prompt,
+  :data:`CHUNK_KEY_BYTES` each (``testbed.workloads.block_keys``, the simulation's lists);
 - **vLLM's own KV pool** (replay and vllm engines): ``engine_blocks × block_size`` tokens of
   KV on every TP rank, allocated when the engine starts;
 - the **cache pool** of the run's own server (none with ``--server``, ``metadata_only`` or the
@@ -16,17 +21,18 @@ A run holds three large things:
 the free bytes of ``/dev/shm`` or of the pool's directory, and room for the run directory),
 naming every part and what to lower, so that a spec that cannot run fails in a second with
 nothing written instead of after minutes of swapping, with a ``SIGBUS`` or an allocation
-error. Estimates are deliberately rough (the workload's bytes per token are a measured
-order of magnitude, not an exact count).
+error; a run that fits is never refused. Estimates are deliberately rough (the bytes per
+token, id and key are measured orders of magnitude, rounded up, not exact counts).
 """
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from testbed.core.owned_files import free_bytes
 from testbed.core.protocol import PoolMedium
@@ -35,10 +41,18 @@ from testbed.core.sizes import format_bytes
 if TYPE_CHECKING:
     from testbed.spec.runspec import RunSpec
     from testbed.workloads.base import RequestShape
+    from testbed.workloads.block_trace import BlockRequest
 
 WORKLOAD_BYTES_PER_TOKEN = 48
 """Bytes one workload token costs in memory once an engine holds it (a numpy int32 and a
 Python int in vLLM's request), an estimate."""
+BLOCK_ID_BYTES = 40
+"""Bytes one block id of a block-hash trace costs a block-key engine: its int64 in the
+request, and the numbering of id prefixes (measured about 35 on the shipped agentic traces)."""
+CHUNK_KEY_BYTES = 120
+"""Bytes one chunk key costs a block-key engine at its peak: the access trace's arrays and the
+cache simulations' per-request lists (measured 60-115 on the shipped agentic traces for an LRU
+oracle run, which simulates twice: at its capacity and unlimited)."""
 UNLIMITED_HEADROOM_BYTES = 64 << 20
 """What an unlimited cache gets beyond every prompt token stored once."""
 RUN_DIR_RESERVE_BYTES = 8 << 20
@@ -57,6 +71,8 @@ class Footprint:
     pool_medium: PoolMedium | None
     num_requests: int
     tokens_per_request: float
+    keys_only: bool = False
+    """The workload is held as block ids and chunk keys, not tokens (a block-key engine)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -70,34 +86,50 @@ def unlimited_capacity(prompt_tokens: int, bytes_per_token: int) -> int:
     return prompt_tokens * bytes_per_token + UNLIMITED_HEADROOM_BYTES
 
 
+def token_bytes(request: RequestShape) -> int:
+    """What an engine that makes tokens holds of ``request``: its prompt and output."""
+    return (request.num_prompt_tokens + request.max_output_tokens) * WORKLOAD_BYTES_PER_TOKEN
+
+
+def key_bytes(request: BlockRequest, chunk_size: int) -> int:
+    """What a block-key engine holds of ``request``: its block ids and one key per chunk."""
+    chunks = request.num_prompt_tokens // chunk_size
+    return len(request.block_ids) * BLOCK_ID_BYTES + chunks * CHUNK_KEY_BYTES
+
+
 def estimate(
     *,
     num_requests: int,
-    sample_tokens: Sequence[tuple[int, int]],
+    sample: Sequence[RequestShape],
+    held_bytes: Callable[[Any], int],
     engine_kv_bytes: int,
     capacity_bytes: int | None,
     bytes_per_token: int,
     pool_medium: PoolMedium | None,
     pools: int = 1,
+    keys_only: bool = False,
 ) -> Footprint:
-    """The footprint of ``num_requests`` requests like ``sample_tokens`` (prompt, output
-    tokens per request); ``capacity_bytes`` ``None`` is an unlimited cache, ``pool_medium``
-    ``None`` no cache pool of the run's own; ``pools``: how many cache servers the run starts
-    (a fleet's server per instance)."""
-    count = max(1, len(sample_tokens))
-    prompt = sum(p for p, _ in sample_tokens) / count
-    total = sum(p + o for p, o in sample_tokens) / count
+    """The footprint of ``num_requests`` requests like ``sample``, each holding
+    ``held_bytes(request)`` (:func:`token_bytes`, or :func:`key_bytes` with ``keys_only``);
+    ``capacity_bytes`` ``None`` is an unlimited cache, ``pool_medium`` ``None`` no cache pool
+    of the run's own; ``pools``: how many cache servers the run starts (a fleet's server per
+    instance)."""
+    count = max(1, len(sample))
+    prompt = sum(r.num_prompt_tokens for r in sample) / count
+    total = sum(r.num_prompt_tokens + r.max_output_tokens for r in sample) / count
+    held = sum(held_bytes(r) for r in sample) / count
     pool = 0
     if pool_medium is not None:
         pool = capacity_bytes or unlimited_capacity(int(prompt * num_requests), bytes_per_token)
         pool *= pools
     return Footprint(
-        workload_bytes=int(total * num_requests * WORKLOAD_BYTES_PER_TOKEN),
+        workload_bytes=int(held * num_requests),
         engine_kv_bytes=engine_kv_bytes,
         pool_bytes=pool,
         pool_medium=pool_medium,
         num_requests=num_requests,
         tokens_per_request=total,
+        keys_only=keys_only,
     )
 
 
@@ -148,9 +180,10 @@ def available_memory_bytes() -> int | None:
 
 
 def _parts(footprint: Footprint) -> str:
+    held = " held as block ids and chunk keys" if footprint.keys_only else ""
     parts = [
         f"workload ~{format_bytes(footprint.workload_bytes)}: {footprint.num_requests:,} "
-        f"requests of ~{footprint.tokens_per_request:,.0f} tokens",
+        f"requests of ~{footprint.tokens_per_request:,.0f} tokens{held}",
         f"vLLM's KV pool ~{format_bytes(footprint.engine_kv_bytes)}",
     ]
     if footprint.pool_medium == "shm" and footprint.pool_bytes:
@@ -170,7 +203,7 @@ def _temp_dir() -> Path:
 
 
 SAMPLE_REQUESTS = 32
-"""Requests read to estimate the rest before the whole workload is loaded."""
+"""Requests of a generated workload read to estimate the rest before all are made."""
 
 
 def check_run(
@@ -181,26 +214,29 @@ def check_run(
     own_server: bool,
     out_dir: Path,
     engine_kv_bytes: Callable[[RunSpec, int, int], int] | None = None,
-    exact: bool = False,
+    num_requests: int | None = None,
+    keys_only: bool = False,
 ) -> None:
-    """Checks a run of ``spec`` against this machine (:func:`check`): on all its requests
-    (``exact``), or on its first ones, extrapolated to ``spec.requests``. ``bytes_per_token``:
-    what the cache stores per token; ``own_server``: whether the run starts its server;
-    ``engine_kv_bytes``: the memory of the engine's own KV pool for (spec, blocks, bytes per
-    token), ``None`` for an engine without one."""
+    """Checks a run of ``spec`` against this machine (:func:`check`): on all its requests,
+    or (``num_requests``: how many the workload will yield, capped by ``spec.requests``) on
+    its first ones, extrapolated. ``keys_only``: ``requests`` are block requests held as keys
+    (a block-key engine), not tokens. ``bytes_per_token``: what the cache stores per token;
+    ``own_server``: whether the run starts its server; ``engine_kv_bytes``: the memory of the
+    engine's own KV pool for (spec, blocks, bytes per token), ``None`` for an engine without
+    one."""
     if not requests:
         return  # nothing to check: loading the workload says it is empty
-    tokens = [(r.num_prompt_tokens, r.max_output_tokens) for r in requests]
-    num_requests = len(tokens) if exact or spec.requests is None else spec.requests
     capacity = spec.capacity_bytes
     if capacity is None and spec.capacity_tokens is not None:
         capacity = spec.capacity_tokens * bytes_per_token
     medium: PoolMedium | None = None
     if own_server and not spec.metadata_only:
         medium = "disk" if spec.pool_medium == "disk" else "shm"
+    held = functools.partial(key_bytes, chunk_size=spec.chunk_size) if keys_only else token_bytes
     footprint = estimate(
-        num_requests=num_requests,
-        sample_tokens=tokens,
+        num_requests=len(requests) if num_requests is None else num_requests,
+        sample=requests,
+        held_bytes=held,
         engine_kv_bytes=0
         if engine_kv_bytes is None
         else engine_kv_bytes(spec, pool_blocks(spec, requests), bytes_per_token),
@@ -208,6 +244,7 @@ def check_run(
         bytes_per_token=bytes_per_token,
         pool_medium=medium,
         pools=spec.instances if spec.servers == "per-instance" else 1,
+        keys_only=keys_only,
     )
     check(footprint, out_dir)
 

@@ -1,9 +1,16 @@
 """Planning a run: every check that can fail, before the run directory is touched.
 
 The spec against its engine (:attr:`EngineEntry.check`), the run's options, the workload
-(loaded, its servable requests split off), this machine (``testbed.run.footprint``: on a sample
-of the workload first, then on all of it) and an external cache server (it must answer and
-match the spec). Each problem is a ``ValueError`` whose message names it; nothing is written.
+(loaded, its servable requests split off), this machine (``testbed.run.footprint``) and an
+external cache server (it must answer and match the spec). Each problem is a ``ValueError``
+whose message names it; nothing is written.
+
+The machine is checked on what the engine will hold. A block-hash trace is read as block
+requests first (ids and lengths, no token): the check sees every request the trace yields
+(capped by ``requests``), as keys for a block-key engine (``EngineEntry.block_ids``, which then
+never makes a token) or as the tokens the others will make, before any is made. A generated
+workload is checked on its first :data:`~testbed.run.footprint.SAMPLE_REQUESTS` requests,
+extrapolated to the count it will make, then on all of them.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from testbed.run.registry import ENGINES
 from testbed.spec.inputs import check_workload_content
 from testbed.spec.runspec import RunSpec
 from testbed.workloads import BlockTraceWorkload, Workload, WorkloadRequest, make_workload
+from testbed.workloads.generator import Generator
 
 
 def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")) -> RunPlan:
@@ -55,14 +63,18 @@ def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")
         out_dir=out_dir,
         engine_kv_bytes=entry.engine_kv_bytes,
     )
-    if entry.block_ids and isinstance(workload, BlockTraceWorkload):
-        check(_first(spec, workload.block_requests(), footprint.SAMPLE_REQUESTS))
-        blocks, rejected = _servable(spec, workload.block_requests())
-        check(blocks, exact=True)
+    if isinstance(workload, BlockTraceWorkload):
+        shapes, rejected = _servable(spec, workload.block_requests())
+        check(shapes, keys_only=entry.block_ids)
+        if entry.block_ids:
+            blocks = shapes
+        else:
+            requests = list(workload.with_tokens(shapes))
     else:
-        check(_first(spec, workload, footprint.SAMPLE_REQUESTS))
+        sample = _first(spec, workload, footprint.SAMPLE_REQUESTS)
+        check(sample, num_requests=_count(spec, workload))
         requests, rejected = _servable(spec, workload)
-        check(requests, exact=True)
+        check(requests)
     server_info = None
     if options.server is not None and use is not CacheServers.NONE:
         asked = RunPlan(spec, [], [], None, bytes_per_token).capacity_bytes
@@ -94,6 +106,12 @@ def _first(spec: RunSpec, requests: Iterable[R], limit: int) -> list[R]:
         return list(itertools.islice(iter(requests), limit))
     except FileNotFoundError as exc:
         raise ValueError(f"workload {spec.workload!r}: {exc}") from None
+
+
+def _count(spec: RunSpec, workload: Workload) -> int | None:
+    """How many requests ``workload`` will yield: a generator's count, else at most the
+    spec's ``requests`` (``None``: unknown before reading it)."""
+    return workload.num_requests if isinstance(workload, Generator) else spec.requests
 
 
 def _make_workload(spec: RunSpec, entry: EngineEntry) -> Workload:

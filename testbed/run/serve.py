@@ -99,26 +99,24 @@ def launch_spec(job: EngineRun, instance: int) -> LaunchSpec:
 def _launch(job: EngineRun, stack: ExitStack, events: ZmqEventStream | None) -> list[str]:
     """Starts the run's vLLM servers (stopped when ``stack`` closes, before the run's cache
     server, so that their spans are flushed) and returns their URLs once they answer."""
-    from testbed.engine.serve_launch import VllmServerProcess, start_fleet
+    from testbed.engine.serve_launch import VllmServerProcess, start_fleet, stop_fleet
     from testbed.run.collector import SpanCollector
 
     spec = job.spec
     collector = stack.enter_context(SpanCollector(job.run_dir))
-    vllms = []
-    for k in range(spec.instances):
-        vllms.append(
-            stack.enter_context(
-                VllmServerProcess(
-                    launch_spec(job, k),
-                    job.run_dir,
-                    otlp_endpoint=collector.endpoint,
-                    env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
-                    on_wait=job.progress.waiting,
-                    instance=k if spec.instances > 1 else None,
-                    kv_events_endpoint=events.endpoint if events is not None else None,
-                )
-            )
+    vllms = [
+        VllmServerProcess(
+            launch_spec(job, k),
+            job.run_dir,
+            otlp_endpoint=collector.endpoint,
+            env=sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio),
+            on_wait=job.progress.waiting,
+            instance=k if spec.instances > 1 else None,
+            kv_events_endpoint=events.endpoint if events is not None else None,
         )
+        for k in range(spec.instances)
+    ]
+    stack.callback(stop_fleet, vllms)  # each is started once, all at once, by start_fleet
     if job.options.progress:
         logs = ", ".join(str(vllm.log_path) for vllm in vllms)
         tqdm.write(

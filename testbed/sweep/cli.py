@@ -17,7 +17,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from testbed.core.extras import require_engines
+from testbed.core.process_groups import sigterm_as_interrupt
 from testbed.run import is_reusable, reuse_differences
 from testbed.spec.flags import assignments
 from testbed.spec.inputs import data_dir
@@ -153,9 +153,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         executor=args.executor, jobs=jobs, address=args.address, progress=not args.no_progress
     )
     # `kill` and batch schedulers send SIGTERM: stop as orderly as on Ctrl-C.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_sweep(sweep, args.out, options)
+        with sigterm_as_interrupt():
+            result = run_sweep(sweep, args.out, options)
     except RayMissing as exc:
         print(f"kvtb sweep: {exc}", file=sys.stderr)
         return 2
@@ -168,14 +168,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print_result(sweep, result)
     return 1 if result.failed else 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def print_result(sweep: SweepSpec, result: SweepResult) -> None:

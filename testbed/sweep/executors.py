@@ -23,20 +23,19 @@ calling them needs the usual ``if __name__ == "__main__":`` guard.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing
 import os
 import signal
-import sys
 import time
 import traceback
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
+from testbed.core.process_groups import terminate_with_parent
 from testbed.run import RunOptions, execute_run
 from testbed.spec.runspec import RunSpec
 from testbed.sweep.index import record_failure
@@ -46,7 +45,6 @@ ProgressCallback = Callable[[RunSpec, int, int], None]
 
 _STOP_GRACE_S = 10.0
 _PROGRESS_INTERVAL_S = 0.2
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _PRELOAD = ["testbed.run", "testbed.run.summary", "testbed.engine.replay"]
 
@@ -174,7 +172,7 @@ def _child_main(spec: RunSpec, out_dir: Path, conn: Connection) -> None:
     """Entry point of a run's child process: run, then report ``("done", error, traceback)``."""
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _terminate_with_parent()
+    terminate_with_parent()  # its parent, the fork server, exits with the sweep
     last_sent = 0.0
 
     def progress(done: int, total: int) -> None:
@@ -199,18 +197,6 @@ def _child_main(spec: RunSpec, out_dir: Path, conn: Connection) -> None:
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     # Unwind instead of dying on the spot, so execute_run's finally blocks close its server.
     raise SystemExit(128 + signum)
-
-
-def _terminate_with_parent() -> None:
-    """Asks Linux to SIGTERM this process when its parent, the fork server, dies (it exits
-    with the sweep that started it: a killed sweep strands nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent_pid = os.getppid()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid or parent_pid == 1:  # the parent died before prctl took effect
-        raise SystemExit(1)
 
 
 def run_local(
@@ -270,9 +256,9 @@ def run_ray(
     """
     ray = require_ray()
     out_dir = Path(out_dir).resolve()  # Ray workers have their own working directory
-    started_here = False
-    if not ray.is_initialized():
-        if address is None:
+    started_here = not ray.is_initialized()  # then shut down after, a failed start too
+    try:
+        if started_here and address is None:
             ray.init(
                 num_cpus=jobs or os.cpu_count(),
                 include_dashboard=False,
@@ -280,11 +266,18 @@ def run_ray(
                 # Workers of a local instance import testbed from this checkout.
                 runtime_env={"env_vars": {"PYTHONPATH": _python_path()}},
             )
-        else:
+        elif started_here:
             ray.init(address=address, log_to_driver=False)
-        started_here = True
-    task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
-    refs = {task.remote(spec, str(out_dir)): spec for spec in specs}
+        task = ray.remote(num_cpus=1, max_retries=0)(_ray_task)
+        refs = {task.remote(spec, str(out_dir)): spec for spec in specs}
+        yield from _ray_outcomes(ray, refs, out_dir)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def _ray_outcomes(ray: Any, refs: dict[Any, RunSpec], out_dir: Path) -> Iterator[RunOutcome]:
+    """The tasks' outcomes as they end; closing it cancels the tasks still going."""
     try:
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=1)
@@ -302,8 +295,6 @@ def run_ray(
             ray.cancel(ref, force=False)
         if refs:
             ray.wait(list(refs), num_returns=len(refs), timeout=_STOP_GRACE_S + 5)
-        if started_here:
-            ray.shutdown()
 
 
 def _python_path() -> str:

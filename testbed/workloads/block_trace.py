@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,8 +159,13 @@ class BlockTraceWorkload(ABC):
         """The requests, in the order and with the ids, arrivals and groups iteration gives."""
 
     def __iter__(self) -> Iterator[WorkloadRequest]:
+        return self.with_tokens(self.block_requests())
+
+    def with_tokens(self, requests: Iterable[BlockRequest]) -> Iterator[WorkloadRequest]:
+        """``requests`` (of :meth:`block_requests`) with their tokens, as iteration makes them
+        (a request's tokens depend on its ids alone, not on which others are made)."""
         tokens = BlockTokens(self.options.seed, self.options.vocab_size)
-        for request in self.block_requests():
+        for request in requests:
             yield request.with_tokens(tokens.prompt(request))
 
 

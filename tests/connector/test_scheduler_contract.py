@@ -1,5 +1,6 @@
 """vLLM's connector contract at the level of vLLM's scheduler: a late lookup answer, a
-preemption, a failed load.
+preemption, a failed load (recomputed, or under ``kv_load_failure_policy = "fail"`` failed
+and freed in the step vLLM reports it).
 
 vLLM's real ``Scheduler`` with the real connector (both roles) and a real ``kvtb server``
 process, stepped as vLLM's own connector tests step theirs; each test ends as theirs do, with
@@ -22,7 +23,9 @@ from testbed.core.keys import chunk_hashes  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing  # noqa: E402
 from tests.support.cache_harness import connect  # noqa: E402
+from tests.support.quiescence import assert_quiescent  # noqa: E402
 from tests.support.scheduler_steps import (  # noqa: E402
+    assert_blocks_free,
     assert_scheduler_empty,
     prompt,
     request,
@@ -163,3 +166,42 @@ def test_a_chunk_whose_load_failed_is_stored_again_and_then_hits(
         assert not any(outcome.invalid_block_ids for outcome in outcomes)  # ...and loads
         run_until_idle(engine)
         assert_scheduler_empty(engine.scheduler)
+
+
+def test_a_sync_load_failed_under_policy_fail_frees_its_blocks_in_the_step_it_is_reported(
+    tmp_path, start_server
+):
+    server = start_server("--chunk-size", str(C), "--capacity", "64MiB")
+    tokens = prompt(5, 5 * C + 10)
+    hashes = chunk_hashes(tokens, C)
+    with (
+        stepped_engine(server, tmp_path, load_async=False) as engine,
+        connect(server, admin=True) as admin,
+    ):
+        scheduler = engine.scheduler
+        # What kv_load_failure_policy = "fail" sets (vLLM reads the policy only here).
+        scheduler.recompute_kv_load_failures = False
+        engine.submit(request("writer", tokens[: 3 * C + 10]))
+        run_until_idle(engine)
+        assert admin.call(p.GetStats()).num_objects == 3
+        engine.submit(request("reader", tokens))
+        step = engine.scheduler.schedule()
+        (load,) = step.kv_connector_metadata.plan.retrieves
+        assert (load.request_id, load.end_token) == ("reader", 3 * C)
+        held = len(scheduler.kv_cache_manager.get_block_ids("reader")[0])
+        assert held > 0
+        assert admin.call(p.DropObjects(chunk_hashes=[hashes[1]], force=True)).num_objects == 1
+        outputs, outcomes = engine.execute(step)
+        assert any(outcome.invalid_block_ids for outcome in outcomes)
+        (failed,) = [o for out in outputs.values() for o in out.outputs if o.finish_reason]
+        assert failed.request_id == "reader" and str(failed.finish_reason) == "error"
+        # vLLM's contract: a request its connector does not hold is freed in this same step.
+        assert_blocks_free(scheduler)
+        run_until_idle(engine)
+        assert_scheduler_empty(scheduler)
+        stats = settled_stats(
+            admin, lambda s: s.num_locks == 0 and s.num_sessions == 0, within_s=5.0
+        )
+        assert_quiescent(stats)
+        assert stats.num_sessions == 0
+        assert stats.num_objects == 2  # nothing computed over the failed load was stored

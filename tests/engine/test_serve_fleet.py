@@ -5,7 +5,9 @@ routed by ``kv_precise`` from the KV events vLLM's own ZeroMQ publisher sends.
 and two vLLM servers at once, each publishing its KV events to the router under its own topic
 and naming its instance in its telemetry. Two conversations start on the two servers; their
 second turns arrive in the order round robin would send to the wrong servers. Each goes to the
-server holding its first turn's prefix, and vLLM's own prefix cache serves it there.
+server holding its first turn's prefix, and vLLM's own prefix cache serves it there. Once the
+run has ended, nothing it started is left running (both servers' engine cores included), nor
+any file they held in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from testbed.analysis.routing import route_table  # noqa: E402
 from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
+from tests.support.leaks import CaseWatch  # noqa: E402
 from tests.support.serve_runs import serve_spec  # noqa: E402
 
 
-def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_path):
+def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_path, monkeypatch):
     lines = [  # conversations a and b; b's second turn first (round robin: both misplaced)
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [1, 2]},
         {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
@@ -32,7 +35,13 @@ def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_pa
     spec = serve_spec(
         tmp_path / "trace.jsonl", lines, max_num_seqs=2, instances=2, router="kv_precise"
     )
-    summary = execute_run(spec, tmp_path / "runs", RunOptions(launch=True, progress=False))
+    watch = CaseWatch()  # what the run starts, the engine cores included
+    for name, value in watch.env.items():
+        monkeypatch.setenv(name, value)
+    options = RunOptions(launch=True, progress=False, on_wait=lambda _: watch.note())
+    summary = execute_run(spec, tmp_path / "runs", options)
+    assert len([p for p in watch.seen.values() if "api_server" in p.cmdline]) == 2
+    watch.assert_nothing_left()
     run = load_run(tmp_path / "runs" / spec.run_id)
     routes = route_table(run.spans).set_index("workload_request_id")["instance"]
     a1, b1, b2, a2 = (f"trace-{n:06d}" for n in range(4))

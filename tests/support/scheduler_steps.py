@@ -67,9 +67,17 @@ def run_until_idle(engine: ReplayEngine, max_steps: int = 500) -> set[int]:
 def assert_scheduler_empty(scheduler) -> None:
     """Nothing leaked in vLLM's scheduler: no request, no pending transfer, every block free
     (vLLM's own connector tests end with the same checks)."""
-    assert not scheduler.requests and not scheduler.waiting and not scheduler.running
     assert not scheduler.finished_req_ids and not scheduler.finished_recving_kv_req_ids
     assert not scheduler.failed_recving_kv_req_ids and not scheduler._inflight_prefills
+    assert_blocks_free(scheduler)
+
+
+def assert_blocks_free(scheduler) -> None:
+    """No request holds anything in vLLM's scheduler: none is tracked (finished ones whose
+    blocks it keeps for their connector included), every block is free. Holds right after
+    the step that finished the last request (its id still waits in ``finished_req_ids`` to
+    reach the workers with the next step)."""
+    assert not scheduler.requests and not scheduler.waiting and not scheduler.running
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     assert not manager.req_to_blocks and not manager.num_cached_block
     pool = scheduler.kv_cache_manager.block_pool
