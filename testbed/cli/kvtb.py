@@ -194,7 +194,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _export_jaeger(args: argparse.Namespace) -> int:
-    from testbed.report.sweep_report.jaeger import export_jaeger
+    from testbed.report.jaeger import export_jaeger
 
     count = export_jaeger(args.run_dirs, args.output, request_ids=args.request_ids)
     print(f"wrote {count} spans to {args.output}")
