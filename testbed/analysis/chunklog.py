@@ -48,12 +48,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, ChunkBatch
+from testbed.core.chunk_events import COLUMN_NAMES, STREAM_SUFFIX, ChunkBatch
 from testbed.core.chunk_events import COLUMNS as SCHEMA
+from testbed.core.run_dir import CHUNKS, CHUNKS_DIR, RunDir
 
 log = logging.getLogger(__name__)
 
-CHUNK_PARQUET = "chunks.parquet"
+CHUNK_PARQUET = CHUNKS  # testbed.core.run_dir's
 
 INT_COLUMNS: dict[str, tuple[str, int]] = {  # name -> (dtype, value when a batch lacks it)
     c.name: (c.kind, int(c.missing)) for c in SCHEMA if c.kind.startswith("int")
@@ -70,13 +71,13 @@ _TRAILING = re.compile(r"trailing characters \(byte (\d+)\)")
 def has_chunk_log(run_dir: Path | str) -> bool:
     """Whether a server wrote a chunk log into ``run_dir`` (Parquet or raw streams)."""
     run_dir = Path(run_dir)
-    return (run_dir / CHUNK_PARQUET).is_file() or bool(_streams(run_dir))
+    return RunDir(run_dir).chunks.is_file() or bool(_streams(run_dir))
 
 
 def load_chunk_log(run_dir: Path | str) -> pd.DataFrame:
     """The run's chunk events (see the module docstring); ``FileNotFoundError`` without any."""
     run_dir = Path(run_dir)
-    parquet = run_dir / CHUNK_PARQUET
+    parquet = RunDir(run_dir).chunks
     if parquet.is_file():
         return _typed(pd.read_parquet(parquet))
     streams = _streams(run_dir)
@@ -99,7 +100,7 @@ def write_chunk_parquet(run_dir: Path | str, *, remove_raw: bool = True) -> tupl
         return 0, 0
     frame = _from_streams(streams)
     table = pa.Table.from_pandas(frame, schema=_parquet_schema(frame), preserve_index=False)
-    target = run_dir / CHUNK_PARQUET
+    target = RunDir(run_dir).chunks
     tmp = target.with_name(target.name + ".tmp")
     try:
         pq.write_table(table, tmp, compression="zstd")
@@ -110,7 +111,7 @@ def write_chunk_parquet(run_dir: Path | str, *, remove_raw: bool = True) -> tupl
     if remove_raw:
         for path in streams:
             path.unlink()
-        directory = run_dir / CHUNKS_DIR
+        directory = RunDir(run_dir).chunk_streams
         if not any(directory.iterdir()):
             directory.rmdir()
     return len(frame), target.stat().st_size
@@ -129,7 +130,7 @@ def _parquet_schema(frame: pd.DataFrame) -> pa.Schema:
 
 
 def _streams(run_dir: Path) -> list[Path]:
-    directory = run_dir / CHUNKS_DIR
+    directory = RunDir(run_dir).chunk_streams
     return sorted(directory.glob(f"*{STREAM_SUFFIX}")) if directory.is_dir() else []
 
 

@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 import pandas as pd
 
 from testbed.analysis.plots import short_label
-from testbed.analysis.spans import SUMMARY_FILE, SWEEP_FILE, is_run_dir, run_dirs
+from testbed.analysis.spans import is_run_dir, run_dirs
 from testbed.analysis.tables import Run, figure_axes
+from testbed.core.run_dir import SUMMARY, RunDir, SweepDir
 
 T = TypeVar("T")
 SOURCE_ENV = "KVTB_SOURCE"
@@ -120,10 +121,10 @@ def open_source(path: Path | str) -> Source:
     path = Path(path)
     dirs = {directory.name: directory for directory in run_dirs(path)}
     if not dirs:
-        raise FileNotFoundError(f"{path} holds no complete run yet (no {SUMMARY_FILE})")
+        raise FileNotFoundError(f"{path} holds no complete run yet (no {SUMMARY})")
     runs = pd.DataFrame([run_row(directory) for directory in dirs.values()])
     kind = "run" if is_run_dir(path) else "sweep"
-    manifest = path / SWEEP_FILE
+    manifest = SweepDir(path).manifest
     if kind == "sweep" and manifest.is_file():
         swept = list(json.loads(manifest.read_text())["swept"])
     else:
@@ -136,8 +137,8 @@ def open_source(path: Path | str) -> Source:
 
 def run_row(run_dir: Path) -> dict[str, Any]:
     """One run as a row of a sweep's index: its spec fields, then its summary fields."""
-    spec = json.loads((run_dir / "spec.json").read_text())
-    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    spec = json.loads(RunDir(run_dir).spec.read_text())
+    summary = json.loads(RunDir(run_dir).summary.read_text())
     row: dict[str, Any] = {"run_id": run_dir.name}
     for key, value in spec.items():
         if key not in _NOT_PARAMETERS:

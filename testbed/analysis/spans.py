@@ -43,12 +43,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from testbed.analysis.span_json import read_tables
+from testbed.core.run_dir import SPANS_DIR, RunDir, SweepDir
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry import span_table as st
-from testbed.core.telemetry.setup import COLLECTED_PREFIX, SPANS_DIR
+from testbed.core.telemetry.setup import COLLECTED_PREFIX
 
-SUMMARY_FILE = "summary.json"  # written last by a run (testbed.run): a complete run
-SWEEP_FILE = "sweep.json"  # a sweep's manifest (testbed.sweep.index): its run ids in order
 _RUN_INDEX = "_run_index"  # while loading: which of the runs a span came from
 
 KINDS = {0: "UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
@@ -72,7 +71,7 @@ BASE_COLUMNS = [
 
 
 def span_files(run_dir: Path | str) -> list[Path]:
-    directory = Path(run_dir) / SPANS_DIR
+    directory = RunDir(Path(run_dir)).spans
     if not directory.is_dir():
         raise FileNotFoundError(
             f"{directory} does not exist: is {run_dir} a run directory (made by `kvtb run`)?"
@@ -81,7 +80,7 @@ def span_files(run_dir: Path | str) -> list[Path]:
 
 
 def is_run_dir(path: Path | str) -> bool:
-    return (Path(path) / SPANS_DIR).is_dir()
+    return RunDir(Path(path)).has_spans()
 
 
 def run_dirs(path: Path | str) -> list[Path]:
@@ -92,12 +91,12 @@ def run_dirs(path: Path | str) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"{path} does not exist")
-    manifest = path / SWEEP_FILE
+    manifest = SweepDir(path).manifest
     if manifest.is_file():
         candidates = [path / run_id for run_id in json.loads(manifest.read_text())["runs"]]
     else:
         candidates = sorted(child for child in path.iterdir() if child.is_dir())
-    runs = [run for run in candidates if is_run_dir(run) and (run / SUMMARY_FILE).is_file()]
+    runs = [run for run in candidates if is_run_dir(run) and RunDir(run).is_complete()]
     if not runs and not manifest.is_file():
         raise FileNotFoundError(
             f"{path} is neither a run directory (no {SPANS_DIR}/) nor a directory of complete "

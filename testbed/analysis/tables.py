@@ -12,6 +12,7 @@ import pandas as pd
 
 from testbed.analysis.chunklog import has_chunk_log, load_chunk_log
 from testbed.analysis.spans import load_events, load_spans
+from testbed.core.run_dir import SUMMARY, RunDir, SweepDir
 from testbed.core.telemetry import attributes as a
 
 ENGINE_REQUEST_COLUMNS = {
@@ -59,16 +60,16 @@ class Run:
 
     @cached_property
     def spec(self) -> dict[str, Any]:
-        return json.loads((self.path / "spec.json").read_text())
+        return json.loads(RunDir(self.path).spec.read_text())
 
     @cached_property
     def summary(self) -> dict[str, Any]:
-        return json.loads((self.path / "summary.json").read_text())
+        return json.loads(RunDir(self.path).summary.read_text())
 
     @cached_property
     def requests(self) -> pd.DataFrame:
         """The per-request table, ``metrics.parquet`` (METRICS.md; ``testbed.run.summary``)."""
-        return pd.read_parquet(self.path / "metrics.parquet")
+        return pd.read_parquet(RunDir(self.path).metrics)
 
     @cached_property
     def spans(self) -> pd.DataFrame:
@@ -87,14 +88,14 @@ class Run:
 
 def load_run(path: Path | str) -> Run:
     path = Path(path)
-    if not (path / "summary.json").exists():
-        raise FileNotFoundError(f"{path} is not a finished run directory (no summary.json)")
+    if not RunDir(path).is_complete():
+        raise FileNotFoundError(f"{path} is not a finished run directory (no {SUMMARY})")
     return Run(path)
 
 
 def load_sweep_index(sweep_dir: Path | str) -> pd.DataFrame:
     """A sweep's ``index.parquet`` (one row per run: parameters and summary metrics)."""
-    path = Path(sweep_dir) / "index.parquet"
+    path = SweepDir(Path(sweep_dir)).index
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run `kvtb sweep` on the sweep file first")
     return pd.read_parquet(path)

@@ -26,6 +26,7 @@ from testbed.bench.vllm_e2e import (
     series,
     start_our_engine,
 )
+from testbed.core.run_dir import RunDir
 
 HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hit_16k_vs_recompute"}
 
@@ -55,7 +56,9 @@ def section(config: BenchConfig) -> SectionResult:
                     "--run-dir",
                     str(run_dir),
                 ]
-                server = stack.enter_context(ServerProcess(args, log_path=run_dir / "server.log"))
+                server = stack.enter_context(
+                    ServerProcess(args, log_path=RunDir(run_dir).server_log())
+                )
             engines.append(start_our_engine(processes, name, server, max_len, run_dir))
         if config.peer:
             from testbed.bench.peer.in_vllm import start_peer_engines

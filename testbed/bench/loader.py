@@ -23,6 +23,7 @@ from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure
 from testbed.bench.stats import Ratio, Spread, interleave
 from testbed.core import telemetry
+from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import SpanKind
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing
@@ -56,7 +57,7 @@ def write_runs(parent: Path, count: int, runs: int) -> int:
     for index in range(runs):
         run_dir = parent / f"run{index:03d}"
         written += write_spans(run_dir, count // runs)
-        (run_dir / "summary.json").write_text("{}")  # complete, as far as the loader asks
+        RunDir(run_dir).summary.write_text("{}")  # complete, as far as the loader asks
     return written
 
 
@@ -137,7 +138,7 @@ def _real_runs(replay_dir: Path) -> tuple[Path, int]:
         return real_dir, 0
     real_dir.mkdir(parents=True, exist_ok=True)
     for run in traced:
-        (run / "summary.json").write_text("{}")  # complete, as far as the loader asks
+        RunDir(run).summary.write_text("{}")  # complete, as far as the loader asks
         link = real_dir / run.name
         if not link.exists():
             link.symlink_to(run.resolve(), target_is_directory=True)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from testbed.bench.config import BenchConfig, SectionResult, Table, find_trace
 from testbed.bench.figures import Figure
 from testbed.bench.stats import Ratio, Spread, interleave
+from testbed.core.run_dir import RunDir
 
 if TYPE_CHECKING:
     from testbed.engine.replay import ReplaySpec
@@ -152,7 +153,7 @@ def _replay(
     replay_spec = dataclasses.replace(
         spec, run=dataclasses.replace(spec.run, metadata_only=metadata_only)
     )
-    with ServerProcess(args, env=env, log_path=run_dir / "server.log") as server:
+    with ServerProcess(args, env=env, log_path=RunDir(run_dir).server_log()) as server:
         tracing = (
             configure_tracing(TracingConfig("kvtb-engine", run_dir=run_dir)) if traced else None
         )

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.core.credentials import ServerEndpoint
+from testbed.core.run_dir import RunDir
 from testbed.spec.runspec import RunSpec
 
 _PRELOAD = ["testbed.chaos.runs", "testbed.run", "testbed.engine.replay"]
@@ -140,7 +141,7 @@ class RunChild:
         return [pid for pid in _children(self.pid) if b"-m\x00server" in _cmdline(pid)]
 
     def summary(self) -> dict[str, Any] | None:
-        path = self.run.run_dir / "summary.json"
+        path = RunDir(self.run.run_dir).summary
         if not path.is_file():
             return None
         summary: dict[str, Any] = json.loads(path.read_text())

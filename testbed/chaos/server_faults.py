@@ -22,6 +22,7 @@ from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.probes import ProbeClient
 from testbed.chaos.report import ScenarioResult
 from testbed.chaos.runs import RunChild
+from testbed.core.run_dir import RunDir
 
 _RUN_TIMEOUT_S = 300.0
 _DEAD_S = 0.3
@@ -43,7 +44,7 @@ def server_kill(lab: Lab) -> ScenarioResult:
     run_dir = child.run.run_dir
     result.checks["server killed mid-run"] = killed is not None
     result.checks["summary.json and metrics.parquet written"] = (
-        summary is not None and (run_dir / "metrics.parquet").is_file()
+        summary is not None and RunDir(run_dir).metrics.is_file()
     )
     if summary is not None:
         failed = (summary.get("store_failures") or 0) + (summary.get("retrieve_failures") or 0)

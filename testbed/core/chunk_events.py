@@ -17,8 +17,8 @@ from typing import Literal
 
 import msgspec
 
-CHUNKS_DIR = "chunks"
-"""The servers' streams: ``<run_dir>/chunks/server-<pid>.msgpack``."""
+from testbed.core.run_dir import CHUNKS_DIR as CHUNKS_DIR  # the servers' streams' directory
+
 STREAM_SUFFIX = ".msgpack"
 
 ColumnKind = Literal["int64", "int32", "int16", "category", "bytes"]

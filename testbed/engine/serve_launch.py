@@ -29,6 +29,7 @@ from typing import Any
 
 from connector.tracing import SPAN_DIR_ENV
 from testbed.core.process_groups import start_group, stop_group
+from testbed.core.run_dir import RunDir
 from testbed.engine.engine_spec import EngineSpec
 from testbed.engine.model_dir import TinyModel, write_model_dir
 
@@ -78,7 +79,7 @@ class VllmServerProcess:
         """Called about once a second while the server starts, with what it waits for."""
         self.instance = instance
         self.kv_events_endpoint = kv_events_endpoint
-        self.log_path = run_dir / ("vllm.log" if instance is None else f"vllm-{instance}.log")
+        self.log_path = RunDir(run_dir).vllm_log(instance)
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
 

@@ -14,12 +14,13 @@ Runs in the ``kvtb run`` process (and in sweep and chaos children). Modules, eac
 - :mod:`~testbed.run.servable`: which requests an engine can serve
 """
 
+from testbed.core.run_dir import ERROR, SPEC, SUMMARY
 from testbed.run.execute import execute_run, failure, is_complete, is_reusable, reuse_differences
 from testbed.run.footprint import pool_blocks
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.prepare import prepare_run
-from testbed.run.record import ERROR, SPEC, SUMMARY, environment
+from testbed.run.record import environment
 from testbed.run.servable import max_model_len, split_servable
 
 __all__ = [

@@ -23,7 +23,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from testbed.core.telemetry.setup import COLLECTED_PREFIX, COUNTS_SUFFIX, SPANS_DIR
+from testbed.core.run_dir import RunDir
+from testbed.core.telemetry.setup import COLLECTED_PREFIX, COUNTS_SUFFIX
 
 TRACES_PATH = "/v1/traces"
 _PROTOBUF = "application/x-protobuf"
@@ -63,7 +64,7 @@ class SpanCollector:
     """The collector on a free loopback port. Context manager."""
 
     def __init__(self, run_dir: Path) -> None:
-        directory = Path(run_dir) / SPANS_DIR
+        directory = RunDir(Path(run_dir)).spans
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{COLLECTED_PREFIX}{os.getpid()}.jsonl"
         self.received = 0

@@ -24,38 +24,31 @@ from pathlib import Path
 from typing import Any
 
 from testbed.core.owned_files import ReservedSpace
+from testbed.core.run_dir import SPEC, RunDir
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing
 from testbed.run import footprint
 from testbed.run.dispatch import drive_engine
 from testbed.run.options import RunOptions
 from testbed.run.prepare import prepare_run
-from testbed.run.record import (
-    ERROR,
-    SPEC,
-    SUMMARY,
-    environment,
-    resource,
-    write_json,
-    write_summary,
-)
+from testbed.run.record import environment, resource, write_json, write_summary
 from testbed.spec.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
 
 def is_complete(run_dir: Path) -> bool:
-    return (run_dir / SUMMARY).is_file()
+    return RunDir(run_dir).is_complete()
 
 
 def failure(run_dir: Path) -> str | None:
     """Why the run in ``run_dir`` failed; ``None`` when it has not (or has not run yet): the
     error recorded in ``error.txt``, else the failures its summary lists."""
-    error = run_dir / ERROR
+    error = RunDir(run_dir).error
     if error.is_file():
         return error.read_text().split("\n", 1)[0] or "run failed"
     if not is_complete(run_dir):
         return None
-    found = json.loads((run_dir / SUMMARY).read_text()).get("failures") or []
+    found = json.loads(RunDir(run_dir).summary.read_text()).get("failures") or []
     return "; ".join(found) or None
 
 
@@ -68,7 +61,7 @@ def reuse_differences(run_dir: Path, spec: RunSpec) -> list[str] | None:
     failed = failure(run_dir)
     if failed is not None:
         return [f"the run failed ({failed})"]
-    path = run_dir / SPEC
+    path = RunDir(run_dir).spec
     if not path.is_file():
         return [f"{SPEC} is missing"]
     return spec.differences(json.loads(path.read_text()))
@@ -90,7 +83,7 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions | None = None)
     run_dir = Path(out_dir).absolute() / spec.run_id
     differences = reuse_differences(run_dir, spec)
     if differences == []:
-        return json.loads((run_dir / SUMMARY).read_text())
+        return json.loads(RunDir(run_dir).summary.read_text())
     if differences:
         log.warning(
             "run %s: the finished run in %s is not reused (%s); redoing it",
@@ -102,9 +95,9 @@ def execute_run(spec: RunSpec, out_dir: Path, options: RunOptions | None = None)
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a half-written run is redone from scratch
     run_dir.mkdir(parents=True)
-    results_space = ReservedSpace(run_dir / ".kvtb-reserve", footprint.RUN_DIR_RESERVE_BYTES)
-    write_json(run_dir / SPEC, spec.document())
-    write_json(run_dir / "env.json", {**environment(), "pool_medium": plan.pool_medium})
+    results_space = ReservedSpace(RunDir(run_dir).reserve, footprint.RUN_DIR_RESERVE_BYTES)
+    write_json(RunDir(run_dir).spec, spec.document())
+    write_json(RunDir(run_dir).env, {**environment(), "pool_medium": plan.pool_medium})
     tracing = configure_tracing(
         TracingConfig(
             service_name="kvtb-engine",

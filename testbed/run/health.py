@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from testbed.core.telemetry.setup import SPANS_DIR
+from testbed.core.run_dir import RunDir
 
 SERVER_SERVICE = "kvtb-server"
 
@@ -44,11 +44,10 @@ def failures(summary: Mapping[str, Any], run_dir: Path, *, own_server: bool) -> 
     if (
         own_server
         and traced
-        and not any((Path(run_dir) / SPANS_DIR).glob(f"{SERVER_SERVICE}-*.jsonl"))
+        and not any((spans := RunDir(Path(run_dir)).spans).glob(f"{SERVER_SERVICE}-*.jsonl"))
     ):
         found.append(
-            f"the run's cache server wrote no spans into {run_dir / SPANS_DIR}: its telemetry "
-            "is missing"
+            f"the run's cache server wrote no spans into {spans}: its telemetry is missing"
         )
     every_trace = (summary.get("sampling") or {}).get("every_trace", True)
     served, recorded = summary.get("requests"), summary.get("requests_recorded")

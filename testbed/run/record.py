@@ -1,5 +1,6 @@
 """What a run writes besides its telemetry: ``spec.json``, ``env.json``, the run's resource
-attributes, and last ``summary.json`` (which marks the run finished)."""
+attributes, and last ``summary.json`` (which marks the run finished); the files' names are
+:mod:`testbed.core.run_dir`'s."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import dropped_spans, read_counts
 from testbed.core.version import package_version, source_commit
@@ -21,11 +23,6 @@ from testbed.run.interface import CacheServers
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.registry import ENGINES
-
-SUMMARY = "summary.json"
-SPEC = "spec.json"
-ERROR = "error.txt"
-"""A failed run's error (first line) and traceback, written by whoever saw it fail."""
 
 
 def write_summary(
@@ -39,7 +36,7 @@ def write_summary(
     if spec.engine_blocks is None and entry.engine_pool:
         result.effective.setdefault("engine_blocks", pool_blocks(spec, plan.requests))
     if result.effective:
-        write_json(run_dir / SPEC, {**spec.document(), "effective": result.effective})
+        write_json(RunDir(run_dir).spec, {**spec.document(), "effective": result.effective})
     from testbed.run.summary import build_summary  # pandas and pyarrow: only once there is work
 
     summary = build_summary(
@@ -51,7 +48,7 @@ def write_summary(
     summary["missing"] = summary.get("missing", []) + dropped_spans(run_dir)
     own_server = entry.cache_servers(options) is CacheServers.RUN and options.server is None
     summary["failures"] = failures(summary, run_dir, own_server=own_server)
-    write_json(run_dir / SUMMARY, summary)  # last: marks the run finished
+    write_json(RunDir(run_dir).summary, summary)  # last: marks the run finished
     return summary
 
 

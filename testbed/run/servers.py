@@ -13,6 +13,7 @@ from typing import Any
 
 from server.launch import ServerProcess
 from testbed.core.credentials import ServerEndpoint
+from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import sampling
 from testbed.run import footprint
 from testbed.run.interface import StartedServer
@@ -65,7 +66,7 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
     with ExitStack() as stack:
         started = []
         for k in range(count):
-            log_path = run_dir / ("server.log" if k == 0 else f"server-{k}.log")
+            log_path = RunDir(run_dir).server_log(k)
             process = ServerProcess(args, env=env, log_path=log_path).start()
             stack.callback(process.close)
             endpoint = ServerEndpoint(process.url, process.token, process.admin_token)

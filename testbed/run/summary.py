@@ -23,6 +23,7 @@ from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
 from testbed.analysis.fleet import routed_summary
 from testbed.analysis.tables import Run
 from testbed.core.quiescence import QUIESCENCE_KEYS, RUN_QUIESCENCE_KEYS
+from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.sampling import describe, records_every_trace
 from testbed.engine.results import EngineResult
@@ -35,7 +36,6 @@ _TIMING_PARTS = {
 }
 """Per operation, the parts of its connector spans' time the summary reports (p50)."""
 
-METRICS_FILE = "metrics.parquet"
 
 
 def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame:
@@ -96,7 +96,7 @@ def build_summary(
     chunk_rows, chunk_bytes = _write_chunk_table(run_dir, chunk_log, missing)
     run = Run(run_dir)
     requests = request_table(spec, result, run)
-    requests.to_parquet(run_dir / METRICS_FILE, index=False)
+    requests.to_parquet(RunDir(run_dir).metrics, index=False)
     summary = _request_figures(spec, result, requests, missing)
     if spec.engine == "oracle":
         return summary

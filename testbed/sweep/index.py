@@ -26,15 +26,13 @@ from typing import Any
 
 import pandas as pd
 
-from testbed.run import ERROR, SUMMARY, failure, is_complete
+from testbed.core.run_dir import ERROR, INDEX, SPEC, SWEEP, RunDir, SweepDir
+from testbed.core.run_dir import SWEEP_TOML as SWEEP_TOML
+from testbed.run import failure, is_complete
 from testbed.spec.runspec import RunSpec
 from testbed.sweep.spec import SweepSpec
 
-SWEEP_FILE = "sweep.json"
-SWEEP_TOML = "sweep.toml"
-INDEX_FILE = "index.parquet"
-ERROR_FILE = ERROR
-SPEC_FILE = "spec.json"  # written by testbed.run.execute_run
+SWEEP_FILE, INDEX_FILE, ERROR_FILE, SPEC_FILE = SWEEP, INDEX, ERROR, SPEC  # testbed.core.run_dir's
 COMPLETE = "complete"
 FAILED = "failed"
 
@@ -47,14 +45,14 @@ def write_manifest(sweep_dir: Path, sweep: SweepSpec) -> None:
     """Writes ``sweep.toml`` and ``sweep.json`` (replacing an earlier version's)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
     if sweep.source_text:  # a sweep expanded from a mapping has no file to copy
-        _write_text(sweep_dir / SWEEP_TOML, sweep.source_text)
+        _write_text(SweepDir(sweep_dir).source, sweep.source_text)
     manifest = {
         "name": sweep.name,
         "description": sweep.description,
         "swept": list(sweep.swept),
         "runs": sweep.run_ids,
     }
-    _write_text(sweep_dir / SWEEP_FILE, json.dumps(manifest, indent=1) + "\n")
+    _write_text(SweepDir(sweep_dir).manifest, json.dumps(manifest, indent=1) + "\n")
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
@@ -62,15 +60,15 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
     (no ``sweep.json``), a manifest derived from the runs' ``spec.json``: every subdirectory
     holding one is a run, and the swept keys are those whose values differ between runs."""
     sweep_dir = Path(sweep_dir)
-    if (sweep_dir / SWEEP_FILE).is_file():
-        return json.loads((sweep_dir / SWEEP_FILE).read_text())
+    if SweepDir(sweep_dir).manifest.is_file():
+        return json.loads(SweepDir(sweep_dir).manifest.read_text())
     run_ids = sorted(path.parent.name for path in sweep_dir.glob(f"*/{SPEC_FILE}"))
     if not run_ids:
         raise FileNotFoundError(
             f"{sweep_dir} has neither {SWEEP_FILE} nor run directories (*/{SPEC_FILE}): "
             "give a sweep directory or the --out directory of `kvtb run`"
         )
-    specs = [json.loads((sweep_dir / run_id / SPEC_FILE).read_text()) for run_id in run_ids]
+    specs = [json.loads(SweepDir(sweep_dir).run(r).spec.read_text()) for r in run_ids]
     swept = [
         key
         for key in _SPEC_KEYS
@@ -88,10 +86,11 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
 def record_failure(run_dir: Path, spec: RunSpec, error: str, details: str = "") -> None:
     """Marks ``run_dir`` failed: ``error.txt``, and ``spec.json`` if the run had not written it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not (run_dir / SPEC_FILE).is_file():
-        _write_text(run_dir / SPEC_FILE, json.dumps(spec.document(), indent=1, default=str))
+    files = RunDir(run_dir)
+    if not files.spec.is_file():
+        _write_text(files.spec, json.dumps(spec.document(), indent=1, default=str))
     first_line = " ".join(error.split()) or "run failed"
-    _write_text(run_dir / ERROR_FILE, f"{first_line}\n\n{details}")
+    _write_text(files.error, f"{first_line}\n\n{details}")
 
 
 def read_failure(run_dir: Path) -> str | None:
@@ -106,24 +105,26 @@ def build_index(sweep_dir: Path) -> pd.DataFrame:
     run_ids = read_manifest(sweep_dir)["runs"]
     rows = [row for run_id in run_ids if (row := _row(sweep_dir / run_id)) is not None]
     frame = _frame(rows)
-    tmp = sweep_dir / (INDEX_FILE + ".tmp")
+    path = SweepDir(sweep_dir).index
+    tmp = path.with_name(path.name + ".tmp")
     frame.to_parquet(tmp, index=False)
-    tmp.replace(sweep_dir / INDEX_FILE)
+    tmp.replace(path)
     return frame
 
 
 def load_index(sweep_dir: Path) -> pd.DataFrame:
     """The sweep's index (built first if ``index.parquet`` does not exist yet)."""
-    path = Path(sweep_dir) / INDEX_FILE
+    path = SweepDir(Path(sweep_dir)).index
     return pd.read_parquet(path) if path.is_file() else build_index(sweep_dir)
 
 
 def _row(run_dir: Path) -> dict[str, Any] | None:
-    if not (run_dir / SPEC_FILE).is_file():
+    files = RunDir(run_dir)
+    if not files.spec.is_file():
         return None
-    spec = json.loads((run_dir / SPEC_FILE).read_text())
+    spec = json.loads(files.spec.read_text())
     error = read_failure(run_dir)
-    summary = json.loads((run_dir / SUMMARY).read_text()) if is_complete(run_dir) else {}
+    summary = json.loads(files.summary.read_text()) if is_complete(run_dir) else {}
     if error is not None:
         status = FAILED  # with what its summary recorded, if it wrote one
     elif is_complete(run_dir):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from testbed.core.run_dir import RunDir
 from testbed.models.access_trace import RUN, AccessTrace
 from testbed.spec.runspec import RunSpec
 
@@ -81,9 +82,9 @@ def load_run_source(run_dir: Path | str) -> RunSource:
 
 def run_spec(run_dir: Path) -> RunSpec:
     """The run's resolved spec (``spec.json``)."""
-    spec_path = run_dir / "spec.json"
+    spec_path = RunDir(run_dir).spec
     if not spec_path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no spec.json)")
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no {spec_path.name})")
     values: dict[str, Any] = json.loads(spec_path.read_text())
     known = set(RunSpec.keys())
     return RunSpec.from_mapping(

@@ -42,11 +42,11 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 
 from testbed.core import telemetry
+from testbed.core.run_dir import SPANS_DIR
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.sampling import make_sampler, sampler_from_environment
 from testbed.core.telemetry.span_file import JsonLinesSpanExporter
 
-SPANS_DIR = "spans"
 COUNTS_SUFFIX = ".counts.json"
 COLLECTED_PREFIX = "collected-"
 """Span files an OTLP collector of the run writes (``collected-<pid>.jsonl``; they may repeat

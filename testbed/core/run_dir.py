@@ -1,0 +1,126 @@
+"""A run directory and a sweep directory: the name of every file in one, defined once.
+
+A run (``testbed.run.execute_run``) writes into ``<out>/<run_id>/``:
+
+- ``spec.json``: the resolved spec (and the settings the engine ran with, ``effective``);
+- ``env.json``: versions, the source's commit, the machine;
+- ``spans/``: OTLP JSON lines, ``<service>-<pid>.jsonl`` from each process (with a
+  ``.counts.json`` beside each), ``collected-<pid>.jsonl`` from a run's OTLP collector;
+- ``chunks/``: the cache servers' chunk-event streams (``server-<pid>.msgpack``), and
+  ``chunks.parquet``, the table made of them at the end;
+- ``server.log`` (``server-<k>.log`` for a fleet's k-th server), ``vllm.log``
+  (``vllm-<k>.log``) for the processes the run started;
+- ``metrics.parquet``: one row per request;
+- last, ``summary.json``, which marks the run finished; a failed run holds ``error.txt``
+  instead (the error on its first line, then the traceback).
+
+A sweep directory holds one run directory per run, ``sweep.json`` (its manifest),
+``sweep.toml`` (the sweep file as run) and ``index.parquet`` (one row per run).
+:class:`RunDir` and :class:`SweepDir` are those paths; whoever writes or reads one of these
+files names it through them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+SPEC = "spec.json"
+ENV = "env.json"
+SUMMARY = "summary.json"
+METRICS = "metrics.parquet"
+CHUNKS = "chunks.parquet"
+ERROR = "error.txt"
+"""A failed run's error (first line) and traceback, written by whoever saw it fail."""
+SPANS_DIR = "spans"
+CHUNKS_DIR = "chunks"
+"""The servers' chunk-event streams: ``<run_dir>/chunks/server-<pid>.msgpack``."""
+RESERVE = ".kvtb-reserve"
+"""Disk space a run reserves at its start for its results (released before they are written)."""
+SWEEP = "sweep.json"
+"""A sweep's manifest: its run ids in order, its grid, its description."""
+SWEEP_TOML = "sweep.toml"
+"""The sweep file as run."""
+INDEX = "index.parquet"
+"""A sweep's index: one row per run, rebuilt from the run directories."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The directory of one run (module docstring)."""
+
+    path: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.path / SPEC
+
+    @property
+    def env(self) -> Path:
+        return self.path / ENV
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def chunks(self) -> Path:
+        return self.path / CHUNKS
+
+    @property
+    def error(self) -> Path:
+        return self.path / ERROR
+
+    @property
+    def reserve(self) -> Path:
+        return self.path / RESERVE
+
+    @property
+    def spans(self) -> Path:
+        return self.path / SPANS_DIR
+
+    @property
+    def chunk_streams(self) -> Path:
+        return self.path / CHUNKS_DIR
+
+    def server_log(self, k: int = 0) -> Path:
+        """The log of the run's ``k``-th cache server."""
+        return self.path / ("server.log" if k == 0 else f"server-{k}.log")
+
+    def vllm_log(self, instance: int | None = None) -> Path:
+        """The log of the vLLM server the run started (of a fleet's ``instance``)."""
+        return self.path / ("vllm.log" if instance is None else f"vllm-{instance}.log")
+
+    def is_complete(self) -> bool:
+        """Whether the run finished (``summary.json`` is written last)."""
+        return self.summary.is_file()
+
+    def has_spans(self) -> bool:
+        """Whether this is a run directory at all (it has ``spans/``)."""
+        return self.spans.is_dir()
+
+
+@dataclass(frozen=True)
+class SweepDir:
+    """The directory of one sweep: a run directory per run and its manifest."""
+
+    path: Path
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / SWEEP
+
+    @property
+    def source(self) -> Path:
+        return self.path / SWEEP_TOML
+
+    @property
+    def index(self) -> Path:
+        return self.path / INDEX
+
+    def run(self, run_id: str) -> RunDir:
+        return RunDir(self.path / run_id)
