@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 from testbed.models.access_trace import AccessTrace, HashedRequest, hashed_trace
 from testbed.models.cache_sim import INFINITE, check_policy, replay
+from testbed.models.cache_sim import POLICIES as SIMULATED
+
+POLICIES: tuple[str, ...] = tuple(name for name in SIMULATED if name != INFINITE)
+"""The policies the oracle simulates a capacity under (without one it is ``infinite``)."""
 
 
 @dataclass(frozen=True)

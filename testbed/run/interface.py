@@ -13,6 +13,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -21,6 +22,9 @@ from testbed.engine.results import EngineResult, RequestRecord
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.spec.runspec import RunSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 REPLAY_VOCAB = 32_000
 """The token ids a workload draws for engines without a real model's vocabulary."""
@@ -153,3 +157,7 @@ class EngineEntry:
     """Reads a block-hash trace's requests as block ids (no tokens synthesised)."""
     takes_endpoints: bool = False
     """Takes ``--endpoint``/``--endpoints``/``--launch`` (running vLLM servers)."""
+    request_table: Callable[[RunSpec, EngineResult], pd.DataFrame] | None = None
+    """The per-request table from the engine's result alone, for an engine without telemetry
+    (the oracle's arithmetic); ``None``: the attribution of the run's spans, joined with what
+    the engine knows of each request (``testbed.run.summary``)."""

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from testbed.engine.results import EngineResult, RequestRecord
 from testbed.run.interface import CacheServers, EngineEntry, EngineRun
+from testbed.spec.runspec import RunSpec
 from testbed.workloads import RequestShape
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def run(job: EngineRun) -> EngineResult:
@@ -45,9 +50,41 @@ def run(job: EngineRun) -> EngineResult:
     return result
 
 
+def request_table(spec: RunSpec, result: EngineResult) -> pd.DataFrame:
+    """The oracle has no engine and no telemetry: its matched chunks are external hits, the
+    rest is the partial tail or missed chunks: cold where an unlimited cache misses them too,
+    capacity where only the oracle's capacity lost them."""
+    import pandas as pd
+
+    from testbed.analysis.attribution import CATEGORIES
+
+    table = pd.DataFrame([record.row() for record in result.records])
+    chunk_size = spec.chunk_size
+    hits = pd.Series([record.hit_tokens or 0 for record in result.records], dtype="int64")
+    unlimited = pd.Series(
+        [record.unlimited_hit_tokens or record.hit_tokens or 0 for record in result.records],
+        dtype="int64",
+    )
+    prompt = table["prompt_tokens"].astype("int64")
+    complete = prompt // chunk_size * chunk_size
+    table["workload_request_id"] = table["request_id"]
+    table["engine_hit_tokens"] = 0
+    table["external_hit_tokens"] = hits
+    table["recomputed_tokens"] = prompt - hits
+    table["load_failed_tokens"] = 0
+    for name in CATEGORIES:
+        table[name] = 0
+    table["external"] = hits
+    table["partial_chunk"] = prompt - complete - (hits - complete).clip(lower=0)
+    table["capacity"] = (unlimited - hits).clip(lower=0)
+    table["cold"] = (complete - unlimited.clip(lower=hits)).clip(lower=0)
+    return table
+
+
 ENTRY = EngineEntry(
     run=run,
     cache_servers=lambda options: CacheServers.NONE,
     engine_pool=False,
     block_ids=True,
+    request_table=request_table,
 )

@@ -27,6 +27,7 @@ from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.sampling import describe, records_every_trace
 from testbed.engine.results import EngineResult
+from testbed.run.registry import ENGINES
 from testbed.spec.runspec import RunSpec
 
 _TIMING_PARTS = {
@@ -37,13 +38,13 @@ _TIMING_PARTS = {
 """Per operation, the parts of its connector spans' time the summary reports (p50)."""
 
 
-
 def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame:
-    """One row per served request: the attribution (or the oracle's arithmetic) joined with
-    the engine's own facts of it."""
+    """One row per served request: the attribution joined with the engine's own facts of it
+    (or the table of an engine without telemetry, its entry's ``request_table``)."""
+    own_table = ENGINES[spec.engine].request_table
+    if own_table is not None:
+        return own_table(spec, result)
     engine = pd.DataFrame([record.row() for record in result.records])
-    if spec.engine == "oracle":
-        return _oracle_table(result, engine, spec.chunk_size)
     attr = attribution(run)
     if engine.empty:
         return attr
@@ -54,32 +55,6 @@ def request_table(spec: RunSpec, result: EngineResult, run: Run) -> pd.DataFrame
     if key == "request_id":
         own = own.rename(columns={"workload_request_id": "request_id"})
     return attr.merge(own, on=key, how="left")
-
-
-def _oracle_table(result: EngineResult, engine: pd.DataFrame, chunk_size: int) -> pd.DataFrame:
-    """The oracle has no engine and no telemetry: its matched chunks are external hits, the
-    rest is the partial tail or missed chunks: cold where an unlimited cache misses them too,
-    capacity where only the oracle's capacity lost them."""
-    table = engine.copy()
-    hits = pd.Series([record.hit_tokens or 0 for record in result.records], dtype="int64")
-    unlimited = pd.Series(
-        [record.unlimited_hit_tokens or record.hit_tokens or 0 for record in result.records],
-        dtype="int64",
-    )
-    prompt = table["prompt_tokens"].astype("int64")
-    complete = prompt // chunk_size * chunk_size
-    table["workload_request_id"] = table["request_id"]
-    table["engine_hit_tokens"] = 0
-    table["external_hit_tokens"] = hits
-    table["recomputed_tokens"] = prompt - hits
-    table["load_failed_tokens"] = 0
-    for name in CATEGORIES:
-        table[name] = 0
-    table["external"] = hits
-    table["partial_chunk"] = prompt - complete - (hits - complete).clip(lower=0)
-    table["capacity"] = (unlimited - hits).clip(lower=0)
-    table["cold"] = (complete - unlimited.clip(lower=hits)).clip(lower=0)
-    return table
 
 
 def build_summary(
@@ -98,8 +73,8 @@ def build_summary(
     requests = request_table(spec, result, run)
     requests.to_parquet(RunDir(run_dir).metrics, index=False)
     summary = _request_figures(spec, result, requests, missing)
-    if spec.engine == "oracle":
-        return summary
+    if ENGINES[spec.engine].request_table is not None:
+        return summary  # no telemetry: nothing more to count
     spans = run.spans
     summary.update(routed_summary(requests, spans))
     summary["integrity_errors"] = None if result.metadata_only else result.integrity_errors

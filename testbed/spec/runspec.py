@@ -25,23 +25,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from testbed.core.bounds import Bound, bound_problems, field_bounds
-from testbed.core.policies import POLICIES
-from testbed.core.protocol import POOL_MEDIA
+from testbed.core.protocol import PoolMedium
 from testbed.core.sizes import parse_bytes
 from testbed.core.telemetry import sampling
 from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
 from testbed.core.typed_values import convert, hints, type_name
 from testbed.models.profiles import PROFILES, KVProfile, get_profile
+from testbed.spec.engines import ENGINE_NAMES, ENGINE_RULES, EngineName, engines_where
 
-ENGINES = ("replay", "fleet", "vllm", "serve", "oracle")
-FLEET_SERVERS = ("shared", "per-instance")
-SERVER_POLICIES = tuple(sorted(POLICIES))
-ORACLE_POLICIES = ("lru", "belady")  # capacity None: the infinite cache
+ENGINES = ENGINE_NAMES
+FleetServers = Literal["shared", "per-instance"]
+TransferMode = Literal["worker", "server"]
+Arrival = Literal["trace", "all"]
 MLA_VARIANTS = {"tiny": "tiny-mla", "llama3-8b": "deepseek-mla"}
 
 SPEC_SCHEMA = 3
@@ -75,10 +76,10 @@ engine actually ran where it differs from the spec), none of them compared."""
 
 @dataclass(frozen=True)
 class RunSpec:
-    engine: str = "replay"
+    engine: EngineName = "replay"
     """replay (vLLM's scheduler, no model), fleet (replay instances behind a router),
     vllm (full engine), serve (vLLM OpenAI servers over HTTP: kvtb run --endpoint URL, or
-    --launch), oracle (no server)."""
+    --launch), oracle (no server); what each accepts: :mod:`testbed.spec.engines`."""
     workload: str = "chat"
     """A generator name (chat, docqa, rag, random) or a trace, ``KIND:PATH`` (mooncake:PATH, or
     agentic:PATH: a kv-cache-tester conversation file or directory): the path absolute once
@@ -100,7 +101,7 @@ class RunSpec:
     capacity_bytes: Annotated[int | None, Bound(1, 1 << 50, "bytes")] = None
     """Cache capacity in bytes (alternative to capacity_tokens)."""
     policy: str = "lru"
-    """Eviction policy: lru, fifo, lfu (server); lru or belady (oracle)."""
+    """Eviction policy: lru, fifo, lfu (server); those or belady (oracle)."""
     engine_blocks: Annotated[int | None, Bound(2, 1 << 24, "blocks")] = None
     """vLLM's own KV pool, in blocks of block_size tokens. None: sized from the workload, room
     for its longest request twice over (``testbed.run.footprint.pool_blocks``), so that reuse
@@ -114,7 +115,7 @@ class RunSpec:
     load_async: bool = True
     prefix_caching: bool = True
     """vLLM's own prefix cache (off: every hit comes from the cache server)."""
-    transfer_mode: str = "worker"
+    transfer_mode: TransferMode = "worker"
     """Who copies KV between vLLM's blocks and the server's pool: ``worker`` (the connector,
     in vLLM's worker) or ``server`` (the cache server, from the KV the worker moved into
     shared memory: LMCache's lmcache_driven)."""
@@ -122,10 +123,11 @@ class RunSpec:
     """Each step's stores commit before the step reports (hits then do not depend on this
     machine's speed); False: stores complete behind the forward pass, as in production, and a
     repeat may arrive while its predecessor's store is still in flight."""
-    arrival: str = "trace"
+    arrival: Arrival = "trace"
+    """``trace``: each request at its workload's time; ``all``: every request at once."""
     metadata_only: bool = False
     """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
-    pool_medium: str = "shm"
+    pool_medium: PoolMedium = "shm"
     """Where the run's own cache server keeps its pool: ``shm`` (``/dev/shm``) or ``disk`` (the
     temporary directory; copy times then measure a disk-backed pool). Its memory is reserved
     when the server starts; a pool that does not fit is refused before the run."""
@@ -160,38 +162,15 @@ class RunSpec:
     router_params: dict[str, Any] = field(default_factory=dict)
     """The router's parameters (kv_precise, prefix_approx: prefill_weight, external_credit,
     temperature; prefix_approx: capacity_blocks)."""
-    servers: str = "shared"
+    servers: FleetServers = "shared"
     """fleet: one cache server for every instance (shared) or one each (per-instance)."""
 
     def __post_init__(self) -> None:
-        problems = bound_problems(self)
-        if self.engine not in ENGINES:
-            problems.append(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.profile not in PROFILES:
-            problems.append(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
-        elif self.mla and self.profile not in MLA_VARIANTS and not PROFILES[self.profile].mla:
-            problems.append(
-                f"profile {self.profile!r} has no MLA variant; use one of {sorted(MLA_VARIANTS)}"
-            )
-        valid_policies = ORACLE_POLICIES if self.engine == "oracle" else SERVER_POLICIES
-        if self.policy not in valid_policies:
-            problems.append(
-                f"policy {self.policy!r} is not available with engine {self.engine}; "
-                f"choose one of {', '.join(valid_policies)}"
-            )
-        if self.model is not None and self.engine not in ("vllm", "serve"):
-            problems.append(
-                "model applies to the vllm and serve engines only (replay uses KV profiles)"
-            )
-        if self.pool_medium not in POOL_MEDIA:
-            problems.append(
-                f"pool_medium must be one of {', '.join(POOL_MEDIA)}, got {self.pool_medium!r}"
-            )
-        if self.transfer_mode not in ("worker", "server"):
-            problems.append(
-                f"transfer_mode must be 'worker' or 'server', got {self.transfer_mode!r}"
-            )
-        elif self.transfer_mode == "server" and self.metadata_only:
+        problems = bound_problems(self) + _literal_problems(self)
+        if problems:  # the rules below read the engine's row
+            raise ValueError("invalid run spec: " + "; ".join(problems))
+        problems += _profile_problems(self) + _engine_problems(self)
+        if self.transfer_mode == "server" and self.metadata_only:
             problems.append(
                 "transfer_mode 'server' copies KV bytes; a metadata_only run has none "
                 "(use transfer_mode 'worker')"
@@ -202,36 +181,7 @@ class RunSpec:
             )
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
-        from testbed.models.hardware import HARDWARE
-        from testbed.models.time_model import FLAT
-
-        if self.time_profile not in (FLAT, *HARDWARE):
-            problems.append(
-                f"time_profile {self.time_profile!r} is unknown; choose one of "
-                f"{', '.join((FLAT, *HARDWARE))}"
-            )
-        if self.time_model is not None and (
-            self.time_model not in PROFILES or not PROFILES[self.time_model].has_compute_shape
-        ):
-            shaped = sorted(n for n, prof in PROFILES.items() if prof.has_compute_shape)
-            problems.append(
-                f"time_model {self.time_model!r} is not a profile with a compute shape; choose "
-                f"one of {', '.join(shaped)}"
-            )
         problems += _fleet_problems(self)
-        if ":" in self.workload and _closed_loop(self.workload, self.workload_params):
-            if self.engine in ("vllm", "serve"):
-                problems.append(
-                    f"closed-loop users (workload param users) need the replay, fleet or oracle "
-                    "engine: "
-                    f"the {self.engine} engine sends requests at times fixed in advance; leave "
-                    "users out to replay the trace's own timestamps"
-                )
-            if self.arrival != "trace":
-                problems.append(
-                    f"arrival {self.arrival!r} sends every request at once; closed-loop users "
-                    "(workload param users) need arrival 'trace'"
-                )
         problems += sampling.check(self.trace_sampler, self.trace_sampler_ratio)
         if self.workload_digest is not None and ":" not in self.workload:
             problems.append("workload_digest applies to trace workloads (KIND:PATH) only")
@@ -339,23 +289,97 @@ BOUNDS: dict[str, Bound] = field_bounds(RunSpec)
 checked separately, before a run starts (``testbed.run.footprint``)."""
 
 
+def _literal_problems(spec: RunSpec) -> list[str]:
+    """The fields of a closed set (a ``Literal``) holding a value outside it: a spec made by
+    its constructor is checked as :meth:`RunSpec.from_mapping` checks one it converts."""
+    problems = []
+    for name, annotation in hints(RunSpec).items():
+        if typing.get_origin(annotation) is Literal:
+            options = typing.get_args(annotation)
+            value = getattr(spec, name)
+            if value not in options:
+                listed = ", ".join(map(str, options))
+                problems.append(f"{name} must be one of {listed}, got {value!r}")
+    return problems
+
+
+def _profile_problems(spec: RunSpec) -> list[str]:
+    """What is wrong with the spec's KV profile and the replay clock's profiles."""
+    from testbed.models.hardware import HARDWARE
+    from testbed.models.time_model import FLAT
+
+    problems = []
+    if spec.profile not in PROFILES:
+        problems.append(f"profile must be one of {sorted(PROFILES)}, got {spec.profile!r}")
+    elif spec.mla and spec.profile not in MLA_VARIANTS and not PROFILES[spec.profile].mla:
+        problems.append(
+            f"profile {spec.profile!r} has no MLA variant; use one of {sorted(MLA_VARIANTS)}"
+        )
+    if spec.time_profile not in (FLAT, *HARDWARE):
+        problems.append(
+            f"time_profile {spec.time_profile!r} is unknown; choose one of "
+            f"{', '.join((FLAT, *HARDWARE))}"
+        )
+    if spec.time_model is not None and (
+        spec.time_model not in PROFILES or not PROFILES[spec.time_model].has_compute_shape
+    ):
+        shaped = sorted(n for n, prof in PROFILES.items() if prof.has_compute_shape)
+        problems.append(
+            f"time_model {spec.time_model!r} is not a profile with a compute shape; choose "
+            f"one of {', '.join(shaped)}"
+        )
+    return problems
+
+
+def _engine_problems(spec: RunSpec) -> list[str]:
+    """What the spec asks of its engine that the engine's row (:mod:`testbed.spec.engines`)
+    does not allow: a policy, a model, closed-loop users."""
+    rules = ENGINE_RULES[spec.engine]
+    problems = []
+    if spec.policy not in rules.policies:
+        problems.append(
+            f"policy {spec.policy!r} is not available with engine {spec.engine}; "
+            f"choose one of {', '.join(rules.policies)}"
+        )
+    if spec.model is not None and not rules.model:
+        problems.append(
+            f"model applies to the {' and '.join(engines_where('model'))} engines only "
+            f"({spec.engine} uses KV profiles)"
+        )
+    if ":" in spec.workload and _closed_loop(spec.workload, spec.workload_params):
+        if not rules.closed_loop:
+            problems.append(
+                "closed-loop users (workload param users) need the "
+                f"{', '.join(engines_where('closed_loop'))} engine: the {spec.engine} engine "
+                "sends requests at times fixed in advance; leave users out to replay the "
+                "trace's own timestamps"
+            )
+        if spec.arrival != "trace":
+            problems.append(
+                f"arrival {spec.arrival!r} sends every request at once; closed-loop users "
+                "(workload param users) need arrival 'trace'"
+            )
+    return problems
+
+
 def _fleet_problems(spec: RunSpec) -> list[str]:
     """What is wrong with the spec's fleet keys (the router's parameters included)."""
+    rules = ENGINE_RULES[spec.engine]
     problems = []
-    routed = spec.engine in ("fleet", "serve")
     if spec.instances < 1:
         problems.append(f"instances must be at least 1, got {spec.instances}")
-    elif spec.instances > 1 and not routed:
+    elif spec.instances > 1 and not rules.routed:
         problems.append(
             f"instances = {spec.instances} needs the fleet engine (or serve with several vLLM "
             "servers); use --engine fleet"
         )
-    if spec.servers not in FLEET_SERVERS:
-        problems.append(f"servers must be one of {', '.join(FLEET_SERVERS)}, got {spec.servers!r}")
-    elif spec.servers != "shared" and spec.engine != "fleet":
-        problems.append("servers 'per-instance' applies to the fleet engine")
-    if not routed and (spec.router, spec.router_params) != ("round_robin", {}):
-        problems.append("router and router_params apply to the fleet and serve engines")
+    if spec.servers != "shared" and not rules.per_instance_servers:
+        apply = " and ".join(engines_where("per_instance_servers"))
+        problems.append(f"servers 'per-instance' applies to the {apply} engine")
+    if not rules.routed and (spec.router, spec.router_params) != ("round_robin", {}):
+        problems.append(
+            f"router and router_params apply to the {' and '.join(engines_where('routed'))} engines"
+        )
         return problems
     from testbed.fleet.routers import make_router
 

@@ -173,7 +173,11 @@ def _frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
         "workload_params": "string",
     }
     for key in _SPEC_KEYS:
-        if key not in dtypes:
+        if key in dtypes:
+            continue
+        if typing.get_origin(hints[key]) is typing.Literal:  # a closed set of names
+            dtypes[key] = "string"
+        else:
             options = [
                 t for t in typing.get_args(hints[key]) or (hints[key],) if t is not type(None)
             ]

@@ -1,11 +1,11 @@
 from testbed.run.interface import CacheServers
 from testbed.run.options import RunOptions
 from testbed.run.registry import ENGINES
-from testbed.spec.runspec import ENGINES as SPEC_ENGINES
+from testbed.spec.engines import ENGINE_NAMES, ENGINE_RULES
 
 
-def test_every_engine_a_spec_may_name_has_a_registry_entry():
-    assert sorted(ENGINES) == sorted(SPEC_ENGINES)
+def test_every_engine_a_spec_may_name_has_its_rules_and_a_registry_entry():
+    assert list(ENGINES) == list(ENGINE_RULES) == list(ENGINE_NAMES)
 
 
 def test_the_serve_engine_talks_to_the_runs_server_only_when_it_launches_vllm():

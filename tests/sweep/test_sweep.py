@@ -181,10 +181,10 @@ def test_misspelt_run_key_fails_before_any_run_naming_key_file_and_valid_keys(
         ("[grid]\nchunk_size = []\n", "[grid]: chunk_size is an empty list"),
         ("[grid]\nchunk_size = 64\n", "[grid]: chunk_size must be a list"),
         ("[grid]\nchunk_size = [64, 'big']\n", "chunk_size = 'big' is not a value of type int"),
-        # The oracle has no FIFO: this combination needs an [[exclude]].
+        # The cache server has no Belady (the oracle has): this combination needs an [[exclude]].
         (
-            "[grid]\nengine = ['replay', 'oracle']\npolicy = ['fifo']\n",
-            "policy 'fifo' is not available with engine oracle",
+            "[grid]\nengine = ['replay', 'oracle']\npolicy = ['belady']\n",
+            "policy 'belady' is not available with engine replay",
         ),
         (
             "[grid]\nchunk_size = [64]\n[[exclude]]\nchunk_size = 65\n",
