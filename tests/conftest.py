@@ -7,6 +7,12 @@ carries a marker in its environment, and :func:`nothing_left_behind` fails the s
 error at the last test's teardown, naming each process and the test it appeared in) if a
 marked process still runs or a file it made is still in ``/dev/shm``
 (``tests/support/leaks.py``). Tests that start processes stop them.
+
+Under pytest-xdist (``make test`` runs two workers) each worker is a session of its own: it
+marks what it starts with its own value and checks its own leftovers; the controller, which
+runs no test, watches nothing. Tests that share a session fixture run in one worker, and those
+that start real vLLM servers one after another in one worker, never two at once
+(``tests/support/groups.py``, with ``--dist loadgroup``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from server.launch import ServerProcess
 from testbed.core import block_runs
+from tests.support.groups import GROUPS, group_of, make_scheduler
 from tests.support.leaks import MARKER, Census
 from tests.support.sweeps import SMALL_RUNS
 
@@ -47,11 +55,32 @@ engine = "oracle"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Marks every process the session will start (before any is) and starts watching them."""
+    """Marks every process the session will start (before any is) and starts watching them
+    (in each xdist worker; not in the controller, which starts no test's process)."""
     global _census
+    if _is_xdist_controller(config):
+        return
     value = f"session-{os.getpid()}-{secrets.token_hex(4)}"
     os.environ[MARKER] = value
     _census = Census(value).start()
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests of each group of ``tests/support/groups.py`` first, group by group."""
+    order = {name: rank for rank, name in enumerate(GROUPS)}
+    items.sort(key=lambda item: order.get(group_of(item.nodeid) or "", len(order)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` by the groups of ``tests/support/groups.py``."""
+    if config.getvalue("dist") == "loadgroup":
+        return make_scheduler(config, log)
+    return None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -481,6 +481,10 @@ class EvictedChunk(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 # ---------------------------------------------------------------------------------------------
 
 
+MissStatus = Literal["", "absent", "in_flight"]
+"""Why the chunk after a lookup's hit is not one (empty: a full hit)."""
+
+
 class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     """``pending`` means: poll again; otherwise ``hit_chunks`` complete chunks are locked as
     the lock group ``handle``. ``miss_status`` says why the chunk after the hit is not one:
@@ -490,7 +494,7 @@ class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     hit_chunks: Count = 0
     num_locks: Count = 0
     handle: bytes = b""
-    miss_status: str = ""
+    miss_status: MissStatus = ""
     evicted: list[EvictedChunk] = []
     """When the lookup asked (``evictions_after``): chunks removed since, oldest first, at most
     :data:`MAX_EVICTIONS_PER_REPLY` (ask again from ``eviction_seq`` for the rest)."""

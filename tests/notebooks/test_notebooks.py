@@ -7,6 +7,10 @@ The fleet notebook reads a sweep of two 2-instance fleets (two routers) instead,
 ``kv_precise`` run.
 A cell error fails the test, and so does a figure fewer than the notebook draws, a NaN in any
 output, or anything written to stderr.
+
+Every notebook runs in one kernel (a kernel's start and the imports of pandas and matplotlib
+cost seconds each): before each, a first cell clears the kernel's namespace and figures and
+points the notebook at its source, as the environment variable would.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
 import pytest
+from nbclient import NotebookClient
+from nbclient.util import run_sync
 
 from testbed.analysis.source import SOURCE_ENV, open_source
 from tests.support.sweeps import SMALL_RUNS
@@ -74,6 +81,35 @@ def fleet_sources(tmp_path_factory) -> dict[str, Path]:
     return {"run": sweep / str(chosen["run_id"].iloc[0]), "sweep": sweep}
 
 
+@pytest.fixture(scope="session")
+def kernel() -> Iterator[NotebookClient]:
+    """One kernel for every notebook, started where the notebooks are, with the checkout on
+    its path; shut down at the end of the session."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(NOTEBOOK_DIR.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    owner = NotebookClient(nbformat.v4.new_notebook(), kernel_name="python3")
+    owner.km = owner.create_kernel_manager()
+    run_sync(owner.async_start_new_kernel)(cwd=str(NOTEBOOK_DIR), env=env)
+    try:
+        yield owner
+    finally:
+        run_sync(owner._async_cleanup_kernel)()
+
+
+def fresh_start(source: Path) -> nbformat.NotebookNode:
+    """The first cell of a notebook in the shared kernel: nothing of the notebook before it
+    is left, and the notebook's source is ``source``."""
+    return nbformat.v4.new_code_cell(
+        "%reset -f\n"
+        "import os\n"
+        "import matplotlib.pyplot\n"
+        "matplotlib.pyplot.close('all')\n"
+        f"os.environ[{SOURCE_ENV!r}] = {str(source)!r}"
+    )
+
+
 def test_the_notebooks_are_committed_without_outputs_and_take_their_source_first():
     assert [path.name for path in NOTEBOOKS] == list(FIGURES)
     for path in NOTEBOOKS:
@@ -89,17 +125,16 @@ def test_the_notebooks_are_committed_without_outputs_and_take_their_source_first
 
 @pytest.mark.parametrize("kind", ["run", "sweep"])
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_the_notebook_runs_and_draws_its_figures(path, kind, request, monkeypatch):
-    from nbclient import NotebookClient
-
+def test_the_notebook_runs_and_draws_its_figures(path, kind, request, kernel):
     fixture = "fleet_sources" if path.name in FLEET_NOTEBOOKS else "sources"
-    monkeypatch.setenv(SOURCE_ENV, str(request.getfixturevalue(fixture)[kind]))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(NOTEBOOK_DIR.parent), os.environ.get("PYTHONPATH", "")])
-    )
     book = nbformat.read(path, as_version=4)
-    resources = {"metadata": {"path": str(NOTEBOOK_DIR)}}  # run where the notebooks are
-    NotebookClient(book, timeout=300, kernel_name="python3", resources=resources).execute()
+    book.cells.insert(0, fresh_start(request.getfixturevalue(fixture)[kind]))
+    client = NotebookClient(book, km=kernel.km, timeout=300)
+    try:
+        client.execute()
+    finally:
+        if client.kc is not None:
+            client.kc.stop_channels()
     outputs = [output for cell in book.cells for output in cell.get("outputs", [])]
     figures = [output for output in outputs if "image/png" in output.get("data", {})]
     assert len(figures) == FIGURES[path.name]
