@@ -104,8 +104,9 @@ class ConnectorConfig:
     fault_drop_fraction: Annotated[float, Bound(0.0, 1.0)] = 0.0
     """Fault injection for experiments: the share of retrieves whose first chunk rank 0 drops
     from the server just before retrieving it (the load-error path, under vLLM's own
-    recovery). Which retrieves is decided by a hash of the request id, its attempt and
-    ``fault_seed``, so every engine drops the same requests' chunks. Needs ``admin_token``."""
+    recovery). Which retrieves is decided by a hash of the chunk key the retrieve starts at, its
+    attempt and ``fault_seed`` (``connector.faults``), so every engine drops the same requests'
+    chunks. Needs ``admin_token``."""
 
     fault_seed: int = 0
     """Seed of the fault injection's choice."""

@@ -14,6 +14,5 @@ the ``serve`` engine. Pure modules (no vLLM) unless said otherwise:
 - :mod:`.routers`: the routing strategies, tiny classes behind :data:`.routers.ROUTERS`;
 - :mod:`.dispatch`: one routing decision (what the router sees, its choice, the
   ``kvcache.route`` span that records both and what each instance held);
-- :mod:`.placement`: routing a fleet of replay instances on the virtual clock;
 - :mod:`.serve_routing`: routing the serve engine's requests among vLLM servers.
 """

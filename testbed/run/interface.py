@@ -1,8 +1,9 @@
 """What an engine is to a run: :class:`EngineEntry` (how to check a spec for it, which cache
 servers it talks to, how to run it) and :class:`EngineRun` (what it gets from the run).
 
-The registry (:data:`testbed.run.registry.ENGINES`) maps each engine's name to its entry;
-the run reads only the entry, never the name. Each engine's glue lives in its own module of
+The registry (:data:`testbed.run.registry.ENGINES`) maps each engine's name to its entry
+(what a spec may ask of it is its row of :mod:`testbed.spec.engines`); the run reads only the
+entry, never compares the name. Each engine's glue lives in its own module of
 this package and imports its engine (and vLLM) only when it runs, so that the registry stays
 light: the oracle runs where vLLM is not installed.
 """
