@@ -15,8 +15,8 @@ Pure functions over :class:`connector.tracker.RequestTracker`; no vLLM, no socke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from connector.ops import RetrieveOp, StoreOp
 from connector.tracker import Phase, RequestTracker
@@ -83,10 +83,8 @@ def plan_retrieve(tracker: RequestTracker, geometry: Geometry) -> RetrieveOp | N
     last_chunk = tracker.hit_tokens // chunk
     if last_chunk <= first_chunk:
         return None
-    return RetrieveOp(
-        **_chunk_range(tracker, geometry, first_chunk, last_chunk),
-        skip_first_n_tokens=tracker.engine_hit_tokens - first_chunk * chunk,
-    )
+    op = _chunk_op(RetrieveOp, tracker, geometry, first_chunk, last_chunk)
+    return replace(op, skip_first_n_tokens=tracker.engine_hit_tokens - first_chunk * chunk)
 
 
 def plan_store(
@@ -97,7 +95,11 @@ def plan_store(
     store_decode_tokens: bool = False,
 ) -> StoreOp | None:
     """The store of chunks newly completed by the engine (KV exists up to ``num_computed_tokens``
-    once this step ran). With ``store_decode_tokens``, chunks of generated tokens too."""
+    once this step ran). With ``store_decode_tokens``, chunks of generated tokens too.
+
+    Updates ``tracker``: its ``num_stored_chunks`` advance to the chunks planned (each chunk
+    is planned once), and with ``store_decode_tokens`` its ``chunk_hashes`` grow to the
+    generated tokens' complete chunks."""
     chunk = geometry.chunk_size
     limit = min(num_computed_tokens, len(tracker.block_ids) * geometry.block_size)
     if store_decode_tokens:
@@ -112,24 +114,27 @@ def plan_store(
         return None
     first = tracker.num_stored_chunks
     tracker.num_stored_chunks = target
-    return StoreOp(**_chunk_range(tracker, geometry, first, target))
+    return _chunk_op(StoreOp, tracker, geometry, first, target)
 
 
-def _chunk_range(
-    tracker: RequestTracker, geometry: Geometry, first_chunk: int, last_chunk: int
-) -> dict[str, Any]:
-    """The fields of an op over chunks ``[first_chunk, last_chunk)`` of the request."""
+Op = TypeVar("Op", StoreOp, RetrieveOp)
+
+
+def _chunk_op(
+    kind: type[Op], tracker: RequestTracker, geometry: Geometry, first_chunk: int, last_chunk: int
+) -> Op:
+    """An op of ``kind`` over chunks ``[first_chunk, last_chunk)`` of the request."""
     start, end = first_chunk * geometry.chunk_size, last_chunk * geometry.chunk_size
-    return {
-        "request_id": tracker.request_id,
-        "session_id": tracker.session_id,
-        "cache_salt": tracker.cache_salt,
-        "chunk_hashes": tracker.chunk_hashes[first_chunk:last_chunk],
-        "first_chunk": first_chunk,
-        "start_token": start,
-        "end_token": end,
-        "block_ids": tracker.block_ids[start // geometry.block_size : end // geometry.block_size],
-        "traceparent": tracker.traceparent,
-        "handle": tracker.handle,
-        "attempt": tracker.preemptions,
-    }
+    return kind(
+        request_id=tracker.request_id,
+        session_id=tracker.session_id,
+        cache_salt=tracker.cache_salt,
+        chunk_hashes=tracker.chunk_hashes[first_chunk:last_chunk],
+        first_chunk=first_chunk,
+        start_token=start,
+        end_token=end,
+        block_ids=tracker.block_ids[start // geometry.block_size : end // geometry.block_size],
+        traceparent=tracker.traceparent,
+        handle=tracker.handle,
+        attempt=tracker.preemptions,
+    )
