@@ -30,15 +30,13 @@ class Admin:
         self.sessions = sessions
         self.quiescence = quiescence
 
-    def ping(self, call: Call, req: p.Ping) -> Steps:
+    def ping(self, call: Call, req: p.Ping) -> p.Reply:
         return p.Pong(server_version=SERVER_VERSION, pid=os.getpid())
-        yield
 
-    def ack(self, call: Call, req: p.Heartbeat) -> Steps:
+    def ack(self, call: Call, req: p.Heartbeat) -> p.Reply:
         return p.Ack()
-        yield
 
-    def get_config(self, call: Call, req: p.GetConfig) -> Steps:
+    def get_config(self, call: Call, req: p.GetConfig) -> p.Reply:
         c = self.s.config
         return p.ServerConfigInfo(
             chunk_size=c.chunk_size,
@@ -53,9 +51,8 @@ class Admin:
             eviction_seq=self.s.evictions.seq,
             pool_medium=None if self.s.pool is None else self.s.pool.medium,
         )
-        yield
 
-    def get_stats(self, call: Call, req: p.GetStats) -> Steps:
+    def get_stats(self, call: Call, req: p.GetStats) -> p.Reply:
         s = self.s
         s.chunk_log.flush()  # so that its count of rows it could not write is current
         c = s.counters
@@ -96,7 +93,6 @@ class Admin:
             chunk_events_pending=s.chunk_log.pending_rows,
             unauthenticated_closed=c.unauthenticated_closed,
         )
-        yield
 
     def drop_objects(self, call: Call, req: p.DropObjects) -> Steps:
         cache = self.s.cache

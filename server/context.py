@@ -40,6 +40,17 @@ Steps = Generator[None, None, p.Reply]
 R = TypeVar("R", bound=p.Request)
 
 
+def at_once(handler: Callable[[Call, R], p.Reply]) -> Callable[[Call, R], Steps]:
+    """A handler that answers without yielding, as the service drives every handler: a run of
+    one slice."""
+
+    def steps(call: Call, req: R) -> Steps:
+        return handler(call, req)
+        yield  # a generator, never resumed here
+
+    return steps
+
+
 class ServiceError(Exception):
     def __init__(self, code: p.ErrorCode, message: str) -> None:
         super().__init__(message)

@@ -45,7 +45,7 @@ from server.auth import Credentials
 from server.cache import KVCache
 from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
-from server.context import Call, Routes, ServiceError, Shared, Steps
+from server.context import Call, Routes, ServiceError, Shared, Steps, at_once
 from server.objects import Released
 from server.pool import ExtentAllocator
 from server.pools import MemoryPool, make_pool
@@ -113,23 +113,23 @@ class CacheService:
     def _route(self) -> Routes:
         routes, sessions, transfers = Routes(), self.sessions, self.transfers
         info = Admin(self.shared, self.sessions, self.quiescence)
-        routes.add(p.Ping, info.ping, None)
-        routes.add(p.Heartbeat, info.ack, None)
-        routes.add(p.GetConfig, info.get_config, None)
-        routes.add(p.GetStats, info.get_stats, None)
-        routes.add(p.RegisterWorker, transfers.register, a.SERVER_REGISTER)
-        routes.add(p.UnregisterWorker, transfers.unregister, None)
+        routes.add(p.Ping, at_once(info.ping), None)
+        routes.add(p.Heartbeat, at_once(info.ack), None)
+        routes.add(p.GetConfig, at_once(info.get_config), None)
+        routes.add(p.GetStats, at_once(info.get_stats), None)
+        routes.add(p.RegisterWorker, at_once(transfers.register), a.SERVER_REGISTER)
+        routes.add(p.UnregisterWorker, at_once(transfers.unregister), None)
         routes.add(p.Lookup, sessions.lookup, a.SERVER_LOOKUP)
         routes.add(p.LookupPoll, sessions.lookup_poll, a.SERVER_LOOKUP)
-        routes.add(p.FreeLocks, sessions.free_locks, a.SERVER_LOCK_RELEASE)
+        routes.add(p.FreeLocks, at_once(sessions.free_locks), a.SERVER_LOCK_RELEASE)
         routes.add(p.EndSession, sessions.end_session, a.SERVER_END_SESSION)
         routes.add(p.StoreBegin, transfers.store_begin, a.SERVER_STORE)
-        routes.add(p.StoreCommit, transfers.store_commit, a.SERVER_STORE)
+        routes.add(p.StoreCommit, at_once(transfers.store_commit), a.SERVER_STORE)
         routes.add(p.RetrieveBegin, transfers.retrieve_begin, a.SERVER_RETRIEVE)
-        routes.add(p.RetrieveEnd, transfers.retrieve_end, a.SERVER_RETRIEVE)
-        routes.add(p.Abort, transfers.abort, a.SERVER_ABORT)
+        routes.add(p.RetrieveEnd, at_once(transfers.retrieve_end), a.SERVER_RETRIEVE)
+        routes.add(p.Abort, at_once(transfers.abort), a.SERVER_ABORT)
         routes.add(p.DropObjects, info.drop_objects, None)
-        routes.add(p.GetHeld, sessions.get_held, None)
+        routes.add(p.GetHeld, at_once(sessions.get_held), None)
         routes.check_complete()
         return routes
 

@@ -183,7 +183,7 @@ class Sessions:
         pending.polls += 1
         return (yield from self._settle(call, session, pending))
 
-    def free_locks(self, call: Call, req: p.FreeLocks) -> Steps:
+    def free_locks(self, call: Call, req: p.FreeLocks) -> p.Reply:
         cache = self.s.cache
         session = self.session(call, req.session_id, create=False)
         chunk_size = self.s.config.chunk_size
@@ -204,7 +204,6 @@ class Sessions:
             }
         )
         return p.LocksFreed(num_chunks=num_chunks, num_locks=num_locks)
-        yield
 
     def end_session(self, call: Call, req: p.EndSession) -> Steps:
         s = self.s
@@ -236,9 +235,8 @@ class Sessions:
         self.drop(req.session_id)
         return p.Ack()
 
-    def get_held(self, call: Call, req: p.GetHeld) -> Steps:
+    def get_held(self, call: Call, req: p.GetHeld) -> p.Reply:
         return held_by(self.s.cache, self.s.clients.values(), self.live, req.owner)
-        yield
 
     # -----------------------------------------------------------------------------------------
     # Settling a lookup

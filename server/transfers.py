@@ -37,7 +37,7 @@ class Transfers:
     # Registration
     # -----------------------------------------------------------------------------------------
 
-    def register(self, call: Call, req: p.RegisterWorker) -> Steps:
+    def register(self, call: Call, req: p.RegisterWorker) -> p.Reply:
         s = self.s
         others = (c for c in s.clients.values() if c is not call.client)
         object_bytes = registration.object_bytes(s, req, others)
@@ -59,12 +59,10 @@ class Transfers:
             pool_path="" if s.pool is None or s.pool.path is None else str(s.pool.path),
             pool_bytes=0 if s.pool is None else s.pool.size,
         )
-        yield
 
-    def unregister(self, call: Call, req: p.UnregisterWorker) -> Steps:
+    def unregister(self, call: Call, req: p.UnregisterWorker) -> p.Reply:
         self.drop_client(call.client)
         return p.Ack()
-        yield
 
     def drop_client(self, client: ClientState) -> int:
         """Aborts the client's operations and closes its registration; returns how many
@@ -184,7 +182,7 @@ class Transfers:
             if call.spend():
                 yield
 
-    def store_commit(self, call: Call, req: p.StoreCommit) -> Steps:
+    def store_commit(self, call: Call, req: p.StoreCommit) -> p.Reply:
         store = self._inflight(call.client.stores, req.op_id, "store", "")
         committed = self.finish_store(call.client, req.op_id, req.ok, call.span_id)
         call.span.set_attributes(
@@ -201,7 +199,6 @@ class Transfers:
             num_aborted=len(store.objects) - committed,
             eviction_seq=self.s.evictions.seq,
         )
-        yield
 
     def finish_store(self, client: ClientState, op_id: int, ok: bool, span_id: str = "") -> int:
         """Commits (``ok``) or drops the reservations of a store; returns the objects committed.
@@ -311,7 +308,7 @@ class Transfers:
             op_id=req.op_id, items=plans, copied=True, num_locks_released=released
         )
 
-    def retrieve_end(self, call: Call, req: p.RetrieveEnd) -> Steps:
+    def retrieve_end(self, call: Call, req: p.RetrieveEnd) -> p.Reply:
         retrieve = self._inflight(
             call.client.retrieves, req.op_id, "retrieve", ": its copy is not trustworthy"
         )
@@ -325,7 +322,6 @@ class Transfers:
             }
         )
         return p.RetrieveDone(num_locks_released=released)
-        yield
 
     def finish_retrieve(
         self, client: ClientState, op_id: int, ok: list[bool], span_id: str = ""
@@ -366,7 +362,7 @@ class Transfers:
     # Abort, deadlines and administration
     # -----------------------------------------------------------------------------------------
 
-    def abort(self, call: Call, req: p.Abort) -> Steps:
+    def abort(self, call: Call, req: p.Abort) -> p.Reply:
         client = call.client
         aborted = 0
         for op_id in req.op_ids:
@@ -379,7 +375,6 @@ class Transfers:
         self.s.counters.aborted_ops += aborted
         call.span.set_attributes({a.OPS: len(req.op_ids), a.CHUNKS: aborted})
         return p.Aborted(num_aborted=aborted)
-        yield
 
     def expire(self, kind: str, owner: bytes, ident: object, now: float) -> None:
         """The deadline of client ``owner``'s operation ``ident`` (a ``store`` or a
