@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+import typing
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from server.objects import Released
 from server.pool import ExtentAllocator
 from server.pools import MemoryPool, make_pool
 from server.sessions import Sessions
-from server.state import ClientState, Counters
+from server.state import ClientState, Counters, DeadlineKind
 from server.transfers import Transfers
 from testbed.core import protocol as p
 from testbed.core import telemetry
@@ -100,12 +101,14 @@ class CacheService:
         )
         self.sessions = Sessions(self.shared)
         self.transfers = Transfers(self.shared, self.sessions)
-        self._expiries = {
+        self._expiries: dict[DeadlineKind, Callable[[str, bytes, object, float], None]] = {
             "store": self.transfers.expire,
             "retrieve": self.transfers.expire,
             "pending": self.sessions.expire,
             "session": self.sessions.expire,
         }
+        if set(self._expiries) != set(typing.get_args(DeadlineKind)):
+            raise TypeError("a kind of deadline has no owner to expire it")
         self._routes = self._route()
         self._running: dict[bytes, _Task] = {}
         self._queued: dict[bytes, deque[p.Request]] = {}

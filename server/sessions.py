@@ -23,6 +23,7 @@ from server.state import (
     TRACKED_CHUNK_INDEX_BYTES,
     ChunkRun,
     ClientState,
+    Deadline,
     PendingLookup,
     Session,
 )
@@ -147,8 +148,8 @@ class Sessions:
         else:
             self.s.deadlines.add(expires, "session", b"", session.session_id)
 
-    def live_deadlines(self) -> list[tuple[float, str, bytes, object]]:
-        live: list[tuple[float, str, bytes, object]] = []
+    def live_deadlines(self) -> list[Deadline]:
+        live: list[Deadline] = []
         for session in self.live.values():
             expires = session.last_seen + self.s.config.session_ttl_s
             live.append((expires, "session", b"", session.session_id))

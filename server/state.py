@@ -11,7 +11,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from server.objects import CacheObject, ObjectKey, Space
 from testbed.core import protocol as p
@@ -157,18 +157,24 @@ class Counters:
     its count here)."""
 
 
+DeadlineKind = Literal["store", "retrieve", "pending", "session"]
+"""What a deadline ends: an in-flight store or retrieve, a pending lookup, an idle session."""
+Deadline = tuple[float, DeadlineKind, bytes, object]
+"""``(deadline, kind, owner, id)``."""
+
+
 class Deadlines:
     """A lazy min-heap of ``(deadline, kind, owner, id)``; the caller re-checks each entry it
     pops (the thing may be gone or its deadline moved), and re-adds what is still live."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str, bytes, object]] = []
+        self._heap: list[tuple[float, int, DeadlineKind, bytes, object]] = []
         self._seq = itertools.count()
 
-    def add(self, deadline: float, kind: str, owner: bytes, ident: object) -> None:
+    def add(self, deadline: float, kind: DeadlineKind, owner: bytes, ident: object) -> None:
         heapq.heappush(self._heap, (deadline, next(self._seq), kind, owner, ident))
 
-    def due(self, now: float) -> Iterator[tuple[str, bytes, object]]:
+    def due(self, now: float) -> Iterator[tuple[DeadlineKind, bytes, object]]:
         while self._heap and self._heap[0][0] <= now:
             _, _, kind, owner, ident = heapq.heappop(self._heap)
             yield kind, owner, ident
@@ -176,7 +182,7 @@ class Deadlines:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def compact(self, live: list[tuple[float, str, bytes, object]]) -> None:
+    def compact(self, live: list[Deadline]) -> None:
         """Replaces the heap by ``live`` entries (when stale ones pile up)."""
         self._heap = [(d, next(self._seq), k, o, i) for d, k, o, i in live]
         heapq.heapify(self._heap)

@@ -16,7 +16,14 @@ from server import copies, registration
 from server.context import Call, ServiceError, Shared, Steps
 from server.objects import CacheObject, Eviction, ObjectKey, Space
 from server.sessions import Sessions
-from server.state import ChunkRun, ClientState, InflightRetrieve, InflightStore, Worker
+from server.state import (
+    ChunkRun,
+    ClientState,
+    Deadline,
+    InflightRetrieve,
+    InflightStore,
+    Worker,
+)
 from testbed.core import protocol as p
 from testbed.core import telemetry
 from testbed.core.chunk_events import ABORT, COMMIT, RESERVE, TOUCH, namespace
@@ -396,8 +403,8 @@ class Transfers:
             else:
                 self.finish_retrieve(client, ident, ok=[])
 
-    def live_deadlines(self) -> list[tuple[float, str, bytes, object]]:
-        live: list[tuple[float, str, bytes, object]] = []
+    def live_deadlines(self) -> list[Deadline]:
+        live: list[Deadline] = []
         for client in self.s.clients.values():
             live += [(op.deadline, "store", client.client_id, i) for i, op in client.stores.items()]
             live += [
