@@ -240,6 +240,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
             "server_state_after": None,
             "server_state_scope": None,
             "server_locks_after": None,
+            "server_tiers": None,
         }
     own = server_after.get("held")
     source, keys = (
@@ -253,6 +254,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
         "server_state_scope": "run" if own is not None else "server",
         "server_locks_after": held["num_locks"],
         "server_index_bytes": int(server_after["index_bytes"]),
+        "server_tiers": server_after.get("tiers") or {},
     }
 
 

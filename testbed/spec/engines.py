@@ -41,6 +41,8 @@ class EngineRules:
     closed_loop: bool = True
     """Whether it paces closed-loop users by its completions (workload param ``users``); an
     open-loop engine sends requests at times fixed in advance."""
+    cache_server: bool = True
+    """Whether it runs against a cache server (``tiers`` and the server's settings apply)."""
 
 
 ENGINE_RULES: dict[EngineName, EngineRules] = {
@@ -48,7 +50,7 @@ ENGINE_RULES: dict[EngineName, EngineRules] = {
     "fleet": EngineRules(routed=True, per_instance_servers=True),
     "vllm": EngineRules(model=True, closed_loop=False),
     "serve": EngineRules(model=True, routed=True, closed_loop=False),
-    "oracle": EngineRules(policies=ORACLE_POLICIES),
+    "oracle": EngineRules(policies=ORACLE_POLICIES, cache_server=False),
 }
 """Every engine's rules (the module docstring): replay (vLLM's scheduler, no model), fleet
 (replay instances behind a router), vllm (the full engine), serve (vLLM OpenAI servers over

@@ -38,6 +38,7 @@ from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
 from testbed.core.typed_values import convert, hints, type_name
 from testbed.models.profiles import PROFILES, KVProfile, get_profile
 from testbed.spec.engines import ENGINE_NAMES, ENGINE_RULES, EngineName, engines_where
+from testbed.spec.tiers import tier_problems
 
 ENGINES = ENGINE_NAMES
 FleetServers = Literal["shared", "per-instance"]
@@ -59,13 +60,18 @@ SPEC_MIGRATIONS: dict[str, Any] = {
     "router": "round_robin",
     "router_params": {},
     "servers": "shared",
+    "tiers": [],
+    "tier_write": "write_through",
+    "tier_promote": "none",
+    "prefetch": "wait",
 }
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
 they did). While a field has that value it is left out of the run id (older ids stay), and a
 ``spec.json`` that lacks the field compares as holding it. Added since version 3: the fleet's
 ``instances``, ``router``, ``router_params`` and ``servers`` (runs before them had one
-instance)."""
+instance); the hierarchy's ``tiers``, ``tier_write``, ``tier_promote`` and ``prefetch`` (runs
+before them had L1 alone)."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
@@ -164,6 +170,16 @@ class RunSpec:
     temperature; prefix_approx: capacity_blocks)."""
     servers: FleetServers = "shared"
     """fleet: one cache server for every instance (shared) or one each (per-instance)."""
+    tiers: list[str] = field(default_factory=list)
+    """Tiers below the cache server's L1, in order, each ``KIND[@POLICY]:CAPACITY[:WHERE]``
+    (``disk:8GiB:/data/kv``; without WHERE a disk tier uses a directory of the run's own,
+    removed at the end); ``--tier``, repeatable. See docs/tiers.md."""
+    tier_write: str = "write_through"
+    """When a chunk goes below L1: write_through, write_back or selective:N."""
+    tier_promote: str = "none"
+    """A hit below L1: none (copied into L1 for its load only) or retain (stays in L1)."""
+    prefetch: str = "wait"
+    """How long a lookup waits for chunks below L1: wait, timeout:S or best_effort."""
 
     def __post_init__(self) -> None:
         problems = bound_problems(self) + _literal_problems(self)
@@ -182,6 +198,7 @@ class RunSpec:
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
         problems += _fleet_problems(self)
+        problems += tier_problems(self)
         problems += sampling.check(self.trace_sampler, self.trace_sampler_ratio)
         if self.workload_digest is not None and ":" not in self.workload:
             problems.append("workload_digest applies to trace workloads (KIND:PATH) only")
@@ -262,12 +279,14 @@ class RunSpec:
                 f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(cls.keys())}"
             )
         resolved = dict(values)
+        if isinstance(resolved.get("tiers"), str):  # one tier: tiers = "disk:1GiB"
+            resolved["tiers"] = [resolved["tiers"]]
         if "capacity_bytes" in resolved and isinstance(resolved["capacity_bytes"], str):
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
         types = hints(cls)
         for name, value in list(resolved.items()):
-            if value in ("none", "unlimited"):
-                value = None
+            if value in ("none", "unlimited") and type(None) in typing.get_args(types[name]):
+                value = None  # "none" is a value of its own where None is not (tier_promote)
             # strict: TOML values are typed; an int for a float field becomes one (1 and 1.0
             # must name the same run)
             resolved[name] = convert(
