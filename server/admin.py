@@ -56,8 +56,13 @@ class Admin:
         yield
 
     def get_stats(self, call: Call, req: p.GetStats) -> Steps:
+        self.s.chunk_log.flush()  # so that its count of rows it could not write is current
+        return self.stats()
+        yield
+
+    def stats(self) -> p.ServerStats:
+        """The server's state and counters (every tier's usage among them)."""
         s = self.s
-        s.chunk_log.flush()  # so that its count of rows it could not write is current
         c = s.counters
         quiet = self.quiescence()
         return p.ServerStats(
@@ -95,8 +100,19 @@ class Admin:
             chunk_events_dropped=s.chunk_log.dropped_rows,
             chunk_events_pending=s.chunk_log.pending_rows,
             unauthenticated_closed=c.unauthenticated_closed,
+            lookups=c.lookups,
+            lookup_hit_chunks=c.lookup_hit_chunks,
+            lookup_miss_chunks=c.lookup_miss_chunks,
+            errors_by_code=dict(c.errors_by_code),
+            tiers=[
+                p.TierUsage(
+                    tier="host",
+                    num_objects=len(s.cache),
+                    used_bytes=s.cache.used_bytes,
+                    capacity_bytes=s.cache.capacity_bytes,
+                )
+            ],
         )
-        yield
 
     def drop_objects(self, call: Call, req: p.DropObjects) -> Steps:
         cache = self.s.cache

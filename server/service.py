@@ -112,7 +112,7 @@ class CacheService:
 
     def _route(self) -> Routes:
         routes, sessions, transfers = Routes(), self.sessions, self.transfers
-        info = Admin(self.shared, self.sessions, self.quiescence)
+        info = self._admin = Admin(self.shared, self.sessions, self.quiescence)
         routes.add(p.Ping, info.ping, None)
         routes.add(p.Heartbeat, info.ack, None)
         routes.add(p.GetConfig, info.get_config, None)
@@ -148,6 +148,11 @@ class CacheService:
     @property
     def counters(self) -> Counters:
         return self.shared.counters
+
+    def stats(self) -> p.ServerStats:
+        """What ``GetStats`` answers, read in the server's loop (the metrics endpoint's
+        source: ``server.metrics``)."""
+        return self._admin.stats()
 
     def close(self) -> None:
         self.shared.chunk_log.close()
@@ -215,7 +220,9 @@ class CacheService:
         return bool(self._running)
 
     def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
-        self.shared.counters.errors += 1
+        counters = self.shared.counters
+        counters.errors += 1
+        counters.errors_by_code[code] = counters.errors_by_code.get(code, 0) + 1
         return p.Error(rid=rid, code=code, message=message, epoch=self.epoch)
 
     def forbidden(self, message: str) -> p.Error:

@@ -284,6 +284,9 @@ class Sessions:
             if index % 256 == 255:
                 yield
         session.handle = handle
+        s.counters.lookups += 1
+        s.counters.lookup_hit_chunks += hit
+        s.counters.lookup_miss_chunks += len(req.chunk_hashes) - hit
         if s.chunk_log.enabled:
             _log_lookup(s, call, req, statuses)
         call.span.set_attributes(

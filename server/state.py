@@ -155,6 +155,10 @@ class Counters:
     unauthenticated_closed: int = 0
     """Connections closed for not authenticating (``server.connections``; the loop copies
     its count here)."""
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+    lookup_miss_chunks: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
 
 
 class Deadlines:

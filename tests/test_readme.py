@@ -45,7 +45,10 @@ SMALL_GRIDS = {
 one resolved spec are one run) to two to ten runs."""
 SMALL: tuple[tuple[re.Pattern[str], Any], ...] = (
     (re.compile(r"--requests (none|\d{2,})"), f"--requests {SMALL_REQUESTS}"),
-    (re.compile(r"^(kvtb run (?!.*--requests ).*?)(\s*$|\s*&&)"), rf"\1 --requests {SMALL_REQUESTS}\2"),
+    (
+        re.compile(r"^(kvtb run (?!.*--requests ).*?)(\s*$|\s*&&)"),
+        rf"\1 --requests {SMALL_REQUESTS}\2",
+    ),
     (
         re.compile(r"^kvtb sweep (\S+)"),
         lambda m: " ".join(
@@ -216,7 +219,8 @@ def test_small_sizes_are_substituted_as_documented():
     assert commands(block) == [
         "kvtb demo",
         f"kvtb sweep tp_mla --set requests={SMALL_REQUESTS} {SMALL_GRIDS['tp_mla']}",
-        f"kvtb sweep workloads --set requests={SMALL_REQUESTS} --jobs 2 && kvtb report runs/workloads",
+        f"kvtb sweep workloads --set requests={SMALL_REQUESTS} --jobs 2"
+        " && kvtb report runs/workloads",
         f"kvtb run --workload chat --requests {SMALL_REQUESTS} --out runs/mine",
         f"kvtb run --engine fleet --out runs/fleet --requests {SMALL_REQUESTS}",
         f"kvtb whatif chat --requests {SMALL_REQUESTS} --out w",

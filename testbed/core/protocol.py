@@ -416,6 +416,15 @@ class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     """Where the pool lives (``None``: no pool, metadata only)."""
 
 
+class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tier of the server's cache holds (``host``: the shared-memory pool's index)."""
+
+    tier: str
+    num_objects: int
+    used_bytes: int
+    capacity_bytes: int
+
+
 class ServerStats(_Reply, tag="stats", kw_only=True):
     num_objects: int
     used_bytes: int
@@ -454,6 +463,16 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     unauthenticated_closed: int = 0
     """Connections closed for sending no authenticated request in time, or beyond the number
     of such connections allowed at once."""
+    lookups: int = 0
+    """Lookups answered (a lookup left pending counts once, when it is answered)."""
+    lookup_hit_chunks: int = 0
+    """Chunks the answered lookups found: the committed prefix each locked."""
+    lookup_miss_chunks: int = 0
+    """Chunks the answered lookups asked for beyond their hit prefix."""
+    errors_by_code: dict[str, int] = msgspec.field(default_factory=dict)
+    """``errors`` by :data:`ErrorCode`."""
+    tiers: list[TierUsage] = msgspec.field(default_factory=list)
+    """Every tier's objects and bytes, in order (today one: ``host``)."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):

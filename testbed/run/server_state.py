@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.quiescence import run_quiescent
@@ -51,11 +53,26 @@ def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | N
 
 
 def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts added key by key: numbers summed, tables (``errors_by_code``) key by key, lists
+    of tiers tier by tier."""
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            total[key] = total.get(key, 0) + value
+            total[key] = value if key not in total else _added(total[key], value)
     return total
+
+
+def _added(first: Any, second: Any) -> Any:
+    if isinstance(first, dict):
+        return _summed([first, second])
+    if isinstance(first, list):  # tiers, by name, in the first server's order
+        by_tier = {tier["tier"]: dict(tier) for tier in first}
+        for tier in second:
+            known = by_tier.setdefault(tier["tier"], {"tier": tier["tier"]})
+            known.update(_summed([{k: v for k, v in known.items() if k != "tier"},
+                                  {k: v for k, v in tier.items() if k != "tier"}]))  # fmt: skip
+        return list(by_tier.values())
+    return first + second
 
 
 def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
@@ -71,8 +88,9 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
 
 
 def _fields(message: p.Reply) -> dict[str, Any]:
+    """A reply's fields as JSON values (a summary's), without the envelope's."""
     return {
-        name: getattr(message, name)
+        name: msgspec.to_builtins(getattr(message, name))
         for name in message.__struct_fields__
         if name not in ("v", "rid", "epoch")
     }
