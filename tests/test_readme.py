@@ -40,11 +40,11 @@ DATA = REPO.parent / "shared" / "data"
 SMALL_REQUESTS = 8
 SMALL_GRIDS = {
     "tp_mla": "--set tp=2",
-    "chunk_size": "--set engine=oracle",
+    "chunk_size": "--set engine=oracle --set chunk_size=256",
     "fleet_routers": "--set router=kv_precise --set instances=2 --set capacity_tokens=4000",
 }
 """Run keys set in every run of a shipped sweep the docs run, which collapse its grid (runs of
-one resolved spec are one run) to two to ten runs."""
+one resolved spec are one run) to two runs."""
 SMALL_INSTANCES = 2
 SMALL_CONTEXT_TOKENS = 4000
 SMALL: tuple[tuple[re.Pattern[str], Any], ...] = (
@@ -181,6 +181,7 @@ def test_every_shown_kvtb_command_is_one_kvtb_accepts(capsys):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # about 6 minutes on 2 cores, the demo's two among them
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs the data directory ../shared/data")
 def test_the_readme_runs_and_its_first_result_is_the_demos(scratch):
     pytest.importorskip("vllm")

@@ -68,11 +68,7 @@ def add_spec_flag(parser: Any, name: str) -> None:
     flag = "--" + name.replace("_", "-")
     annotation = typing.get_type_hints(RunSpec)[name]
     default = getattr(_DEFAULTS, name)
-    shown = (
-        ""
-        if default is None
-        else f" (default: {str(default).lower() if isinstance(default, bool) else default})"
-    )
+    shown = "" if default is None else f" (default: {_as_typed(default)})"
     if annotation is bool:
         parser.add_argument(
             flag, action=argparse.BooleanOptionalAction, default=None, help=doc + shown
@@ -88,6 +84,11 @@ def add_spec_flag(parser: Any, name: str) -> None:
         metavar=None if values else name.upper(),
         help=doc + shown,
     )
+
+
+def _as_typed(value: Any) -> str:
+    """A default as the user types it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:
