@@ -13,11 +13,10 @@ still parsed by ``kvtb``'s own parser, and no command names a path inside the ch
 Sizes are made small in one documented way (:data:`SMALL`): ``--requests N`` above 8 becomes
 ``--requests 8`` (``none``: all of a trace, becomes 8 too), as does ``--set requests=N``; a
 ``kvtb run`` without ``--requests`` gets ``--requests 8``; more than 2 ``--instances`` become 2;
-a ``max_input_tokens`` workload parameter of 10,000 or more becomes 4,000; and ``kvtb sweep
-NAME`` gets ``--set requests=8`` and the keys of :data:`SMALL_GRIDS` that collapse its grid to a
-few runs. ``kvtb demo`` runs at its real
-size: its headline, run id included, is checked against the README's first result. A line
-ending in ``\\`` continues on the next one.
+and ``kvtb sweep NAME`` gets ``--set requests=8`` and the keys of :data:`SMALL_GRIDS` that
+collapse its grid to a few runs. ``kvtb demo`` runs at its real size: its headline, run id
+included, is checked against the README's first result. A line ending in ``\\`` continues on
+the next one.
 """
 
 from __future__ import annotations
@@ -46,12 +45,10 @@ SMALL_GRIDS = {
 """Run keys set in every run of a shipped sweep the docs run, which collapse its grid (runs of
 one resolved spec are one run) to two runs."""
 SMALL_INSTANCES = 2
-SMALL_CONTEXT_TOKENS = 4000
 SMALL: tuple[tuple[re.Pattern[str], Any], ...] = (
     (re.compile(r"--requests (none|\d{2,})"), f"--requests {SMALL_REQUESTS}"),
     (re.compile(r"--set requests=\d{2,}"), f"--set requests={SMALL_REQUESTS}"),
     (re.compile(r"--instances ([3-9]|\d{2,})\b"), f"--instances {SMALL_INSTANCES}"),
-    (re.compile(r"max_input_tokens=\d{5,}"), f"max_input_tokens={SMALL_CONTEXT_TOKENS}"),
     (
         re.compile(r"^(kvtb run (?!.*--requests ).*?)(\s*$|\s*&&)"),
         rf"\1 --requests {SMALL_REQUESTS}\2",
@@ -223,7 +220,6 @@ def test_small_sizes_are_substituted_as_documented():
         "kvtb run --workload chat --requests 200 \\\n    --out runs/mine\n"
         "kvtb run --engine fleet --instances 4 --out runs/fleet   # no --requests\n"
         "kvtb sweep chunk_size --set requests=20\n"
-        "kvtb run --workload agentic:x --workload-param max_input_tokens=24000 --requests 4\n"
         "kvtb whatif chat --requests none --out w\n"
     ))  # fmt: skip
     assert commands(block) == [
@@ -235,7 +231,6 @@ def test_small_sizes_are_substituted_as_documented():
         f"kvtb run --engine fleet --instances 2 --out runs/fleet --requests {SMALL_REQUESTS}",
         f"kvtb sweep chunk_size --set requests={SMALL_REQUESTS} {SMALL_GRIDS['chunk_size']}"
         f" --set requests={SMALL_REQUESTS}",
-        "kvtb run --workload agentic:x --workload-param max_input_tokens=4000 --requests 4",
         f"kvtb whatif chat --requests {SMALL_REQUESTS} --out w",
     ]
     assert shlex.split(commands(block)[2])[0] == "kvtb"
