@@ -177,23 +177,21 @@ def test_every_shown_kvtb_command_is_one_kvtb_accepts(capsys):
     assert checked > 20
 
 
+RUNS_BLOCKS = pytest.mark.skipif(
+    not DATA.is_dir(), reason="needs the data directory ../shared/data"
+)
+PAGES = [path.name for path in DOCS if any(block.mark == "run" for block in blocks(path))]
+"""The pages of docs/ with blocks to run, each its own test (after the README's, whose runs
+some of them read: the module's tests share one scratch directory and run in order)."""
+
+
 @pytest.mark.vllm
-@pytest.mark.slow  # about 6 minutes on 2 cores, the demo's two among them
-@pytest.mark.skipif(not DATA.is_dir(), reason="needs the data directory ../shared/data")
+@pytest.mark.slow  # about 4 minutes on 2 cores, the demo's two among them
+@RUNS_BLOCKS
 def test_the_readme_runs_and_its_first_result_is_the_demos(scratch):
     pytest.importorskip("vllm")
     work, env = scratch
-    runnable = [b for path in (README, *DOCS) for b in blocks(path) if b.mark == "run"]
-    printed = ""
-    for block in runnable:
-        if block.language == "python":
-            done = _run([sys.executable, "-c", block.text], work, env)
-            assert done.returncode == 0, f"{block.where}:\n{done.stdout}{done.stderr}"
-            continue
-        for command in commands(block):
-            done = _run(["bash", "-c", command], work, env)
-            assert done.returncode == 0, f"{block.where}: {command}\n{done.stdout}{done.stderr}"
-            printed += done.stdout
+    printed = run_blocks(README, work, env)
     # The demo ran at its real size: the README quotes its headline, and the external cache
     # serves at least 30% of the prompt tokens in it.
     headline = re.search(r"^In run \w+ \((.*)$", printed, re.M)
@@ -205,6 +203,34 @@ def test_the_readme_runs_and_its_first_result_is_the_demos(scratch):
     report = (work / "runs" / "quickstart" / "report" / "report.md").read_text()
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report)
     assert figures[0] == "whatif_hit_rate.png"  # the report opens with what the cache buys
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # a minute or two each on 2 cores
+@RUNS_BLOCKS
+@pytest.mark.parametrize("page", PAGES)
+def test_each_page_of_the_docs_runs_as_written_from_outside_the_checkout(scratch, page):
+    pytest.importorskip("vllm")
+    work, env = scratch
+    run_blocks(REPO / "docs" / page, work, env)
+
+
+def run_blocks(path: Path, work: Path, env: dict[str, str]) -> str:
+    """Runs the ``run`` blocks of page ``path`` in ``work``, failing on the first command that
+    fails; what the bash commands printed."""
+    printed = ""
+    for block in blocks(path):
+        if block.mark != "run":
+            continue
+        if block.language == "python":
+            done = _run([sys.executable, "-c", block.text], work, env)
+            assert done.returncode == 0, f"{block.where}:\n{done.stdout}{done.stderr}"
+            continue
+        for command in commands(block):
+            done = _run(["bash", "-c", command], work, env)
+            assert done.returncode == 0, f"{block.where}: {command}\n{done.stdout}{done.stderr}"
+            printed += done.stdout
+    return printed
 
 
 def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
