@@ -186,7 +186,7 @@ some of them read: the module's tests share one scratch directory and run in ord
 
 
 @pytest.mark.vllm
-@pytest.mark.slow  # about 4 minutes on 2 cores, the demo's two among them
+@pytest.mark.slow  # 5 minutes on a loaded 2-core machine, the demo among them
 @RUNS_BLOCKS
 def test_the_readme_runs_and_its_first_result_is_the_demos(scratch):
     pytest.importorskip("vllm")
@@ -206,7 +206,7 @@ def test_the_readme_runs_and_its_first_result_is_the_demos(scratch):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow  # a minute or two each on 2 cores
+@pytest.mark.slow  # up to 5 minutes a page on a loaded 2-core machine
 @RUNS_BLOCKS
 @pytest.mark.parametrize("page", PAGES)
 def test_each_page_of_the_docs_runs_as_written_from_outside_the_checkout(scratch, page):
