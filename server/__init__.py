@@ -8,5 +8,7 @@ holds), ``transfers.Transfers`` (registration, stores, retrieves, aborts; ``copi
 server-driven copies), ``admin.Admin`` (ping, configuration, statistics, drops). What they
 share is ``context.Shared``: the index (``cache``), the pool (``pools``), the chunk log
 (``chunk_log``), the eviction feed, counters, clients and deadlines (``state``), and the tiers
-below L1 (``tiers``: their stores, I/O thread and policies; docs/tiers.md).
+below L1 (``tiers``: their stores, I/O thread and policies; docs/tiers.md). With
+``--metrics-port``, ``metrics`` serves the statistics to Prometheus from a thread of its own,
+reading them through the loop (``metrics_bridge``).
 """

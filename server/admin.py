@@ -53,10 +53,15 @@ class Admin:
         )
 
     def get_stats(self, call: Call, req: p.GetStats) -> p.Reply:
+        self.s.chunk_log.flush()  # so that its count of rows it could not write is current
+        return self.stats()
+
+    def stats(self) -> p.ServerStats:
+        """The server's state and counters (every tier's usage among them)."""
         s = self.s
-        s.chunk_log.flush()  # so that its count of rows it could not write is current
         c = s.counters
         quiet = self.quiescence()
+        lower = s.tiers.stats()
         return p.ServerStats(
             num_objects=len(s.cache),
             used_bytes=s.cache.used_bytes,
@@ -91,11 +96,35 @@ class Admin:
             refused_quotas=c.refused_quotas,
             chunk_events_dropped=s.chunk_log.dropped_rows,
             chunk_events_pending=s.chunk_log.pending_rows,
-            tiers=s.tiers.stats(),
+            tiers=lower,
             prefetch_timeouts=c.prefetch_timeouts,
             tier_read_failures=c.tier_read_failures,
             unauthenticated_closed=c.unauthenticated_closed,
+            lookups=c.lookups,
+            lookup_hit_chunks=c.lookup_hit_chunks,
+            lookup_miss_chunks=c.lookup_miss_chunks,
+            errors_by_code=dict(c.errors_by_code),
+            tier_usage=self._tier_usage(lower),
         )
+
+    def _tier_usage(self, lower: list[p.TierStats]) -> list[p.TierUsage]:
+        """Every tier's objects and bytes: L1 (``host``), then the tiers below by kind."""
+        cache = self.s.cache
+        host = p.TierUsage(
+            tier="host",
+            num_objects=len(cache),
+            used_bytes=cache.used_bytes,
+            capacity_bytes=cache.capacity_bytes,
+        )
+        return [host] + [
+            p.TierUsage(
+                tier=t.kind,
+                num_objects=t.num_objects,
+                used_bytes=t.used_bytes,
+                capacity_bytes=t.capacity_bytes,
+            )
+            for t in lower
+        ]
 
     def drop_objects(self, call: Call, req: p.DropObjects) -> Steps:
         cache = self.s.cache

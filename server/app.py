@@ -32,7 +32,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -47,11 +49,15 @@ from server.connections import (
     source_fd,
 )
 from server.flags import add_config_arguments, config_from_args
+from server.metrics_bridge import StatsBridge
 from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed.core import protocol as p
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.setup import TracingConfig, configure_tracing
+
+if TYPE_CHECKING:
+    from server.metrics import MetricsEndpoint
 
 log = logging.getLogger("server")
 
@@ -108,24 +114,38 @@ def _serve_bound(
         max_unauthenticated=config.max_unauthenticated
         or default_max_unauthenticated(descriptor_limit()),
     )
+    bridge = StatsBridge()
     try:
-        with CacheService(config, credentials, chunk_log=chunk_log) as service:
+        with (
+            CacheService(config, credentials, chunk_log=chunk_log) as service,
+            _metrics_endpoint(config, bridge) as metrics,
+        ):
             prefault_s = 0.0
             if service.pool is not None and service.pool.size <= config.prefault_bytes:
                 prefault_s = service.pool.prefault()
-            on_ready(
-                {
-                    "endpoint": f"tcp://{config.host}:{port}",
-                    "pid": str(os.getpid()),
-                    "epoch": str(service.epoch),
-                    "token_file": str(token_path),
-                    "prefault_ms": f"{float(prefault_s or 0.0) * 1e3:.1f}",
-                    "pool_medium": "none" if service.pool is None else service.pool.medium,
-                }
-            )
-            _loop(socket, service, config, stop, parent_pid, guard)
+            fields = {
+                "endpoint": f"tcp://{config.host}:{port}",
+                "pid": str(os.getpid()),
+                "epoch": str(service.epoch),
+                "token_file": str(token_path),
+                "prefault_ms": f"{float(prefault_s or 0.0) * 1e3:.1f}",
+                "pool_medium": "none" if service.pool is None else service.pool.medium,
+            }
+            on_ready(fields if metrics is None else {**fields, "metrics": metrics.url})
+            _loop(socket, service, config, stop, parent_pid, guard, bridge)
     finally:
         guard.close()
+
+
+def _metrics_endpoint(
+    config: ServerConfig, bridge: StatsBridge
+) -> AbstractContextManager[MetricsEndpoint | None]:
+    """The Prometheus endpoint of ``--metrics-port`` (``server.metrics``), or none."""
+    if config.metrics_port is None:
+        return nullcontext()
+    from server.metrics import MetricsEndpoint
+
+    return MetricsEndpoint(config.host, config.metrics_port, bridge)
 
 
 def _router(context: zmq.Context, config: ServerConfig) -> zmq.Socket:
@@ -149,6 +169,7 @@ def _loop(
     stop: threading.Event,
     parent_pid: int | None,
     guard: ConnectionGuard,
+    bridge: StatsBridge,
 ) -> None:
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
@@ -176,6 +197,7 @@ def _loop(
                 _send(socket, service, replies)
         if service.busy:
             _send(socket, service, service.advance())
+        bridge.answer(service.stats)
         if time.monotonic() >= next_tick:
             service.tick()
             guard.tick()

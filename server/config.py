@@ -36,6 +36,10 @@ class ServerConfig:
     port: Annotated[int, Bound(0, 65535)] = DEFAULT_PORT
     """TCP port; 0 lets the OS choose (the readiness line prints the bound endpoint)."""
 
+    metrics_port: Annotated[int | None, Bound(0, 65535)] = None
+    """Serve Prometheus metrics (METRICS.md) over HTTP at /metrics on this port of ``host``; 0
+    lets the OS choose (the readiness line prints ``metrics=URL``); None: no endpoint."""
+
     chunk_size: Annotated[int, Bound(1, 1 << 16, "tokens")] = 256
     """Tokens per cached chunk; clients read it from the server and must use it."""
 

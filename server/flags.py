@@ -7,14 +7,14 @@ flag and nothing else is repeated here."""
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 from typing import Any
 
 from server.config import ServerConfig, flag_name
 from testbed.core import protocol as p
+from testbed.core.policies import POLICIES
 from testbed.core.sizes import format_bytes, parse_bytes
-from testbed.core.typed_values import convert, field_docs, hints
+from testbed.core.typed_values import convert, field_docs, help_line, hints
 
 GROUPS = {
     "deadlines (seconds)": lambda name: name.endswith("_s"),
@@ -24,7 +24,8 @@ GROUPS = {
     "credentials": lambda name: name in ("token_file", "curve_dir"),
 }
 """Help sections by field name (the rest: the server's main flags)."""
-_CHOICES = {"pool_medium": p.POOL_MEDIA}
+_CHOICES = {"pool_medium": p.POOL_MEDIA, "policy": tuple(sorted(POLICIES))}
+"""Fields whose values are a closed set: the parser offers (and checks) exactly these."""
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +76,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def _help(doc: str, name: str, default: Any) -> str:
     """The field's docstring as help (first paragraph, without reST markup), and its default."""
-    text = re.sub(r"``([^`]*)``", r"\1", doc.split("\n\n")[0]).replace("\n", " ")
-    text = text.replace("%", "%%")
+    text = help_line(doc)
     if default is None or default is False:
         return text
     shown = format_bytes(default) if name.endswith("_bytes") and default else default

@@ -124,7 +124,7 @@ class CacheService:
 
     def _route(self) -> Routes:
         routes, sessions, transfers = Routes(), self.sessions, self.transfers
-        info = Admin(self.shared, self.sessions, self.quiescence)
+        info = self._admin = Admin(self.shared, self.sessions, self.quiescence)
         routes.add(p.Ping, at_once(info.ping), None)
         routes.add(p.Heartbeat, at_once(info.ack), None)
         routes.add(p.GetConfig, at_once(info.get_config), None)
@@ -160,6 +160,11 @@ class CacheService:
     @property
     def counters(self) -> Counters:
         return self.shared.counters
+
+    def stats(self) -> p.ServerStats:
+        """What ``GetStats`` answers, read in the server's loop (the metrics endpoint's
+        source: ``server.metrics``)."""
+        return self._admin.stats()
 
     def close(self) -> None:
         self.shared.tiers.close()
@@ -239,7 +244,9 @@ class CacheService:
             self.shared.record_eviction(eviction)
 
     def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
-        self.shared.counters.errors += 1
+        counters = self.shared.counters
+        counters.errors += 1
+        counters.errors_by_code[code] = counters.errors_by_code.get(code, 0) + 1
         return p.Error(rid=rid, code=code, message=message, epoch=self.epoch)
 
     def forbidden(self, message: str) -> p.Error:

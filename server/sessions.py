@@ -302,6 +302,9 @@ class Sessions:
                 a.HIT_CHUNKS_BY_TIER, [f"{name}={n}" for name, n in sorted(by_tier.items())]
             )
         session.handle = handle
+        s.counters.lookups += 1
+        s.counters.lookup_hit_chunks += hit
+        s.counters.lookup_miss_chunks += len(req.chunk_hashes) - hit
         if s.chunk_log.enabled:
             _log_lookup(s, call, req, statuses)
         call.span.set_attributes(

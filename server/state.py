@@ -161,6 +161,10 @@ class Counters:
     """Lookups whose hit ended at a chunk still on its way up from a lower tier."""
     tier_read_failures: int = 0
     """Lookups whose hit ended at a chunk whose read from a lower tier failed."""
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+    lookup_miss_chunks: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
 
 
 DeadlineKind = Literal["store", "retrieve", "pending", "session"]

@@ -115,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         "clean", help="remove pool and token files of cache servers that no longer run"
     ).set_defaults(handler=_clean)
     demo = commands.add_parser("demo", help="the main job: a small sweep and its report")
-    demo.add_argument("--out", type=absolute_path, default="runs")
+    demo.add_argument(
+        "--out", type=absolute_path, default="runs", help="parent directory (default: runs)"
+    )
     add_set_argument(demo)
     demo.set_defaults(handler=_demo)
     return parser
@@ -139,15 +141,20 @@ def _add_sweep_parsers(commands: Any) -> None:
         default=None,
         help="runs in parallel (default: 1 locally, every CPU of a local Ray)",
     )
-    sweep.add_argument("--executor", choices=["local", "ray"], default="local")
+    sweep.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="where the runs run: local processes or Ray tasks (default: local)",
+    )
     sweep.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
-    sweep.add_argument("--no-progress", action="store_true")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_dir_argument(sweep)
     add_set_argument(sweep)
     sweep.set_defaults(handler=_sweep)
 
     report = commands.add_parser("report", help="tables and figures for a sweep directory")
-    report.add_argument("sweep_dir", type=absolute_path)
+    report.add_argument("sweep_dir", type=absolute_path, help="the sweep's directory (runs/NAME)")
     report.set_defaults(handler=_report)
 
 
@@ -158,7 +165,9 @@ def _add_export_parser(commands: Any) -> None:
     jaeger.add_argument(
         "run_dirs", type=absolute_path, nargs="+", metavar="DIR", help="run or sweep directories"
     )
-    jaeger.add_argument("-o", "--output", type=absolute_path, required=True)
+    jaeger.add_argument(
+        "-o", "--output", type=absolute_path, required=True, help="the JSON file to write"
+    )
     jaeger.add_argument(
         "--request",
         action="append",
@@ -214,38 +223,43 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    add_spec_arguments(parser)
+    sections = add_spec_arguments(parser)
     parser.add_argument(
         "--out", type=absolute_path, default="runs", help="parent directory (default: runs)"
     )
-    parser.add_argument(
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cache, engine, tracing = sections["cache"], sections["engine"], sections["tracing"]
+    cache.add_argument(
         "--server", help="use this cache server (tcp://HOST:PORT) instead of starting one"
     )
-    parser.add_argument(
-        "--endpoint",
-        help="serve engine: a running vLLM OpenAI server with the connector (http://HOST:PORT)",
-    )
-    parser.add_argument(
-        "--endpoints",
-        help="serve engine: several running vLLM OpenAI servers (URL,URL), routed by --router",
-    )
-    parser.add_argument(
-        "--launch",
-        action="store_true",
-        help="serve engine: start kvtb server and vLLM's OpenAI server for the run, then stop "
-        "them (--instances N: N servers, routed by --router)",
-    )
-    parser.add_argument(
+    cache.add_argument(
         "--token-file",
         type=absolute_path,
         help="the --server's token file (its readiness line prints the path; default: "
         "KVTB_TOKEN_FILE or KVTB_TOKEN)",
     )
-    parser.add_argument(
+    engine.add_argument(
+        "--endpoint",
+        help="serve engine: a running vLLM OpenAI server with the connector (http://HOST:PORT)",
+    )
+    engine.add_argument(
+        "--endpoints",
+        help="serve engine: several running vLLM OpenAI servers (URL,URL), routed by --router",
+    )
+    engine.add_argument(
+        "--launch",
+        action="store_true",
+        help="serve engine: start kvtb server and vLLM's OpenAI server for the run, then stop "
+        "them (--instances N: N servers, routed by --router)",
+    )
+    tracing.add_argument(
         "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
     )
-    parser.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"])
-    parser.add_argument("--no-progress", action="store_true")
+    tracing.add_argument(
+        "--otlp-protocol",
+        choices=["grpc", "http/protobuf"],
+        help="the OTLP exporter's protocol (default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -294,4 +308,3 @@ def _endpoint(args: argparse.Namespace) -> ServerEndpoint | None:
             "readiness line), or KVTB_TOKEN_FILE / KVTB_TOKEN"
         )
     return ServerEndpoint(args.server, token)
-

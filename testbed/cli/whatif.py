@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from testbed.spec.flags import add_data_dir_argument
+from testbed.spec.flags import add_data_dir_argument, add_spec_flag
 from testbed.spec.paths import absolute_path
 
 _WORKLOAD_FLAGS = (
@@ -42,13 +42,8 @@ def add_whatif_parser(commands: Any) -> None:
         "--config", type=absolute_path, help="TOML file with run keys (flags override)"
     )
     add_data_dir_argument(parser)
-    for name in _WORKLOAD_FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), default=None, metavar=name.upper())
-    parser.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument(
-        "--workload-param", action="append", default=[], metavar="KEY=VALUE",
-        help="a workload generator parameter (repeatable; VALUE is parsed as TOML)",
-    )  # fmt: skip
+    for name in (*_WORKLOAD_FLAGS, "mla", "workload_params"):
+        add_spec_flag(parser, name)
     parser.add_argument("--chunk-sizes", help="comma-separated chunk sizes (default: the source's)")
     parser.add_argument(
         "--policies", default="lru,belady", help="lru,belady,fifo,lfu (default: lru,belady)"
@@ -57,8 +52,18 @@ def add_whatif_parser(commands: Any) -> None:
     parser.add_argument(
         "--sample-rate", type=float, default=1.0, help="SHARDS-style sampling rate (default: 1)"
     )
-    parser.add_argument("--grid-points", type=int, default=48)
-    parser.add_argument("--policy-points", type=int, default=8)
+    parser.add_argument(
+        "--grid-points",
+        type=int,
+        default=48,
+        help="LRU points per curve in whatif.json (geometric; the full curve is in Parquet)",
+    )
+    parser.add_argument(
+        "--policy-points",
+        type=int,
+        default=8,
+        help="capacities each simulated policy is run at (geometric, 1%% to 100%% of all chunks)",
+    )
     parser.add_argument(
         "--time-profiles", help="comma-separated time models: flat, h100, h200, a100, l40s"
     )

@@ -445,6 +445,16 @@ class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Writes not even tried: the tier's write queue was full (back-pressure)."""
 
 
+class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tier of the server's cache holds (``host``: the shared-memory pool's index;
+    a lower tier by its hit-source name, ``disk`` or ``remote``)."""
+
+    tier: str
+    num_objects: int
+    used_bytes: int
+    capacity_bytes: int
+
+
 class ServerStats(_Reply, tag="stats", kw_only=True):
     num_objects: int
     used_bytes: int
@@ -489,6 +499,16 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     """Chunks whose prefetch had not reached L1 when their lookup was answered."""
     tier_read_failures: int = 0
     """Chunks a lookup matched below L1 whose read failed (the hit ended there)."""
+    lookups: int = 0
+    """Lookups answered (a lookup left pending counts once, when it is answered)."""
+    lookup_hit_chunks: int = 0
+    """Chunks the answered lookups found: the committed prefix each locked."""
+    lookup_miss_chunks: int = 0
+    """Chunks the answered lookups asked for beyond their hit prefix."""
+    errors_by_code: dict[str, int] = msgspec.field(default_factory=dict)
+    """``errors`` by :data:`ErrorCode`."""
+    tier_usage: list[TierUsage] = msgspec.field(default_factory=list)
+    """Every tier's objects and bytes, in order: L1 (``host``), then ``tiers``' own."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -72,6 +73,14 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(following.value.value)
     return docs
+
+
+def help_line(doc: str) -> str:
+    """A field's docstring as the one line of help of its flag: its first paragraph, joined,
+    without reST markup, ``%`` escaped for argparse."""
+    text = re.sub(r":\w+:`~?([^`]*)`", r"\1", doc.split("\n\n")[0])
+    text = re.sub(r"``([^`]*)``", r"\1", text)
+    return " ".join(text.split()).replace("%", "%%")
 
 
 def hints(cls: type) -> dict[str, Any]:

@@ -53,18 +53,28 @@ def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | N
 
 
 def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Counts summed key by key; tables (a tier's counts, by tier) summed inside, text (a
-    tier's kind) kept from the first."""
+    """Counts added key by key: numbers summed, tables (``errors_by_code``, the tiers by name)
+    key by key, lists of tiers' usage tier by tier, text (a tier's kind) kept from the first."""
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            if isinstance(value, dict):
-                total[key] = _summed([total.get(key, {}), value])
-            elif isinstance(value, str):
-                total.setdefault(key, value)
-            else:
-                total[key] = total.get(key, 0) + value
+            total[key] = value if key not in total else _added(total[key], value)
     return total
+
+
+def _added(first: Any, second: Any) -> Any:
+    if isinstance(first, str):  # a tier's kind: the first server's
+        return first
+    if isinstance(first, dict):
+        return _summed([first, second])
+    if isinstance(first, list):  # tiers, by name, in the first server's order
+        by_tier = {tier["tier"]: dict(tier) for tier in first}
+        for tier in second:
+            known = by_tier.setdefault(tier["tier"], {"tier": tier["tier"]})
+            known.update(_summed([{k: v for k, v in known.items() if k != "tier"},
+                                  {k: v for k, v in tier.items() if k != "tier"}]))  # fmt: skip
+        return list(by_tier.values())
+    return first + second
 
 
 def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
@@ -80,15 +90,15 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
 
 
 def _fields(message: p.Reply) -> dict[str, Any]:
-    """A reply's counts; a server's ``tiers`` as a table by tier name (``L2``: its counts)."""
+    """A reply's fields as JSON values (a summary's), without the envelope's; a server's
+    ``tiers`` as a table by tier name (``L2``: its counts)."""
     fields = {
-        name: getattr(message, name)
+        name: msgspec.to_builtins(getattr(message, name))
         for name in message.__struct_fields__
         if name not in ("v", "rid", "epoch")
     }
     if "tiers" in fields:
         fields["tiers"] = {
-            tier.name: {k: v for k, v in msgspec.structs.asdict(tier).items() if k != "name"}
-            for tier in fields["tiers"]
+            tier["name"]: {k: v for k, v in tier.items() if k != "name"} for tier in fields["tiers"]
         }
     return fields

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from testbed.core.sizes import parse_bytes
-from testbed.core.typed_values import convert
+from testbed.core.typed_values import convert, field_docs, help_line
+from testbed.spec.flag_table import SECTIONS, choices, section
 from testbed.spec.inputs import (
     DATA_DIR_ENV,
     InputContext,
@@ -30,49 +31,74 @@ _PARAM_FLAGS = {
     "router_params": ("--router-param", "router"),
 }
 """Table-valued run keys: one repeatable ``KEY=VALUE`` flag each (``args.workload_param``)."""
+_FIELD_DOCS = field_docs(RunSpec)
+_DEFAULTS = RunSpec()
 
 
-def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--config``, a flag per run key and ``--workload-param KEY=VALUE``."""
+def add_spec_arguments(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """``--config``, a flag per run key and ``--workload-param KEY=VALUE``, listed in the
+    sections of :data:`~testbed.spec.flag_table.SECTIONS`; the sections by title (a command
+    adds its own flags to them)."""
     parser.add_argument(
         "--config", type=absolute_path, help="TOML file with run keys (flags override it)"
     )
     add_data_dir_argument(parser)
-    hints = typing.get_type_hints(RunSpec)
-    defaults = RunSpec()
+    sections = {title: parser.add_argument_group(title) for title in SECTIONS}
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
-        if name in _PARAM_FLAGS or name in DERIVED_KEYS:
-            continue
-        flag = "--" + name.replace("_", "-")
-        annotation = hints[name]
-        default = getattr(defaults, name)
-        if name == "tiers":
-            parser.add_argument(
-                "--tier",
-                dest="tiers",
-                action="append",
-                default=None,
-                metavar="KIND:CAPACITY[:WHERE]",
-                help="a tier below the cache server's L1 (repeatable, in order; disk:8GiB:DIR)",
-            )
-            continue
-        if annotation is bool:
-            parser.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"(default: {default})",
-            )
-            continue
-        parser.add_argument(flag, default=None, metavar=name.upper(), help=f"(default: {default})")
-    for flag, what in _PARAM_FLAGS.values():
+        if name not in DERIVED_KEYS:
+            title = section(name)
+            add_spec_flag(sections[title] if title else parser, name)
+    return sections
+
+
+def add_spec_flag(parser: Any, name: str) -> None:
+    """The flag of run key ``name`` (``--chunk-size`` for ``chunk_size``): its field's docstring
+    as its help, its default, and its choices where they are a closed set."""
+    doc = help_line(_FIELD_DOCS.get(name, ""))
+    if name in _PARAM_FLAGS:
+        flag, what = _PARAM_FLAGS[name]
         parser.add_argument(
             flag,
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help=f"a {what} parameter (repeatable; VALUE is parsed as TOML)",
+            help=f"{doc} One {what} parameter, repeatable; VALUE is parsed as TOML.",
         )
+        return
+    if name == "tiers":  # one flag per tier, in order: --tier disk:8GiB:DIR --tier redis:4GiB
+        parser.add_argument(
+            "--tier",
+            dest="tiers",
+            action="append",
+            default=None,
+            metavar="KIND:CAPACITY[:WHERE]",
+            help=doc + " Repeatable, in order below L1 (disk:8GiB:DIR, redis:4GiB).",
+        )
+        return
+    flag = "--" + name.replace("_", "-")
+    annotation = typing.get_type_hints(RunSpec)[name]
+    default = getattr(_DEFAULTS, name)
+    shown = "" if default is None else f" (default: {_as_typed(default)})"
+    if annotation is bool:
+        parser.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=None, help=doc + shown
+        )
+        return
+    values = choices(name)
+    if values is not None and type(None) in typing.get_args(annotation):
+        values = (*values, "none")
+    parser.add_argument(
+        flag,
+        default=None,
+        choices=values,
+        metavar=None if values else name.upper(),
+        help=doc + shown,
+    )
+
+
+def _as_typed(value: Any) -> str:
+    """A default as the user types it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:

@@ -93,8 +93,12 @@ class RunSpec:
     requests: Annotated[int | None, Bound(1, 10_000_000, "requests")] = 200
     """How many requests (traces: the first N; None: all)."""
     seed: Annotated[int, Bound(0, 2**63 - 1)] = 0
+    """The seed of the workload generator, the router and the fault injection's choice."""
     chunk_size: Annotated[int, Bound(1, 1 << 16, "tokens")] = 256
+    """Tokens per cache chunk, the unit the cache server stores and hits (a multiple of
+    block_size)."""
     tp: Annotated[int, Bound(1, 256, "ranks")] = 1
+    """Tensor-parallel ranks: each rank stores its own share of a chunk's KV."""
     mla: bool = False
     """Use the profile's MLA variant (one latent copy for all TP ranks)."""
     profile: str = "tiny"
@@ -114,11 +118,16 @@ class RunSpec:
     beyond a few requests needs the external cache; a number: that pool (longer requests are
     left out)."""
     block_size: Annotated[int, Bound(1, 1 << 12, "tokens")] = 64
+    """vLLM's KV block, in tokens (a multiple of 32 on vLLM's CPU build)."""
     max_num_batched_tokens: Annotated[int, Bound(1, 1 << 24, "tokens")] = 8192
+    """vLLM's token budget of one engine step."""
     max_num_seqs: Annotated[int, Bound(1, 1 << 16, "requests")] = 64
+    """vLLM's cap on requests running at once (serve: requests in flight)."""
     max_output_tokens: Annotated[int | None, Bound(1, 1 << 20, "tokens")] = 16
     """Cap on generated tokens per request (None: as the workload says)."""
     load_async: bool = True
+    """Loads from the cache server complete behind the forward pass (off: each step waits for
+    its loads)."""
     prefix_caching: bool = True
     """vLLM's own prefix cache (off: every hit comes from the cache server)."""
     transfer_mode: TransferMode = "worker"
@@ -130,7 +139,8 @@ class RunSpec:
     machine's speed); False: stores complete behind the forward pass, as in production, and a
     repeat may arrive while its predecessor's store is still in flight."""
     arrival: Arrival = "trace"
-    """``trace``: each request at its workload's time; ``all``: every request at once."""
+    """When requests arrive: ``trace`` (the workload's own times, or its closed-loop users) or
+    ``all`` (every request at once)."""
     metadata_only: bool = False
     """Account sizes without copying KV bytes (capacity sweeps larger than memory)."""
     pool_medium: PoolMedium = "shm"
@@ -138,6 +148,8 @@ class RunSpec:
     temporary directory; copy times then measure a disk-backed pool). Its memory is reserved
     when the server starts; a pool that does not fit is refused before the run."""
     fault_drop_fraction: Annotated[float, Bound(0.0, 1.0)] = 0.0
+    """Fault injection: the share of retrieves whose first chunk is dropped from the server just
+    before it is read (vLLM's load-error recovery then runs), chosen by a hash of the seed."""
     server_timeout_s: Annotated[float, Bound(1e-3, _HOUR_S, "s")] = 30.0
     """The connector's longest wait for a server reply (``kvtb.mq_timeout_s``): a dead or hung
     server stalls no engine step for longer."""

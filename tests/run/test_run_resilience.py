@@ -191,11 +191,11 @@ def test_configuration_mistakes_fail_at_once_with_one_clear_message(tmp_path, ca
         (["run", "--workload", f"mooncake:{tmp_path / 'missing.jsonl'}"], "does not exist"),
         (["run", "--workload", f"mooncake:{broken}"], "broken.jsonl"),
         (["run", "--capacity-tokens", "-5"], "capacity_tokens must be in [1, 2^40] tokens"),
-        (["run", "--policy", "mru"], "policy 'mru'"),
+        (["run", "--policy", "mru"], "--policy: invalid choice: 'mru'"),
         (["run", "--chunk-size", "100", "--block-size", "64"], "multiple of block_size"),
         (["run", "--engine", "vllm", "--metadata-only"], "metadata_only"),
         (["server", "--capacity", "-1GiB"], "--capacity"),
-        (["server", "--policy", "mru"], "--policy 'mru'"),
+        (["server", "--policy", "mru"], "--policy: invalid choice: 'mru'"),
         (["server", "--chunk-size", "0"], "--chunk-size"),
     ]
     cases = [(case, False) for case in in_process] + [(case, True) for case in in_a_process]
