@@ -69,13 +69,6 @@ class TierIO:
         self.in_flight -= len(done)
         return done
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Waits (bounded) until every job submitted has run; True if they have."""
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight - len(self._done) > 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return self.in_flight - len(self._done) <= 0
-
     def close(self) -> None:
         """Stops the thread (jobs not yet started are skipped: the server is stopping and
         the tiers' contents go with it) and closes the stores."""
