@@ -134,3 +134,15 @@ def test_a_promotion_is_a_commit_in_the_chunk_log_naming_its_tier(start_server, 
     promoted = log[(log["event"] == "commit") & (log["cause"] == "tier_promote")]
     assert sorted(promoted["chunk_hash"]) == sorted(a)
     assert set(promoted["status"]) == {"disk"}
+
+
+def test_past_the_bound_on_prefetches_the_hit_ends_with_a_prefetch_timeout(start_server, tmp_path):
+    server = tiered(start_server, tmp_path, "--max-prefetch-objects", "1")
+    a, b = prompt(1), prompt(2)
+    with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
+        worker.store("a", a)
+        worker.store("b", b)
+        until(scheduler, lambda s: s.tiers[0].writes == 6)
+        hit = lookup(scheduler, "again", a)
+        assert hit.hit_chunks_by_tier == {"disk": 1} and hit.miss_status == "prefetch_timeout"
+        assert stats(scheduler).prefetch_timeouts == 1
