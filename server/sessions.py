@@ -276,7 +276,7 @@ class Sessions:
             return p.LookupResult(pending=True)
         space = Space(req.model, req.world_size, req.cache_salt)
         if s.tiers.enabled and miss_status:
-            miss_status = tier_miss_status(s, space, req.chunk_hashes[hit], miss_status)
+            miss_status = tier_miss_status(s, pending, space, req.chunk_hashes[hit], miss_status)
         hashes = req.chunk_hashes[:hit]
         self.track(session, ChunkRun(space, hashes, tuple(range(req.world_size))), lookup=True)
         handle = secrets.token_bytes(16)

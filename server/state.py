@@ -80,6 +80,9 @@ class PendingLookup:
     polls: int = 0
     from_tier: dict[ChunkHash, str] = field(default_factory=dict)
     """Chunks matched below L1 (and sent for), with the hit source that held them then."""
+    unsent: ChunkHash | None = None
+    """A chunk a lower tier held but the prefetch could not send for (its bound, or no room
+    in L1): the hit ends there with miss status ``prefetch_timeout``."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, N
     tiers = s.tiers
     space = Space(req.model, req.world_size, req.cache_salt)
     eviction = Eviction(reason="capacity")
+    pending.unsent = None
     started: dict[str, int] = {}
     nbytes = 0
     for chunk_hash in req.chunk_hashes:
@@ -46,9 +47,10 @@ def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, N
             pending.from_tier.setdefault(chunk_hash, tiers.source(record.tier))
             continue
         tier = tiers.holder(keys)
-        if tier is None or not tiers.prefetch(
-            keys, tier, req.session_id, call.traceparent, eviction
-        ):
+        if tier is None:
+            break
+        if not tiers.prefetch(keys, tier, req.session_id, call.traceparent, eviction):
+            pending.unsent = chunk_hash
             break
         source = tiers.source(tier)
         pending.from_tier[chunk_hash] = source
@@ -65,13 +67,13 @@ def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, N
 
 
 def tier_miss_status(
-    s: Shared, space: Space, chunk_hash: ChunkHash, status: MissStatus
+    s: Shared, pending: PendingLookup, space: Space, chunk_hash: ChunkHash, status: MissStatus
 ) -> MissStatus:
     """``status`` of the chunk that ended the hit, refined by the tiers (and counted):
-    ``prefetch_timeout`` if it is still on its way up, ``tier_read_failed`` if its read
-    failed."""
+    ``prefetch_timeout`` if it is still on its way up (or could not be sent for),
+    ``tier_read_failed`` if its read failed."""
     keys = space.keys(chunk_hash)
-    if any(s.tiers.is_prefetching(key) for key in keys):
+    if chunk_hash == pending.unsent or any(s.tiers.is_prefetching(key) for key in keys):
         s.counters.prefetch_timeouts += 1
         return PREFETCH_TIMEOUT
     failed = [s.tiers.read_failed.pop(key, None) for key in keys]

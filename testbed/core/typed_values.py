@@ -87,3 +87,10 @@ def hints(cls: type) -> dict[str, Any]:
     """The resolved annotation of every field of dataclass ``cls``."""
     resolved = typing.get_type_hints(cls)
     return {f.name: resolved[f.name] for f in dataclasses.fields(cls)}
+
+
+def means_absent(text: str, annotation: Any) -> bool:
+    """Whether ``text`` (``none``, ``unlimited``) is the absent value of a key of type
+    ``annotation``: only where the key may be None (a capacity); elsewhere ``none`` is a
+    value's name (``tier_promote``)."""
+    return text.lower() in ("none", "unlimited") and type(None) in typing.get_args(annotation)

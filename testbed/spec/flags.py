@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.core.sizes import parse_bytes
-from testbed.core.typed_values import convert, field_docs, help_line
+from testbed.core.typed_values import convert, field_docs, help_line, means_absent
 from testbed.spec.flag_table import SECTIONS, choices, section
 from testbed.spec.inputs import (
     DATA_DIR_ENV,
@@ -188,7 +188,7 @@ def assignments(items: list[str]) -> dict[str, Any]:
 def _parse_flag(name: str, raw: str, annotation: Any) -> Any:
     """A flag's text as its field's type (``none``/``unlimited``: ``None``; sizes for
     ``capacity_bytes``)."""
-    if raw.lower() in ("none", "unlimited"):
+    if means_absent(raw, annotation):
         return None
     if name == "capacity_bytes":
         return parse_bytes(raw)

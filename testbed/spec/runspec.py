@@ -35,7 +35,7 @@ from testbed.core.protocol import PoolMedium
 from testbed.core.sizes import parse_bytes
 from testbed.core.telemetry import sampling
 from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
-from testbed.core.typed_values import convert, hints, type_name
+from testbed.core.typed_values import convert, hints, means_absent, type_name
 from testbed.models.profiles import PROFILES, KVProfile, get_profile
 from testbed.spec.engines import ENGINE_NAMES, ENGINE_RULES, EngineName, engines_where
 from testbed.spec.tiers import tier_problems
@@ -297,8 +297,8 @@ class RunSpec:
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
         types = hints(cls)
         for name, value in list(resolved.items()):
-            if value in ("none", "unlimited") and type(None) in typing.get_args(types[name]):
-                value = None  # "none" is a value of its own where None is not (tier_promote)
+            if isinstance(value, str) and means_absent(value, types[name]):
+                value = None
             # strict: TOML values are typed; an int for a float field becomes one (1 and 1.0
             # must name the same run)
             resolved[name] = convert(

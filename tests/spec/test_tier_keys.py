@@ -50,3 +50,9 @@ def test_none_is_a_promotion_policy_where_the_key_has_no_none():
     assert spec.capacity_tokens is None
     again = RunSpec.from_mapping({"tier_promote": "retain", "capacity_tokens": "none"})
     assert again.tier_promote == "retain" and again.capacity_tokens is None
+
+
+def test_promote_none_is_a_policy_name_not_an_absent_value() -> None:
+    spec = RunSpec.from_mapping({"tier_promote": "none"})
+    assert spec.tier_promote == "none"
+    assert RunSpec.from_mapping(spec.to_dict()).run_id == spec.run_id  # spec.json reads back
