@@ -1,0 +1,175 @@
+"""What-if over tiers: hit tokens of L1 (``host``) and L2 (``disk``) at every capacity pair.
+
+**One pass** (``method = "one_pass"``, an inclusive LRU hierarchy: ``write_through`` +
+``retain`` + ``lru`` in both tiers). Every reference reaches every tier, so each tier holds
+the most recent keys of one recency stack (Mattson's inclusion): at capacities ``C1 <= C2``
+chunks, a query whose prefix distance is ``D_m`` (:mod:`.stack`) hits iff ``D_m <= C2``, and
+is served by L1 iff its own distance ``d_m <= C1``, else by L2. (``C2 < C1``: the hierarchy
+holds the ``C1`` most recent keys, all in L1.) The same stack result gives every pair; its
+weights are the LRU curve's (:func:`.curves.query_weights`: whole chunks for a workload, the
+external hit for a run).
+
+**Simulated** (``method = "simulated"``): ``write_back``, ``selective:N`` and ``promotion
+none``, where no single stack orders both tiers, are replayed per configuration by
+:func:`testbed.models.tier_sim.replay_tiers`. Belady's MIN over the hierarchy's whole
+capacity (``max(C1, C2)``) stands beside every point as the bound on its total hit
+(``belady_hit_tokens``; simulated, as MIN always is).
+
+:func:`tier_table` returns one row per (chunk size, policy, L1, L2) with METRICS.md's
+columns ("What-if over tiers").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from testbed.analysis.whatif.curves import query_weights
+from testbed.analysis.whatif.stack import COLD, StackResult
+from testbed.models.access_trace import AccessTrace
+from testbed.models.cache_sim import replay
+from testbed.models.tier_sim import TierPolicy, replay_tiers
+
+ONE_PASS = "one_pass"
+SIMULATED = "simulated"
+INCLUSIVE = TierPolicy()
+"""``write_through`` + ``retain``: the hierarchy one pass predicts exactly."""
+
+
+@dataclass(frozen=True)
+class TierGrid:
+    """The capacity pairs (tokens) and policies of a tier what-if."""
+
+    l1_tokens: tuple[int, ...]
+    l2_tokens: tuple[int, ...]
+    policies: tuple[TierPolicy, ...] = (INCLUSIVE,)
+    """Policies shown; the inclusive one in one pass, every other one simulated."""
+    belady: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.l1_tokens or not self.l2_tokens:
+            raise ValueError("a tier what-if needs at least one L1 and one L2 capacity")
+        if min(self.l1_tokens) < 0 or min(self.l2_tokens) < 0:
+            raise ValueError("tier capacities must be >= 0 tokens")
+
+
+def one_pass_tiers(
+    trace: AccessTrace, stack: StackResult, l1_tokens: int, l2_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 per request: hit tokens served by L1 and by L2 of the inclusive hierarchy."""
+    c1 = l1_tokens // trace.chunk_size
+    c2 = max(l2_tokens // trace.chunk_size, c1)
+    tokens, _ = query_weights(trace)
+    request = trace.query_request
+    prefix = stack.prefix_distances
+    hit = (request >= 0) & (prefix != COLD) & (prefix <= c2)
+    host = hit & (stack.distances <= c1)
+    disk = hit & ~host
+    index = np.where(request >= 0, request, 0)
+    size = trace.num_requests
+    return (
+        np.bincount(index[host], weights=tokens[host], minlength=size),
+        np.bincount(index[disk], weights=tokens[disk], minlength=size),
+    )
+
+
+def simulated_tiers(
+    trace: AccessTrace, l1_tokens: int, l2_tokens: int, policy: TierPolicy
+) -> tuple[np.ndarray, np.ndarray]:
+    """As :func:`one_pass_tiers`, by replaying the hierarchy under ``policy``."""
+    outcome = replay_tiers(
+        trace.request_keys(), l1_tokens // trace.chunk_size, l2_tokens // trace.chunk_size, policy
+    )
+    tokens, _ = query_weights(trace)
+    served = np.full(len(tokens), -1, dtype=np.int64)
+    offsets = trace.query_offsets
+    for step in np.flatnonzero(trace.step_request >= 0).tolist():
+        tiers = outcome.hit_tiers[int(trace.step_request[step])]
+        served[offsets[step] : offsets[step] + len(tiers)] = tiers
+    index = np.where(trace.query_request >= 0, trace.query_request, 0)
+    size = trace.num_requests
+    return tuple(  # type: ignore[return-value]
+        np.bincount(index[served == t], weights=tokens[served == t], minlength=size)
+        for t in (0, 1)
+    )
+
+
+def tier_table(trace: AccessTrace, stack: StackResult, grid: TierGrid) -> pd.DataFrame:
+    """Every (policy, L1, L2) point of ``grid`` over one trace (see the module docstring)."""
+    rows: list[dict[str, Any]] = []
+    prompt = int(trace.prompt_tokens.sum())
+    belady = _belady(trace, grid) if grid.belady else {}
+    for policy in grid.policies:
+        for l1 in sorted(set(grid.l1_tokens)):
+            for l2 in sorted(set(grid.l2_tokens)):
+                if policy.inclusive:
+                    host, disk = one_pass_tiers(trace, stack, l1, l2)
+                    method = ONE_PASS
+                else:
+                    host, disk = simulated_tiers(trace, l1, l2, policy)
+                    method = SIMULATED
+                rows.append(
+                    _row(trace, policy, method, l1, l2, host, disk, prompt, belady, stack)
+                )
+    return pd.DataFrame(rows)
+
+
+def _row(
+    trace: AccessTrace,
+    policy: TierPolicy,
+    method: str,
+    l1: int,
+    l2: int,
+    host: np.ndarray,
+    disk: np.ndarray,
+    prompt: int,
+    belady: dict[int, int],
+    stack: StackResult,
+) -> dict[str, Any]:
+    host_tokens, disk_tokens = int(round(host.sum())), int(round(disk.sum()))
+    denominator = max(prompt, 1)
+    total_chunks = max(l1, l2) // trace.chunk_size
+    return {
+        "chunk_size": trace.chunk_size,
+        "tier_write": policy.write,
+        "tier_promote": policy.promote,
+        "method": method,
+        "exact": method == ONE_PASS and stack.sample_rate >= 1.0,
+        "l1_capacity_tokens": l1,
+        "l2_capacity_tokens": l2,
+        "host_hit_tokens": host_tokens,
+        "disk_hit_tokens": disk_tokens,
+        "hit_tokens": host_tokens + disk_tokens,
+        "prompt_tokens": prompt,
+        "host_hit_rate": host_tokens / denominator,
+        "disk_hit_rate": disk_tokens / denominator,
+        "token_hit_rate": (host_tokens + disk_tokens) / denominator,
+        "belady_hit_tokens": belady.get(total_chunks),
+    }
+
+
+def _belady(trace: AccessTrace, grid: TierGrid) -> dict[int, int]:
+    """Belady's MIN at every total capacity of the grid (chunks -> hit tokens)."""
+    keys = trace.request_keys()
+    tokens, _ = query_weights(trace)
+    totals = {
+        max(l1, l2) // trace.chunk_size for l1 in grid.l1_tokens for l2 in grid.l2_tokens
+    }
+    result = {}
+    for chunks in sorted(totals):
+        hit_chunks = replay(keys, "belady", chunks).hit_chunks
+        result[chunks] = _prefix_tokens(trace, tokens, hit_chunks)
+    return result
+
+
+def _prefix_tokens(trace: AccessTrace, tokens: np.ndarray, hit_chunks: Sequence[int]) -> int:
+    total = 0.0
+    offsets = trace.query_offsets
+    for step in np.flatnonzero(trace.step_request >= 0).tolist():
+        start = int(offsets[step])
+        total += float(tokens[start : start + hit_chunks[int(trace.step_request[step])]].sum())
+    return int(round(total))
