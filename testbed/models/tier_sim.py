@@ -47,7 +47,7 @@ class TierPolicy:
     """``retain`` (an L2 hit stays in L1) or ``none`` (copied up for its load only)."""
 
     def __post_init__(self) -> None:
-        self.selective_hits  # validates ``write``
+        _ = self.selective_hits  # validates ``write``
         if self.promote not in PROMOTE_POLICIES:
             raise ValueError(
                 f"tier_promote must be one of {', '.join(PROMOTE_POLICIES)}, got {self.promote!r}"

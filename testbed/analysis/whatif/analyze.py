@@ -20,6 +20,7 @@ from testbed.analysis.whatif.results import WhatIf
 from testbed.analysis.whatif.reuse import reuse_quantiles, reuse_summary
 from testbed.analysis.whatif.runlog import RunSource
 from testbed.analysis.whatif.stack import stack_distances
+from testbed.analysis.whatif.tiers import TierGrid, default_tier_grid, tier_table
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
 from testbed.models.access_trace import AccessTrace
 from testbed.models.cache_sim import INFINITE, POLICIES, replay
@@ -57,6 +58,9 @@ class WhatIfOptions:
     KV profile needs a compute shape for all but ``flat``)."""
     hardware: Mapping[str, Hardware] | None = None
     """The hardware table (default :data:`testbed.models.hardware.HARDWARE`)."""
+    tiers: TierGrid | None = None
+    """The (L1, L2) capacity pairs and tier policies of a what-if over tiers (``None``: none).
+    Empty capacity tuples take :func:`.tiers.default_tier_grid`'s."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -129,6 +133,7 @@ def analyze(
     timings: list[dict[str, Any]] = []
     break_even: list[dict[str, Any]] = []
     curves: dict[int, c.LRUCurve] = {}
+    tier_tables: list[pd.DataFrame] = []
     errors: dict[str, float] = {}
     for size, trace in sorted(traces.items()):
         stack = stack_distances(trace, options.sample_rate, options.sample_seed)
@@ -151,6 +156,10 @@ def analyze(
                 }
             )
         reuse.append(reuse_quantiles(trace, stack, bytes_per_token))
+        if options.tiers is not None:
+            tier_tables.append(
+                tier_table(trace, stack, default_tier_grid(options.tiers, stack, size))
+            )
         if options.time_profiles:
             models = time_models(
                 options.time_profiles,
@@ -195,6 +204,7 @@ def analyze(
         curves=pd.concat(breakpoints, ignore_index=True),
         min_capacity=pd.DataFrame(gauges),
         reuse=reuse_table,
+        tiers=pd.concat(tier_tables, ignore_index=True) if tier_tables else None,
         lru=curves,
     )
 

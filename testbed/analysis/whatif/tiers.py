@@ -44,16 +44,17 @@ INCLUSIVE = TierPolicy()
 class TierGrid:
     """The capacity pairs (tokens) and policies of a tier what-if."""
 
-    l1_tokens: tuple[int, ...]
-    l2_tokens: tuple[int, ...]
+    l1_tokens: tuple[int, ...] = ()
+    """L1 capacities (tokens); empty: :func:`default_tier_grid`'s."""
+    l2_tokens: tuple[int, ...] = ()
     policies: tuple[TierPolicy, ...] = (INCLUSIVE,)
     """Policies shown; the inclusive one in one pass, every other one simulated."""
     belady: bool = True
 
     def __post_init__(self) -> None:
-        if not self.l1_tokens or not self.l2_tokens:
-            raise ValueError("a tier what-if needs at least one L1 and one L2 capacity")
-        if min(self.l1_tokens) < 0 or min(self.l2_tokens) < 0:
+        if not self.policies:
+            raise ValueError("a tier what-if needs at least one tier policy")
+        if min(self.l1_tokens, default=0) < 0 or min(self.l2_tokens, default=0) < 0:
             raise ValueError("tier capacities must be >= 0 tokens")
 
 
@@ -93,8 +94,7 @@ def simulated_tiers(
     index = np.where(trace.query_request >= 0, trace.query_request, 0)
     size = trace.num_requests
     return tuple(  # type: ignore[return-value]
-        np.bincount(index[served == t], weights=tokens[served == t], minlength=size)
-        for t in (0, 1)
+        np.bincount(index[served == t], weights=tokens[served == t], minlength=size) for t in (0, 1)
     )
 
 
@@ -112,9 +112,7 @@ def tier_table(trace: AccessTrace, stack: StackResult, grid: TierGrid) -> pd.Dat
                 else:
                     host, disk = simulated_tiers(trace, l1, l2, policy)
                     method = SIMULATED
-                rows.append(
-                    _row(trace, policy, method, l1, l2, host, disk, prompt, belady, stack)
-                )
+                rows.append(_row(trace, policy, method, l1, l2, host, disk, prompt, belady, stack))
     return pd.DataFrame(rows)
 
 
@@ -156,9 +154,7 @@ def _belady(trace: AccessTrace, grid: TierGrid) -> dict[int, int]:
     """Belady's MIN at every total capacity of the grid (chunks -> hit tokens)."""
     keys = trace.request_keys()
     tokens, _ = query_weights(trace)
-    totals = {
-        max(l1, l2) // trace.chunk_size for l1 in grid.l1_tokens for l2 in grid.l2_tokens
-    }
+    totals = {max(l1, l2) // trace.chunk_size for l1 in grid.l1_tokens for l2 in grid.l2_tokens}
     result = {}
     for chunks in sorted(totals):
         hit_chunks = replay(keys, "belady", chunks).hit_chunks
@@ -173,3 +169,15 @@ def _prefix_tokens(trace: AccessTrace, tokens: np.ndarray, hit_chunks: Sequence[
         start = int(offsets[step])
         total += float(tokens[start : start + hit_chunks[int(trace.step_request[step])]].sum())
     return int(round(total))
+
+
+def default_tier_grid(grid: TierGrid, stack: StackResult, chunk_size: int) -> TierGrid:
+    """``grid`` with its empty capacity tuples filled: L1 at 2% and 10% of the distinct chunks,
+    L2 at eight geometric points from 5% to 100% of them (tokens, multiples of the chunk)."""
+    top = max(stack.num_distinct_keys, 1)
+    l1 = grid.l1_tokens or tuple(max(1, round(top * f)) * chunk_size for f in (0.02, 0.1))
+    l2 = grid.l2_tokens or tuple(
+        int(k) * chunk_size
+        for k in np.unique(np.rint(np.geomspace(max(1, top / 20), top, 8)).astype(np.int64))
+    )
+    return TierGrid(l1, l2, grid.policies, grid.belady)
