@@ -74,6 +74,14 @@ def add_whatif_parser(commands: Any) -> None:
         help="--tiers: comma-separated TIER_WRITE+TIER_PROMOTE (write_through+retain is one "
         "pass; write_back, selective:N and promotion none are simulated)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tier-time", metavar="PROFILE",
+        help="--tiers: project each point's mean TTFT under this time model (h100, ...)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tier-links", default="gen5", metavar="NAME",
+        help="--tiers: the links of the projection (gen4, gen5, gen5-400g; default gen5)",
+    )  # fmt: skip
     parser.add_argument("--figures", action="store_true", help="also write PNG figures")
     parser.add_argument("--out", type=absolute_path, required=True, help="output directory")
 
@@ -127,7 +135,13 @@ def _tier_grid(args: argparse.Namespace) -> Any:
                 f"(e.g. write_back+none), got {item!r}"
             )
         policies.append(TierPolicy(write, promote))
-    return TierGrid(_ints(args.l1, "--l1") or (), _ints(args.l2, "--l2") or (), tuple(policies))
+    return TierGrid(
+        _ints(args.l1, "--l1") or (),
+        _ints(args.l2, "--l2") or (),
+        tuple(policies),
+        time_profile=args.tier_time,
+        links=args.tier_links,
+    )
 
 
 def _workload_spec(args: argparse.Namespace, workload: str) -> Any:
@@ -202,7 +216,8 @@ def _print_summary(whatif: Any, path: Path) -> None:
 def _print_tiers(tiers: Any) -> None:
     """One line per (chunk size, policy, L1): the largest L2 of the grid (tiers.parquet has all)."""
     columns = ["chunk_size", "tier_write", "tier_promote", "l1_capacity_tokens"]
-    largest = tiers.sort_values("l2_capacity_tokens").groupby(columns, sort=False).tail(1)
+    order = [*columns, "l2_capacity_tokens"]
+    largest = tiers.sort_values(order).groupby(columns, sort=False).tail(1)
     for row in largest.to_dict("records"):
         print(
             f"  tiers ({row['method'].replace('_', ' ')}, {row['tier_write']}+"
@@ -210,6 +225,13 @@ def _print_tiers(tiers: Any) -> None:
             f"{row['l1_capacity_tokens']:,} / L2 {row['l2_capacity_tokens']:,} tokens: "
             f"host {row['host_hit_rate']:.2%}, disk {row['disk_hit_rate']:.2%}, "
             f"total {row['token_hit_rate']:.2%}"
+            + (
+                f"; projected TTFT {row['ttft_mean_ms']:.1f} ms "
+                f"(no cache {row['ttft_no_cache_mean_ms']:.1f} ms, {row['time_profile']}, "
+                f"links {row['tier_profile']})"
+                if row.get("ttft_mean_ms") is not None
+                else ""
+            )
         )
 
 

@@ -20,11 +20,12 @@ from testbed.analysis.whatif.results import WhatIf
 from testbed.analysis.whatif.reuse import reuse_quantiles, reuse_summary
 from testbed.analysis.whatif.runlog import RunSource
 from testbed.analysis.whatif.stack import stack_distances
-from testbed.analysis.whatif.tiers import TierGrid, default_tier_grid, tier_table
+from testbed.analysis.whatif.tiers import TierGrid, TierTime, default_tier_grid, tier_table
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
 from testbed.models.access_trace import AccessTrace
 from testbed.models.cache_sim import INFINITE, POLICIES, replay
 from testbed.models.hardware import Hardware
+from testbed.models.links import tier_profile
 from testbed.spec.runspec import RunSpec
 
 SIMULATED_POLICIES = tuple(name for name in POLICIES if name != INFINITE)
@@ -157,8 +158,9 @@ def analyze(
             )
         reuse.append(reuse_quantiles(trace, stack, bytes_per_token))
         if options.tiers is not None:
+            grid = default_tier_grid(options.tiers, stack, size)
             tier_tables.append(
-                tier_table(trace, stack, default_tier_grid(options.tiers, stack, size))
+                tier_table(trace, stack, grid, _tier_time(grid, spec, size, options))
             )
         if options.time_profiles:
             models = time_models(
@@ -207,6 +209,18 @@ def analyze(
         tiers=pd.concat(tier_tables, ignore_index=True) if tier_tables else None,
         lru=curves,
     )
+
+
+def _tier_time(
+    grid: TierGrid, spec: RunSpec, chunk_size: int, options: WhatIfOptions
+) -> TierTime | None:
+    if grid.time_profile is None:
+        return None
+    (model,) = time_models(
+        [grid.time_profile], spec.kv_profile, tp=spec.tp, chunk_size=chunk_size,
+        hardware=options.hardware,
+    ).values()  # fmt: skip
+    return TierTime(model, tier_profile(grid.links), spec.kv_profile.bytes_per_token(spec.tp))
 
 
 def policy_capacities(curve: c.LRUCurve, num_points: int, extra: tuple[int, ...]) -> list[int]:

@@ -255,9 +255,9 @@ def whatif_figures(
 def _tier_figures(whatif: WhatIf, suffix: str) -> list[FigureEntry]:
     if whatif.tiers is None or whatif.tiers.empty:
         return []
-    from testbed.analysis.whatif.tier_figures import tier_hit_rate_figure
+    from testbed.analysis.whatif.tier_figures import tier_hit_rate_figure, tier_ttft_figure
 
-    return [
+    entries = [
         (
             "whatif_tiers.png",
             tier_hit_rate_figure(
@@ -269,6 +269,17 @@ def _tier_figures(whatif: WhatIf, suffix: str) -> list[FigureEntry]:
             "over the whole hierarchy as stars.",
         )
     ]
+    if "ttft_mean_ms" in whatif.tiers:
+        entries.append(
+            (
+                "whatif_tiers_ttft.png",
+                tier_ttft_figure(whatif.tiers, title=f"Projected TTFT by tier{suffix}"),
+                "Mean projected TTFT with the hits each tier served (a disk hit costs its read "
+                "into L1 on top of the host copy; links of the named tier profile) against L2 "
+                "capacity; the cache-less TTFT dotted.",
+            )
+        )
+    return entries
 
 
 def _curve_samples(whatif: WhatIf, chunk_size: int, metric: str) -> tuple[np.ndarray, np.ndarray]:

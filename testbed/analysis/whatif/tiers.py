@@ -22,7 +22,7 @@ columns ("What-if over tiers").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,12 +32,24 @@ from testbed.analysis.whatif.curves import query_weights
 from testbed.analysis.whatif.stack import COLD, StackResult
 from testbed.models.access_trace import AccessTrace
 from testbed.models.cache_sim import replay
+from testbed.models.links import TierProfile, tier_profile
 from testbed.models.tier_sim import TierPolicy, replay_tiers
+from testbed.models.tier_time import tiered_ttft_s
+from testbed.models.time_model import TimeModel
 
 ONE_PASS = "one_pass"
 SIMULATED = "simulated"
 INCLUSIVE = TierPolicy()
 """``write_through`` + ``retain``: the hierarchy one pass predicts exactly."""
+
+
+@dataclass(frozen=True)
+class TierTime:
+    """What a point's projected TTFT needs: the time model, the links, bytes per token."""
+
+    model: TimeModel
+    links: TierProfile
+    bytes_per_token: float
 
 
 @dataclass(frozen=True)
@@ -50,10 +62,15 @@ class TierGrid:
     policies: tuple[TierPolicy, ...] = (INCLUSIVE,)
     """Policies shown; the inclusive one in one pass, every other one simulated."""
     belady: bool = True
+    time_profile: str | None = None
+    """A time model (``h100``, ...) to project each point's mean TTFT under (``None``: none)."""
+    links: str = "gen5"
+    """The tier profile (:data:`testbed.models.links.TIER_PROFILES`) of the projection."""
 
     def __post_init__(self) -> None:
         if not self.policies:
             raise ValueError("a tier what-if needs at least one tier policy")
+        tier_profile(self.links)  # a clear error for an unknown name
         if min(self.l1_tokens, default=0) < 0 or min(self.l2_tokens, default=0) < 0:
             raise ValueError("tier capacities must be >= 0 tokens")
 
@@ -98,8 +115,11 @@ def simulated_tiers(
     )
 
 
-def tier_table(trace: AccessTrace, stack: StackResult, grid: TierGrid) -> pd.DataFrame:
-    """Every (policy, L1, L2) point of ``grid`` over one trace (see the module docstring)."""
+def tier_table(
+    trace: AccessTrace, stack: StackResult, grid: TierGrid, time: TierTime | None = None
+) -> pd.DataFrame:
+    """Every (policy, L1, L2) point of ``grid`` over one trace (see the module docstring);
+    with ``time``, each point's mean projected TTFT with its hits by tier and without any."""
     rows: list[dict[str, Any]] = []
     prompt = int(trace.prompt_tokens.sum())
     belady = _belady(trace, grid) if grid.belady else {}
@@ -112,8 +132,30 @@ def tier_table(trace: AccessTrace, stack: StackResult, grid: TierGrid) -> pd.Dat
                 else:
                     host, disk = simulated_tiers(trace, l1, l2, policy)
                     method = SIMULATED
-                rows.append(_row(trace, policy, method, l1, l2, host, disk, prompt, belady, stack))
+                row = _row(trace, policy, method, l1, l2, host, disk, prompt, belady, stack)
+                if time is not None:
+                    row |= _ttft(trace, time, host, disk)
+                rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _ttft(trace: AccessTrace, time: TierTime, host: np.ndarray, disk: np.ndarray) -> dict[str, Any]:
+    """Mean projected TTFT (ms) with the point's hits by tier and with none (a run keeps its
+    engine hits in both: they are not part of the prompt the projection computes)."""
+    engine = trace.engine_hit_tokens.astype(np.float64)
+    prompts = trace.prompt_tokens.astype(np.float64) - engine
+    size = time.bytes_per_token
+    with_hits = tiered_ttft_s(
+        time.model, time.links, prompts, {"host": host, "disk": disk}, bytes_per_token=size
+    )
+    without = tiered_ttft_s(time.model, time.links, prompts, {}, bytes_per_token=size)
+    empty = not len(prompts)
+    return {
+        "time_profile": time.model.name,
+        "tier_profile": time.links.name,
+        "ttft_mean_ms": None if empty else 1e3 * float(with_hits.mean()),
+        "ttft_no_cache_mean_ms": None if empty else 1e3 * float(without.mean()),
+    }
 
 
 def _row(
@@ -180,4 +222,4 @@ def default_tier_grid(grid: TierGrid, stack: StackResult, chunk_size: int) -> Ti
         int(k) * chunk_size
         for k in np.unique(np.rint(np.geomspace(max(1, top / 20), top, 8)).astype(np.int64))
     )
-    return TierGrid(l1, l2, grid.policies, grid.belady)
+    return replace(grid, l1_tokens=l1, l2_tokens=l2)
