@@ -25,6 +25,7 @@ from server.state import (
     PendingLookup,
     Session,
 )
+from server.tiers.lookups import hit_sources, prefetch, tier_miss_status
 from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
@@ -70,6 +71,7 @@ class Sessions:
         session = self.live.pop(session_id, None)
         if session is None:
             return
+        self.s.tiers.release_session(session_id)
         self.tracked_chunks -= session.tracked_chunks
         owner = self.s.clients.get(session.owner)
         if owner is not None:
@@ -245,6 +247,8 @@ class Sessions:
         s = self.s
         req = pending.request
         chunk_size = s.config.chunk_size
+        if s.tiers.enabled:
+            yield from prefetch(s, call, pending)
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
         hit = next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
         miss_status = statuses[hit] if hit < len(statuses) else ""
@@ -267,6 +271,8 @@ class Sessions:
             call.span.set_attribute(a.LOOKUP_PENDING, True)
             return p.LookupResult(pending=True)
         space = Space(req.model, req.world_size, req.cache_salt)
+        if s.tiers.enabled and miss_status:
+            miss_status = tier_miss_status(s, space, req.chunk_hashes[hit], miss_status)
         hashes = req.chunk_hashes[:hit]
         self.track(session, ChunkRun(space, hashes, tuple(range(req.world_size))), lookup=True)
         handle = secrets.token_bytes(16)
@@ -283,6 +289,14 @@ class Sessions:
             s.cache.touch_object(obj, hit=True)
             if index % 256 == 255:
                 yield
+        by_tier = hit_sources(pending, hashes)
+        if s.tiers.enabled:
+            s.tiers.claimed(hit_objects)
+            s.tiers.release_session(req.session_id)
+            s.tiers.hit(hit_objects, call.traceparent)
+            call.span.set_attribute(
+                a.HIT_CHUNKS_BY_TIER, [f"{name}={n}" for name, n in sorted(by_tier.items())]
+            )
         session.handle = handle
         if s.chunk_log.enabled:
             _log_lookup(s, call, req, statuses)
@@ -296,7 +310,11 @@ class Sessions:
             }
         )
         reply = p.LookupResult(
-            hit_chunks=hit, num_locks=num_locks, handle=handle, miss_status=miss_status
+            hit_chunks=hit,
+            num_locks=num_locks,
+            handle=handle,
+            miss_status=miss_status,
+            hit_chunks_by_tier=by_tier,
         )
         if req.evictions_after is not None:
             removed = s.evictions.since(

@@ -416,6 +416,35 @@ class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     """Where the pool lives (``None``: no pool, metadata only)."""
 
 
+class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One tier below L1 (``name`` L2, L3, ...; ``kind`` its hit-source name), since start."""
+
+    name: str
+    kind: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    num_objects: int = 0
+    reads: int = 0
+    """Objects read from the tier (each verified before it reached L1)."""
+    read_bytes: int = 0
+    writes: int = 0
+    """Objects written to the tier (write-through, selective and write-back alike)."""
+    written_bytes: int = 0
+    promotions: int = 0
+    """Objects read from the tier and committed in L1 (a prefetch that arrived)."""
+    demotions: int = 0
+    """Objects L1 evicted that went down to the tier (``write_back``)."""
+    write_backs: int = 0
+    """Demotions whose write succeeded."""
+    evictions: int = 0
+    """Objects the tier evicted to make room (its own policy)."""
+    failures: int = 0
+    """Reads and writes that failed (``failures_by_cause``): never a wrong byte served."""
+    failures_by_cause: dict[str, int] = {}
+    dropped_writes: int = 0
+    """Writes not even tried: the tier's write queue was full (back-pressure)."""
+
+
 class ServerStats(_Reply, tag="stats", kw_only=True):
     num_objects: int
     used_bytes: int
@@ -454,6 +483,12 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     unauthenticated_closed: int = 0
     """Connections closed for sending no authenticated request in time, or beyond the number
     of such connections allowed at once."""
+    tiers: list[TierStats] = []
+    """The tiers below L1, in order (empty: L1 only)."""
+    prefetch_timeouts: int = 0
+    """Chunks whose prefetch had not reached L1 when their lookup was answered."""
+    tier_read_failures: int = 0
+    """Chunks a lookup matched below L1 whose read failed (the hit ended there)."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):
@@ -499,6 +534,10 @@ class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     evictions_lost: bool = False
     """Removals after ``evictions_after`` are no longer known (the server forgot the oldest,
     or restarted): whatever the client believed stored may be gone."""
+    hit_chunks_by_tier: dict[str, int] = {}
+    """Where the hit's chunks were matched, at match time: hit-source name (``host`` for L1,
+    ``disk``, ``remote``, ``p2p``) -> chunks; sums to ``hit_chunks`` (empty on a miss). A
+    chunk matched below L1 was brought into L1 before this reply (a prefetch)."""
 
 
 class LocksFreed(_Reply, tag="locks_freed", kw_only=True):

@@ -1,0 +1,6 @@
+"""The tiers below L1: a hierarchy of stores behind one cache server.
+
+Everything here runs in the cache server process. ``spec`` is the user's name of a tier
+(``KIND[@POLICY]:CAPACITY[:WHERE]``, pure values); ``base`` the interface every lower-tier
+store implements (bytes under keys, failures answered, never raised).
+"""
