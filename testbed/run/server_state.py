@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.quiescence import run_quiescent
@@ -54,7 +56,8 @@ def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            total[key] = total.get(key, 0) + value
+            # Lists (the tiers below L1, one entry per tier and server) are joined.
+            total[key] = total.get(key, [] if isinstance(value, list) else 0) + value
     return total
 
 
@@ -72,7 +75,7 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
 
 def _fields(message: p.Reply) -> dict[str, Any]:
     return {
-        name: getattr(message, name)
+        name: msgspec.to_builtins(getattr(message, name))
         for name in message.__struct_fields__
         if name not in ("v", "rid", "epoch")
     }

@@ -241,7 +241,7 @@ def test_token_causes_sum_every_category():
     )
     assert table.empty
     sums = acc.token_causes(table)
-    assert list(sums.index) == list(acc.CATEGORIES) and (sums == 0).all()
+    assert list(sums.index) == [*acc.CATEGORIES, *acc.EXTERNAL_BY_SOURCE] and (sums == 0).all()
 
 
 def _empty_spans():

@@ -5,9 +5,10 @@
 the most recent keys of one recency stack (Mattson's inclusion): at capacities ``C1 <= C2``
 chunks, a query whose prefix distance is ``D_m`` (:mod:`.stack`) hits iff ``D_m <= C2``, and
 is served by L1 iff its own distance ``d_m <= C1``, else by L2. (``C2 < C1``: the hierarchy
-holds the ``C1`` most recent keys, all in L1.) The same stack result gives every pair; its
-weights are the LRU curve's (:func:`.curves.query_weights`: whole chunks for a workload, the
-external hit for a run).
+holds the ``C1`` most recent keys, all in L1.) The same stack result gives every pair. Hit
+chunks become tokens as a run's accounting credits the server's per-tier counts
+(:func:`credit_tiers`, :mod:`testbed.core.hit_sources`): whole chunks for a workload, the
+external hit ``[E, E + X)`` for a run, L1's chunks laid out first.
 
 **Simulated** (``method = "simulated"``): ``write_back``, ``selective:N`` and ``promotion
 none``, where no single stack orders both tiers, are replayed per configuration by
@@ -30,7 +31,7 @@ import pandas as pd
 
 from testbed.analysis.whatif.curves import query_weights
 from testbed.analysis.whatif.stack import COLD, StackResult
-from testbed.models.access_trace import AccessTrace
+from testbed.models.access_trace import RUN, AccessTrace
 from testbed.models.cache_sim import replay
 from testbed.models.links import TierProfile, tier_profile
 from testbed.models.tier_sim import TierPolicy, replay_tiers
@@ -81,17 +82,16 @@ def one_pass_tiers(
     """float64 per request: hit tokens served by L1 and by L2 of the inclusive hierarchy."""
     c1 = l1_tokens // trace.chunk_size
     c2 = max(l2_tokens // trace.chunk_size, c1)
-    tokens, _ = query_weights(trace)
     request = trace.query_request
     prefix = stack.prefix_distances
     hit = (request >= 0) & (prefix != COLD) & (prefix <= c2)
     host = hit & (stack.distances <= c1)
-    disk = hit & ~host
     index = np.where(request >= 0, request, 0)
     size = trace.num_requests
-    return (
-        np.bincount(index[host], weights=tokens[host], minlength=size),
-        np.bincount(index[disk], weights=tokens[disk], minlength=size),
+    return credit_tiers(
+        trace,
+        np.bincount(index[host], minlength=size),
+        np.bincount(index[hit], minlength=size),
     )
 
 
@@ -102,17 +102,28 @@ def simulated_tiers(
     outcome = replay_tiers(
         trace.request_keys(), l1_tokens // trace.chunk_size, l2_tokens // trace.chunk_size, policy
     )
-    tokens, _ = query_weights(trace)
-    served = np.full(len(tokens), -1, dtype=np.int64)
-    offsets = trace.query_offsets
-    for step in np.flatnonzero(trace.step_request >= 0).tolist():
-        tiers = outcome.hit_tiers[int(trace.step_request[step])]
-        served[offsets[step] : offsets[step] + len(tiers)] = tiers
-    index = np.where(trace.query_request >= 0, trace.query_request, 0)
-    size = trace.num_requests
-    return tuple(  # type: ignore[return-value]
-        np.bincount(index[served == t], weights=tokens[served == t], minlength=size) for t in (0, 1)
-    )
+    host = np.asarray(outcome.tier_chunks(0), dtype=np.int64)
+    hit = np.asarray([len(tiers) for tiers in outcome.hit_tiers], dtype=np.int64)
+    return credit_tiers(trace, host, hit)
+
+
+def credit_tiers(
+    trace: AccessTrace, host_chunks: np.ndarray, hit_chunks: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 per request: the hit tokens of L1 and L2, from each request's hit chunks and
+    how many of them L1 held, by the hit-source layout (:mod:`testbed.core.hit_sources`: L1's
+    chunks first) that a run's accounting applies to the server's counts. A workload credits
+    whole chunks; a run its external hit ``[E, E + X)`` (:func:`.curves.query_weights`)."""
+    size = trace.chunk_size
+    host_end = host_chunks.astype(np.float64) * size
+    hit_end = hit_chunks.astype(np.float64) * size
+    if trace.mode != RUN:
+        return host_end, hit_end - host_end
+    engine = trace.engine_hit_tokens.astype(np.float64)
+    prompts = trace.prompt_tokens.astype(np.float64)
+    external = np.maximum(0.0, np.minimum(hit_end, prompts - 1) - engine)
+    host = np.clip(host_end - engine, 0.0, external)
+    return host, external - host
 
 
 def tier_table(
