@@ -297,9 +297,10 @@ def external_by_source(
         end = start + lower[source]
         result[f"external_{source}"] = np.clip(
             np.minimum(high, end) - np.maximum(low, start), 0, None
-        )
+        ).astype(np.int64)
         start = end
-    result["external_host"] = X - sum(result[f"external_{s}"] for s in HIT_SOURCES[1:])
+    lower_total = np.sum([result[f"external_{s}"] for s in HIT_SOURCES[1:]], axis=0)
+    result["external_host"] = (X - lower_total).astype(np.int64)
     return result
 
 

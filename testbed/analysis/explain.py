@@ -22,6 +22,7 @@ the readable form ``kvtb explain RUN REQUEST_ID`` prints.
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 
@@ -133,7 +134,21 @@ class Explainer:
             first_miss=None if first is None else self._miss(row, first, chunks, route),
             causes_resolved=bool(row["causes_resolved"]),
             route=route,
+            external_by_source={
+                name.removeprefix("external_"): int(row[name]) for name in acc.EXTERNAL_BY_SOURCE
+            },
+            tier_traffic=self._tier_traffic(),
         )
+
+    def _tier_traffic(self) -> dict | None:
+        """summary.json's ``tiers`` (``None``: no tiers, or no summary yet)."""
+        path = self.run.path / "summary.json"
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text()).get("tiers")
+        except (OSError, ValueError):
+            return None
 
     def _route(self, row: pd.Series) -> Route | None:
         workload_id = _text(row["workload_request_id"])

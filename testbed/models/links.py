@@ -144,7 +144,9 @@ class TierProfile:
         (``bytes_by_source`` includes ``host``)."""
         lower = {s: b for s, b in bytes_by_source.items() if s != "host"}
         total = sum((np.asarray(b, dtype=np.float64) for b in bytes_by_source.values()), 0.0)
-        return self.prefetch_s(lower, written_bytes) + self.transfer_s("l1_device", total)
+        return self.prefetch_s(lower, written_bytes) + self.transfer_s(
+            "l1_device", np.asarray(total, dtype=np.float64)
+        )
 
     def _shared_write_s(self, moved: np.ndarray, written: np.ndarray | float) -> np.ndarray:
         read_link, _ = self.link("l2_l1")

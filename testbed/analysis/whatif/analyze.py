@@ -158,9 +158,9 @@ def analyze(
             )
         reuse.append(reuse_quantiles(trace, stack, bytes_per_token))
         if options.tiers is not None:
-            grid = default_tier_grid(options.tiers, stack, size)
+            tiers = default_tier_grid(options.tiers, stack, size)
             tier_tables.append(
-                tier_table(trace, stack, grid, _tier_time(grid, spec, size, options))
+                tier_table(trace, stack, tiers, _tier_time(tiers, spec, size, options))
             )
         if options.time_profiles:
             models = time_models(
