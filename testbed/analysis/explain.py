@@ -141,14 +141,18 @@ class Explainer:
         )
 
     def _tier_traffic(self) -> dict | None:
-        """summary.json's ``tiers`` (``None``: no tiers, or no summary yet)."""
+        """summary.json's ``server_tiers`` and ``server_tier_lookups`` (``None``: no tiers,
+        or no summary yet)."""
         path = self.run.path / "summary.json"
         if not path.is_file():
             return None
         try:
-            return json.loads(path.read_text()).get("tiers")
+            summary = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        if not summary.get("server_tiers"):
+            return None
+        return {"levels": summary["server_tiers"], **(summary.get("server_tier_lookups") or {})}
 
     def _route(self, row: pd.Series) -> Route | None:
         workload_id = _text(row["workload_request_id"])

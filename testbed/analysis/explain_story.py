@@ -179,11 +179,12 @@ class RequestStory:
 
 
 def tier_lines(traffic: dict[str, Any]) -> list[str]:
-    """The run's tier traffic (summary.json ``tiers``), a line per tier below L1."""
+    """The run's tier traffic (summary.json ``server_tiers`` by tier name, and
+    ``server_tier_lookups``), a line per tier below L1."""
     lines = []
-    for tier in traffic.get("levels", []):
+    for name, tier in (traffic.get("levels") or {}).items():
         lines.append(
-            f"  run's tier {tier['name']} ({tier['kind']}, {format_bytes(tier['capacity_bytes'])}):"
+            f"  run's tier {name} ({tier['kind']}, {format_bytes(tier['capacity_bytes'])}):"
             f" reads {tier['reads']} ({format_bytes(tier['read_bytes'])}), writes "
             f"{tier['writes']} ({format_bytes(tier['written_bytes'])}), promotions "
             f"{tier['promotions']}, demotions {tier['demotions']}, write-backs "

@@ -53,11 +53,17 @@ def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | N
 
 
 def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts summed key by key; tables (a tier's counts, by tier) summed inside, text (a
+    tier's kind) kept from the first."""
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            # Lists (the tiers below L1, one entry per tier and server) are joined.
-            total[key] = total.get(key, [] if isinstance(value, list) else 0) + value
+            if isinstance(value, dict):
+                total[key] = _summed([total.get(key, {}), value])
+            elif isinstance(value, str):
+                total.setdefault(key, value)
+            else:
+                total[key] = total.get(key, 0) + value
     return total
 
 
@@ -74,8 +80,15 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
 
 
 def _fields(message: p.Reply) -> dict[str, Any]:
-    return {
-        name: msgspec.to_builtins(getattr(message, name))
+    """A reply's counts; a server's ``tiers`` as a table by tier name (``L2``: its counts)."""
+    fields = {
+        name: getattr(message, name)
         for name in message.__struct_fields__
         if name not in ("v", "rid", "epoch")
     }
+    if "tiers" in fields:
+        fields["tiers"] = {
+            tier.name: {k: v for k, v in msgspec.structs.asdict(tier).items() if k != "name"}
+            for tier in fields["tiers"]
+        }
+    return fields

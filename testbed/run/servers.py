@@ -5,6 +5,7 @@ run is done with them."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from server.launch import ServerProcess
+from server.tiers.spec import parse_tier
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.telemetry import sampling
 from testbed.run import footprint
@@ -19,6 +21,7 @@ from testbed.run.interface import StartedServer
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
 from testbed.run.server_state import merged_states, server_state_after
+from testbed.spec.runspec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
     ]  # fmt: skip
     if spec.metadata_only:
         args.append("--metadata-only")
+    args += tier_arguments(spec)
     if options.otlp_endpoint:
         args += ["--otlp-endpoint", options.otlp_endpoint]
     if options.otlp_protocol:
@@ -66,11 +70,35 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
         started = []
         for k in range(count):
             log_path = run_dir / ("server.log" if k == 0 else f"server-{k}.log")
-            process = ServerProcess(args, env=env, log_path=log_path).start()
+            own = _tier_dir(spec, run_dir, k)
+            if own is not None:  # the run's own disk tiers go with it
+                stack.callback(shutil.rmtree, own.parent, True)
+            tiers = [] if own is None else ["--tier-dir", str(own)]
+            process = ServerProcess(args + tiers, env=env, log_path=log_path).start()
             stack.callback(process.close)
             endpoint = ServerEndpoint(process.url, process.token, process.admin_token)
             started.append(StartedServer(endpoint, process.token_file))
         yield RunServers([s.endpoint for s in started], started, capacity)
+
+
+def tier_arguments(spec: RunSpec) -> list[str]:
+    """The server flags of the spec's tiers and their policies (none without tiers)."""
+    if not spec.tiers:
+        return []
+    args = [flag for tier in spec.tiers for flag in ("--tier", tier)]
+    return args + [
+        "--tier-write", spec.tier_write,
+        "--tier-promote", spec.tier_promote,
+        "--prefetch", spec.prefetch,
+    ]  # fmt: skip
+
+
+def _tier_dir(spec: RunSpec, run_dir: Path, number: int) -> Path | None:
+    """Where server ``number``'s disk tiers without a directory keep their files (``None``:
+    every tier names its own)."""
+    if not any(parse_tier(tier).where is None for tier in spec.tiers):
+        return None
+    return run_dir / "tiers" / f"server-{number}"
 
 
 def _unlimited_capacity(plan: RunPlan) -> int:

@@ -119,7 +119,7 @@ def build_summary(
     summary.update(_traffic(run, summary["prompt_tokens"], bytes_per_token))
     summary.update(_server_state(server_after))
     summary["chunk_events_dropped"] = _chunk_events_dropped(server_after, chunk_log)
-    summary["tiers"] = tier_traffic(server_after)
+    summary["server_tier_lookups"] = tier_lookups(server_after)
     if summary["chunk_events_dropped"]:
         missing.append(
             f"{summary['chunk_events_dropped']} chunk log events not written by the server "
@@ -274,6 +274,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
             "server_state_after": None,
             "server_state_scope": None,
             "server_locks_after": None,
+            "server_tiers": None,
         }
     own = server_after.get("held")
     source, keys = (
@@ -287,43 +288,17 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
         "server_state_scope": "run" if own is not None else "server",
         "server_locks_after": held["num_locks"],
         "server_index_bytes": int(server_after["index_bytes"]),
+        "server_tiers": server_after.get("tiers") or {},
     }
 
 
-TIER_COUNTS = (
-    "reads",
-    "read_bytes",
-    "writes",
-    "written_bytes",
-    "promotions",
-    "demotions",
-    "write_backs",
-    "evictions",
-    "failures",
-    "dropped_writes",
-)
-"""The traffic of a tier below L1 the summary reports (``testbed.core.protocol.TierStats``)."""
-
-
-def tier_traffic(server_after: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The tiers below L1 after the run (server stats since its start): per tier its name,
-    kind, capacity, use and :data:`TIER_COUNTS`, failures by cause, and the lookups' prefetch
-    timeouts and read failures; ``None`` without tiers or without the server's answer."""
+def tier_lookups(server_after: dict[str, Any] | None) -> dict[str, int] | None:
+    """The lookups' losses between tiers (server counters since its start): chunks whose
+    prefetch was late (``prefetch_timeouts``) or whose read below L1 failed
+    (``tier_read_failures``); ``None`` without tiers or without the server's answer."""
     if server_after is None or not server_after.get("tiers"):
         return None
-    tiers = [
-        {
-            "name": tier["name"],
-            "kind": tier["kind"],
-            "capacity_bytes": int(tier["capacity_bytes"]),
-            "used_bytes": int(tier.get("used_bytes", 0)),
-            **{key: int(tier.get(key, 0)) for key in TIER_COUNTS},
-            "failures_by_cause": dict(tier.get("failures_by_cause") or {}),
-        }
-        for tier in server_after["tiers"]
-    ]
     return {
-        "levels": tiers,
         "prefetch_timeouts": int(server_after.get("prefetch_timeouts", 0)),
         "tier_read_failures": int(server_after.get("tier_read_failures", 0)),
     }
