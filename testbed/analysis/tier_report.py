@@ -8,8 +8,9 @@ from its spec), its write and promotion policies, and its external hits by tier 
   policy; beside it the one-pass what-if of the inclusive LRU hierarchy over the same workload
   at the same capacities (oracle semantics: the external cache alone, no vLLM prefix cache);
 - ``tiers_ttft.png``: the runs' mean projected TTFT with each request's hits by the tier that
-  served them (:mod:`testbed.models.tier_time`, under ``h100`` and the ``gen5`` links; vLLM's
-  own hits stay in the prompt the projection does not compute).
+  served them (:mod:`testbed.models.tier_time`, under ``h100`` and the ``gen5`` links, for the
+  run's model or, when it has no compute shape, llama3-8b's; vLLM's own hits stay out of the
+  prompt the projection computes).
 
 Runs in the analysing process; reads run directories only.
 """
@@ -28,10 +29,12 @@ from matplotlib.figure import Figure
 
 from testbed.analysis.whatif.runlog import run_spec
 from testbed.models.links import tier_profile
+from testbed.models.profiles import KVProfile, get_profile
 from testbed.models.tier_time import tiered_ttft_s
 from testbed.models.time_model import make_time_model
 
 TIME_PROFILE, LINKS = "h100", "gen5"
+STAND_IN = "llama3-8b"
 FigureEntry = tuple[str, Figure, str]
 
 
@@ -68,11 +71,18 @@ def tier_runs(sweep_dir: Path, run_ids: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _ttft(run_dir: Path, spec: Any) -> dict[str, float]:
+def projection_profile(spec: Any) -> KVProfile:
+    """The model the projection costs: the run's, or :data:`STAND_IN` when the run's has no
+    compute shape (the tiny replay model): token counts are the run's, times a real model's."""
+    return spec.kv_profile if spec.kv_profile.has_compute_shape else get_profile(STAND_IN)
+
+
+def _ttft(run_dir: Path, spec: Any) -> dict[str, Any]:
     requests = pd.read_parquet(run_dir / "metrics.parquet")
-    model = make_time_model(TIME_PROFILE, spec.kv_profile, tp=spec.tp, chunk_size=spec.chunk_size)
+    profile = projection_profile(spec)
+    model = make_time_model(TIME_PROFILE, profile, tp=spec.tp, chunk_size=spec.chunk_size)
     links = tier_profile(LINKS)
-    size = spec.kv_profile.bytes_per_token(spec.tp)
+    size = profile.bytes_per_token(spec.tp)
     prompts = (requests["prompt_tokens"] - requests["engine_hit_tokens"]).to_numpy(np.float64)
     hits = {
         source: requests[f"external_{source}"].to_numpy(np.float64)
@@ -84,6 +94,7 @@ def _ttft(run_dir: Path, spec: Any) -> dict[str, float]:
     return {
         "ttft_mean_ms": 1e3 * float(with_hits.mean()),
         "ttft_no_cache_mean_ms": 1e3 * float(without.mean()),
+        "projected_profile": profile.name,
     }
 
 
@@ -124,7 +135,8 @@ def tier_report_figures(sweep_dir: Path, run_ids: list[str], context: str) -> li
         (
             "tiers_ttft.png",
             _ttft_figure(runs, f"Projected TTFT by tier — {context}"),
-            f"Mean projected TTFT ({TIME_PROFILE}, links {LINKS}) with each request's hits "
+            f"Mean projected TTFT ({runs['projected_profile'].iloc[0]} on {TIME_PROFILE}, "
+            f"links {LINKS}) with each request's hits "
             "costed by the tier that served them (a disk hit pays its read into L1 before the "
             "host copy), against L2 capacity; the cache-less TTFT dotted.",
         ),
@@ -166,7 +178,8 @@ def _ttft_figure(runs: pd.DataFrame, title: str) -> Figure:
                   label=f"{write}+{promote}")  # fmt: skip
     axes.axhline(runs["ttft_no_cache_mean_ms"].iloc[0], linestyle=":", color="grey",
                  label="no external cache")  # fmt: skip
-    _axes(axes, f"mean projected TTFT (ms; {TIME_PROFILE}, links {LINKS})")
+    model = runs["projected_profile"].iloc[0]
+    _axes(axes, f"mean projected TTFT (ms; {model} on {TIME_PROFILE}, links {LINKS})")
     axes.set_ylim(bottom=0)
     return figure
 
