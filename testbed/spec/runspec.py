@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -334,8 +335,8 @@ class RunSpec:
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
         types = hints(cls)
         for name, value in list(resolved.items()):
-            if value in ("none", "unlimited"):
-                value = None
+            if value in ("none", "unlimited") and _admits_none(types[name]):
+                value = None  # "none" is also a value of its own (tier_promote = "none")
             # strict: TOML values are typed; an int for a float field becomes one (1 and 1.0
             # must name the same run)
             resolved[name] = convert(
@@ -402,6 +403,13 @@ def _fleet_problems(spec: RunSpec) -> list[str]:
     except ValueError as exc:
         problems.append(str(exc))
     return problems
+
+
+def _admits_none(annotation: Any) -> bool:
+    """Whether a field's type takes ``None`` (``int | None``, ``Optional[...]``)."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return type(None) in typing.get_args(annotation) or annotation is type(None)
 
 
 def _closed_loop(workload: str, params: Mapping[str, Any]) -> bool:
