@@ -99,7 +99,8 @@ USED_BYTES = "kvcache.used_bytes"
 CAPACITY_BYTES = "kvcache.capacity_bytes"
 SERVER_URL = "kvcache.server.url"
 OUTAGE_S = "kvcache.outage_s"
-MISS_STATUS = "kvcache.lookup.miss_status"  # absent | in_flight | prefetch_timeout | tier_read_failed
+# absent | in_flight | prefetch_timeout | tier_read_failed
+MISS_STATUS = "kvcache.lookup.miss_status"
 INDEX_BYTES = "kvcache.index_bytes"  # estimated index memory outside the pool
 REASON = "kvcache.reason"
 OPS = "kvcache.ops"
