@@ -25,12 +25,17 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure
 from testbed.bench.stats import Ratio, Spread
+from testbed.core.keys import ChunkHash
+
+if TYPE_CHECKING:
+    from server.tiers.disk import DiskStore
 
 CHUNK_TOKENS = 256
 QUICK_CHUNK_TOKENS = 16
@@ -70,7 +75,7 @@ def _rounds(work: Path, object_bytes: int, rounds: int, count: int) -> dict[str,
     for index in range(rounds + 1):  # the first round warms up
         store = DiskStore(work / f"tier{index}", capacity_bytes=2 * count * (object_bytes + 64),
                           fsync=True)  # fmt: skip
-        keys = [index.to_bytes(4, "big") + i.to_bytes(12, "big") for i in range(count)]
+        keys = [ChunkHash(index.to_bytes(4, "big") + i.to_bytes(12, "big")) for i in range(count)]
         framed = [frame(key, payload) for key in keys]
         times = [_tier_write(store, keys, framed), _tier_read(store, keys)]
         times += _dd(work / f"dd{index}.bin", payload, count)
@@ -82,22 +87,22 @@ def _rounds(work: Path, object_bytes: int, rounds: int, count: int) -> dict[str,
     return samples
 
 
-def _tier_write(store: object, keys: list[bytes], framed: list[bytes]) -> float:
+def _tier_write(store: DiskStore, keys: list[ChunkHash], framed: list[bytes]) -> float:
     started = time.perf_counter()
     for key, data in zip(keys, framed, strict=True):
-        if not store.write(key, data):  # type: ignore[attr-defined]
-            raise OSError(f"the disk tier refused a write: {store.last_failure}")  # type: ignore[attr-defined]
+        if not store.write(key, data):
+            raise OSError(f"the disk tier refused a write: {store.last_failure}")
     elapsed = time.perf_counter() - started
     for key in keys:
-        _drop_cache(store._path(key))  # type: ignore[attr-defined]
+        _drop_cache(store._path(key))
     return elapsed
 
 
-def _tier_read(store: object, keys: list[bytes]) -> float:
+def _tier_read(store: DiskStore, keys: list[ChunkHash]) -> float:
     started = time.perf_counter()
     for key in keys:
-        if store.read(key) is None:  # type: ignore[attr-defined]
-            raise OSError(f"the disk tier failed a read: {store.last_failure}")  # type: ignore[attr-defined]
+        if store.read(key) is None:
+            raise OSError(f"the disk tier failed a read: {store.last_failure}")
     return time.perf_counter() - started
 
 
@@ -124,11 +129,11 @@ def _dd(path: Path, block: bytes, count: int) -> list[float]:
     return [written, read]
 
 
-def _promotion(store: object, key: bytes, target: mmap.mmap) -> float:
+def _promotion(store: DiskStore, key: ChunkHash, target: mmap.mmap) -> float:
     from server.tiers.framing import unframe
 
     started = time.perf_counter()
-    data = store.read(key)  # type: ignore[attr-defined]
+    data = store.read(key)
     payload = None if data is None else unframe(key, data)
     if payload is None:
         raise OSError("a promotion's read did not verify")
