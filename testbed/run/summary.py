@@ -81,9 +81,11 @@ def _oracle_table(result: EngineResult, engine: pd.DataFrame, chunk_size: int) -
     for name in CATEGORIES:
         table[name] = 0
     table["external"] = hits
+    disk = pd.Series([record.disk_hit_tokens or 0 for record in result.records], dtype="int64")
     for name in EXTERNAL_BY_SOURCE:
         table[name] = 0
-    table["external_host"] = hits
+    table["external_disk"] = disk
+    table["external_host"] = hits - disk
     table["partial_chunk"] = prompt - complete - (hits - complete).clip(lower=0)
     table["capacity"] = (unlimited - hits).clip(lower=0)
     table["cold"] = (complete - unlimited.clip(lower=hits)).clip(lower=0)

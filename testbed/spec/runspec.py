@@ -371,8 +371,11 @@ def _tier_problems(spec: RunSpec) -> list[str]:
             parse(text)
         except ValueError as err:
             problems.append(str(err))
-    if spec.tiers and spec.engine == "oracle":
-        problems.append("tiers need a cache server; the oracle engine has none")
+    if spec.tiers and spec.engine == "oracle" and (len(spec.tiers) > 1 or spec.policy != "lru"):
+        problems.append(
+            'the oracle simulates one tier below L1 with LRU in both (policy = "lru"); '
+            f"got {len(spec.tiers)} tiers and policy {spec.policy!r}"
+        )
     if spec.tiers and spec.metadata_only:
         problems.append("tiers move KV bytes; a metadata_only run has none")
     return problems
