@@ -52,9 +52,11 @@ from server.pools import MemoryPool, make_pool
 from server.sessions import Sessions
 from server.state import ClientState, Counters
 from server.tiers.build import make_hierarchy
+from server.tiers.hierarchy import TIER_PROMOTE
 from server.transfers import Transfers
 from testbed.core import protocol as p
 from testbed.core import telemetry
+from testbed.core.chunk_events import COMMIT, namespace
 from testbed.core.policies import make_policy
 from testbed.core.quiescence import Quiescence
 from testbed.core.telemetry import SpanKind
@@ -230,10 +232,26 @@ class CacheService:
         return self.shared.tiers.busy
 
     def pump(self) -> None:
-        """Collects finished tier I/O (prefetches reach L1, writes commit below) and records
-        the L1 objects that leave with it (promotions for one load only)."""
-        for eviction in self.shared.tiers.pump():
-            self.shared.record_eviction(eviction)
+        """Collects finished tier I/O (prefetches reach L1, writes commit below), records the
+        L1 objects that leave with it (promotions for one load only) and logs the promotions
+        (``commit`` rows, cause ``tier_promote``, status the tier's hit-source name)."""
+        s = self.shared
+        evictions, promoted = s.tiers.pump()
+        for eviction in evictions:
+            s.record_eviction(eviction)
+        if s.chunk_log.enabled:
+            for obj, source in promoted:
+                key = obj.key
+                s.chunk_log.add(
+                    COMMIT,
+                    key.chunk_hash,
+                    kv_rank=key.kv_rank,
+                    namespace=namespace(key.model, key.world_size, key.cache_salt),
+                    session_id=obj.storer,
+                    status=source,
+                    cause=TIER_PROMOTE,
+                    nbytes=obj.nbytes,
+                )
 
     def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
         self.shared.counters.errors += 1

@@ -80,8 +80,8 @@ class NullHierarchy(Hierarchy):
     def is_prefetching(self, key: ObjectKey) -> bool:
         return False
 
-    def pump(self) -> list[Eviction]:
-        return []
+    def pump(self) -> tuple[list[Eviction], list[tuple[CacheObject, str]]]:
+        return [], []
 
     def stats(self) -> list[p.TierStats]:
         return []

@@ -40,6 +40,8 @@ from server.tiers.policies import PrefetchPolicy, PromoteKind, WritePolicy
 from server.tiers.spec import TierSpec, tier_name
 from testbed.core import protocol as p
 
+TIER_PROMOTE = "tier_promote"
+"""Chunk log cause of a commit in L1 that a prefetch made (its status: the tier's source)."""
 TRANSIENT = "tier_transient"
 """Eviction reason of an object promoted for one load only (``tier_promote = none``)."""
 
@@ -96,6 +98,9 @@ class Hierarchy:
     queued_writes: int = 0
     read_failed: dict[ObjectKey, str] = field(default_factory=dict)
     """Objects whose prefetch failed, with the cause, until a lookup reads the cause."""
+    promoted: list[tuple[CacheObject, str]] = field(default_factory=list)
+    """Objects committed in L1 from a tier (with its hit-source name) since :meth:`pump`
+    last returned them (the server logs them as commits)."""
 
     @property
     def enabled(self) -> bool:
@@ -223,9 +228,10 @@ class Hierarchy:
     # The loop's share: completions and transient objects
     # -----------------------------------------------------------------------------------------
 
-    def pump(self) -> list[Eviction]:
+    def pump(self) -> tuple[list[Eviction], list[tuple[CacheObject, str]]]:
         """Collects finished I/O; returns the L1 removals to record (failed prefetches'
-        reservations are aborted silently, transient objects dropped once unheld)."""
+        reservations are aborted silently, transient objects dropped once unheld) and the
+        objects promoted into L1 with their tier's hit-source name."""
         for job in self.io.completed():
             if job.kind == "write":
                 self._write_done(job)
@@ -238,7 +244,10 @@ class Hierarchy:
             elif obj.evictable:
                 del self.transient[key]
                 self.l1.drop(obj, dropped)
-        return [dropped] if dropped.objects else []
+        while len(self.read_failed) > self.settings.max_prefetch_objects:  # nobody asked
+            del self.read_failed[next(iter(self.read_failed))]
+        promoted, self.promoted = self.promoted, []
+        return ([dropped] if dropped.objects else []), promoted
 
     def stats(self) -> list[p.TierStats]:
         for tier in self.tiers:
@@ -339,6 +348,7 @@ class Hierarchy:
         self.l1.commit(obj)
         self.l1.pin(obj)  # held for the lookup that asked (claimed) or released with it
         record.arrived = True
+        self.promoted.append((obj, tier.kind))
         tier.stats.reads += 1
         tier.stats.read_bytes += obj.nbytes
         tier.stats.promotions += 1

@@ -52,6 +52,7 @@ class TierIO:
         self.in_flight = 0
         self._todo: queue.SimpleQueue[TierJob | None] = queue.SimpleQueue()
         self._done: deque[TierJob] = deque()
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="kvtb-tiers", daemon=True)
         self._thread.start()
 
@@ -68,14 +69,10 @@ class TierIO:
         self.in_flight -= len(done)
         return done
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Waits (bounded) until every job submitted has run; True if they have."""
-        deadline = time.monotonic() + timeout_s
-        while self.in_flight - len(self._done) > 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return self.in_flight - len(self._done) <= 0
-
     def close(self) -> None:
+        """Stops the thread (jobs not yet started are skipped: the server is stopping and
+        the tiers' contents go with it) and closes the stores."""
+        self._closing = True
         if self._thread.is_alive():
             self._todo.put(None)
             self._thread.join(timeout=30.0)
@@ -93,6 +90,8 @@ class TierIO:
             job = self._todo.get()
             if job is None:
                 return
+            if self._closing:
+                continue
             job.started_at = time.monotonic()
             if self.delay_s:
                 time.sleep(self.delay_s)

@@ -150,9 +150,14 @@ class Explainer:
             summary = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        if not summary.get("server_tiers"):
+        flat = summary.get("server_tiers")
+        if not flat:
             return None
-        return {"levels": summary["server_tiers"], **(summary.get("server_tier_lookups") or {})}
+        levels: dict[str, dict] = {}
+        for key, value in flat.items():  # <tier>_<count> (L2_reads, ...): by tier again
+            tier, _, count = key.partition("_")
+            levels.setdefault(tier, {})[count] = value
+        return {"levels": levels, **(summary.get("server_tier_lookups") or {})}
 
     def _route(self, row: pd.Series) -> Route | None:
         workload_id = _text(row["workload_request_id"])

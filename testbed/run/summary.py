@@ -290,7 +290,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
         "server_state_scope": "run" if own is not None else "server",
         "server_locks_after": held["num_locks"],
         "server_index_bytes": int(server_after["index_bytes"]),
-        "server_tiers": server_after.get("tiers") or {},
+        "server_tiers": _tier_counts(server_after.get("tiers") or {}),
     }
 
 
@@ -304,6 +304,21 @@ def tier_lookups(server_after: dict[str, Any] | None) -> dict[str, int] | None:
         "prefetch_timeouts": int(server_after.get("prefetch_timeouts", 0)),
         "tier_read_failures": int(server_after.get("tier_read_failures", 0)),
     }
+
+
+def _tier_counts(tiers: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The server's counts per tier below L1 as one flat table, ``<tier>_<count>``
+    (``L2_reads``; failures by cause as ``L2_failures_<cause>``), so every count is a column."""
+    flat: dict[str, Any] = {}
+    for name, counts in tiers.items():
+        for key, value in counts.items():
+            if isinstance(value, dict):
+                flat.update(
+                    {f"{name}_{key.removesuffix('_by_cause')}_{k}": v for k, v in value.items()}
+                )
+            else:
+                flat[f"{name}_{key}"] = value
+    return flat
 
 
 def _chunk_events_dropped(server_after: dict[str, Any] | None, chunk_log: bool) -> int | None:

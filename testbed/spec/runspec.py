@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -71,6 +70,8 @@ they did). While a field has that value it is left out of the run id (older ids 
 ``instances``, ``router``, ``router_params`` and ``servers`` (runs before them had one
 instance); the hierarchy's ``tiers``, ``tier_write``, ``tier_promote`` and ``prefetch`` (runs
 before them had L1 alone)."""
+NAMED_NONE_KEYS = ("tier_promote",)
+"""Keys where ``"none"`` is a value's name (the promotion policy), not an absent value."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
@@ -335,8 +336,8 @@ class RunSpec:
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
         types = hints(cls)
         for name, value in list(resolved.items()):
-            if value in ("none", "unlimited") and _admits_none(types[name]):
-                value = None  # "none" is also a value of its own (tier_promote = "none")
+            if value in ("none", "unlimited") and name not in NAMED_NONE_KEYS:
+                value = None
             # strict: TOML values are typed; an int for a float field becomes one (1 and 1.0
             # must name the same run)
             resolved[name] = convert(
@@ -406,13 +407,6 @@ def _fleet_problems(spec: RunSpec) -> list[str]:
     except ValueError as exc:
         problems.append(str(exc))
     return problems
-
-
-def _admits_none(annotation: Any) -> bool:
-    """Whether a field's type takes ``None`` (``int | None``, ``Optional[...]``)."""
-    if typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    return type(None) in typing.get_args(annotation) or annotation is type(None)
 
 
 def _closed_loop(workload: str, params: Mapping[str, Any]) -> bool:

@@ -99,8 +99,7 @@ USED_BYTES = "kvcache.used_bytes"
 CAPACITY_BYTES = "kvcache.capacity_bytes"
 SERVER_URL = "kvcache.server.url"
 OUTAGE_S = "kvcache.outage_s"
-# absent | in_flight | prefetch_timeout | tier_read_failed
-MISS_STATUS = "kvcache.lookup.miss_status"
+MISS_STATUS = "kvcache.lookup.miss_status"  # absent, in_flight, prefetch_timeout, tier_read_failed
 INDEX_BYTES = "kvcache.index_bytes"  # estimated index memory outside the pool
 REASON = "kvcache.reason"
 OPS = "kvcache.ops"

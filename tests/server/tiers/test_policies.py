@@ -116,3 +116,21 @@ def test_a_chunk_being_read_from_l2_is_not_evicted_there(start_server, tmp_path)
         assert tier.failures_by_cause == {"full": 1} and tier.evictions == 0
         settled = lookup(scheduler, "r2", a)
         assert settled.hit_chunks_by_tier == {"disk": 1}
+
+
+def test_a_promotion_is_a_commit_in_the_chunk_log_naming_its_tier(start_server, tmp_path):
+    from testbed.analysis.chunklog import load_chunk_log
+
+    run_dir = tmp_path / "run"
+    server = tiered(start_server, tmp_path, "--run-dir", str(run_dir))
+    a, b = prompt(1), prompt(2)
+    with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
+        worker.store("a", a)
+        worker.store("b", b)
+        until(scheduler, lambda s: s.tiers[0].writes == 6)
+        assert lookup(scheduler, "again", a).hit_chunks_by_tier == {"disk": 3}
+    server.close()
+    log = load_chunk_log(run_dir)
+    promoted = log[(log["event"] == "commit") & (log["cause"] == "tier_promote")]
+    assert sorted(promoted["chunk_hash"]) == sorted(a)
+    assert set(promoted["status"]) == {"disk"}
