@@ -64,7 +64,7 @@ def add_whatif_parser(commands: Any) -> None:
     )
     parser.add_argument("--hardware-file", type=absolute_path, help="TOML hardware profiles to add")
     parser.add_argument(
-        "--tiers", action="store_true",
+        "--tiers", action="store_true", dest="tier_whatif",  # not the run key `tiers`
         help="hit tokens per tier (L1 host, L2 disk) at every (L1, L2) capacity pair",
     )  # fmt: skip
     parser.add_argument("--l1", help="--tiers: comma-separated L1 capacities (tokens)")
@@ -119,7 +119,7 @@ def run_whatif(args: argparse.Namespace) -> int:
 
 
 def _tier_grid(args: argparse.Namespace) -> Any:
-    if not args.tiers:
+    if not args.tier_whatif:
         if args.l1 or args.l2:
             raise ValueError("--l1 and --l2 need --tiers")
         return None
