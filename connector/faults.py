@@ -14,10 +14,11 @@ import contextlib
 import hashlib
 import logging
 
+from connector.config import ConnectorConfig
 from connector.ops import RetrieveOp
 from testbed.core import protocol as p
 from testbed.core.keys import ChunkHash
-from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core.rpc import CurveKeys, RemoteError, RpcClient, ServerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,23 @@ def chosen(fraction: float, seed: int, chunk_hash: ChunkHash, attempt: int) -> b
 
 class FaultInjector:
     """Drops the first chunk of chosen retrieves (context manager: owns an admin client)."""
+
+    @classmethod
+    def for_config(
+        cls, config: ConnectorConfig, tp_rank: int, curve: CurveKeys | None
+    ) -> FaultInjector | None:
+        """The injector a connector's config asks for (``fault_drop_fraction``), on an admin
+        connection of its own; ``None`` when it asks for none."""
+        if not config.fault_drop_fraction:
+            return None
+        admin = RpcClient(
+            config.server_url,
+            role=f"faults{tp_rank}",
+            token=config.admin_token,
+            timeout_s=config.mq_timeout_s,
+            curve=curve,
+        )
+        return cls(admin, config.fault_drop_fraction, config.fault_seed)
 
     def __init__(self, rpc: RpcClient, fraction: float, seed: int) -> None:
         self.rpc = rpc

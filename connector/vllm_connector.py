@@ -28,13 +28,13 @@ Installing kvtestbed registers it with vLLM by name (:mod:`connector.plugin`)::
 The cache is best effort (``requires_kv_delivery`` is False): a dead server means misses and
 recomputation, never a hang (every wait is bounded by ``kvtb.mq_timeout_s``).
 
-vLLM sees the connector (:mod:`connector.vllm_telemetry`): its hits count under the ``host``
-hit source; ``get_kv_connector_stats`` (both roles) and the classmethods
-``build_kv_connector_stats`` / ``build_prom_metrics`` put lookups, bytes, latencies and
-failures on ``/metrics``; with ``--kv-events-config`` the workers report each stored chunk
-(``build_connector_worker_meta``), ``update_connector_output`` takes the reports and the
-failed loads (whose chunks are then stored again), and ``take_events`` hands vLLM's KV event
-publisher the chunks stored in and removed from the cache server. Pipeline parallelism is
+vLLM sees the connector (:mod:`connector.vllm_telemetry`): its hits count by the tier that
+served them (``get_external_cache_hit_sources``); ``get_kv_connector_stats`` and the
+classmethods ``build_kv_connector_stats`` / ``build_prom_metrics`` put lookups, bytes,
+latencies and failures on ``/metrics``; with ``--kv-events-config`` the workers report each
+stored chunk (``build_connector_worker_meta``), ``update_connector_output`` takes the reports
+and the failed loads (whose chunks are stored again), and ``take_events`` hands vLLM's KV
+event publisher the chunks stored in and removed from the cache server. Pipeline parallelism is
 refused at start: the cache keys do not tell PP ranks' layers apart.
 """
 
@@ -64,7 +64,13 @@ from connector.ops import FinishingOrder, StepPlan
 from connector.planner import Geometry
 from connector.scheduler import SchedulerSide
 from connector.scheduler_client import SchedulerClient
-from connector.vllm_views import block_dim_of, request_view, scheduled_requests, single_group
+from connector.vllm_views import (
+    block_dim_of,
+    request_view,
+    scheduled_requests,
+    single_group,
+    vllm_hit_sources,
+)
 from connector.worker_client import WorkerClient
 from testbed.core import protocol as p
 from testbed.core.credentials import client_token
@@ -98,8 +104,7 @@ class KVTBConnectorMetadata(KVConnectorMetadata):
 
 
 class KVTBConnector(KVConnectorBase_V1):
-    # The cache server's pool is host memory: vLLM counts these hits under "host".
-    _cache_hit_source = CacheHitSource.HOST
+    _cache_hit_source = CacheHitSource.HOST  # a request without a per-tier split
 
     def __init__(
         self,
@@ -198,16 +203,7 @@ class KVTBConnector(KVConnectorBase_V1):
 
     def _worker_client(self) -> WorkerClient:
         config = self.config
-        faults = None
-        if config.fault_drop_fraction:
-            admin = RpcClient(
-                config.server_url,
-                role=f"faults{self.tp_rank}",
-                token=config.admin_token,
-                timeout_s=config.mq_timeout_s,
-                curve=self._curve,
-            )
-            faults = FaultInjector(admin, config.fault_drop_fraction, config.fault_seed)
+        faults = FaultInjector.for_config(config, self.tp_rank, self._curve)
         identity = WorkerIdentity.for_rank(
             self.model, self.tp_size, self.tp_rank, self.mla, transfer_mode=config.transfer_mode
         )
@@ -386,6 +382,16 @@ class KVTBConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(
             request.request_id, single_group(blocks.get_block_ids()), num_external_tokens
         )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's ``prompt_tokens_cached_by_source``: the accepted external hit split by the
+        tier the server matched each chunk in (``host`` L1, ``disk``, ``p2p``; a remote
+        store has no name of vLLM's and counts as ``external_unspecified``)."""
+        assert self.scheduler_side is not None
+        split = self.scheduler_side.hit_sources(request.request_id, num_external_tokens)
+        return vllm_hit_sources(split)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None

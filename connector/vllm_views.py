@@ -16,6 +16,7 @@ from testbed.core.keys import KeyExtras, MultiModalInput
 if TYPE_CHECKING:
     import torch
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
 
@@ -94,3 +95,17 @@ def block_dim_of(layer: torch.Tensor, num_blocks: int | None) -> int:
         f"cannot tell which dimension of the KV cache of shape {tuple(layer.shape)} holds the "
         f"{num_blocks} blocks"
     )
+
+
+def vllm_hit_sources(split: dict[str, int]) -> dict[CacheHitSource, int]:
+    """A hit's tokens by our hit-source names (``host``, ``disk``, ``remote``, ``p2p``) as
+    vLLM's ``CacheHitSource``; ``remote`` has no name of vLLM's and counts as
+    ``external_unspecified``."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    named = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "p2p": CacheHitSource.P2P}
+    sources: dict[CacheHitSource, int] = {}
+    for name, tokens in split.items():
+        source = named.get(name, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        sources[source] = sources.get(source, 0) + tokens
+    return sources

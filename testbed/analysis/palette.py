@@ -23,6 +23,9 @@ CATEGORY_COLOURS = {
     "refused": "tab:pink",
     "engine_only": "tab:cyan",
     "routing": "gold",
+    "prefetch_timeout": "darkorange",
+    "tier_read_failed": "maroon",
+    "store_dropped": "salmon",
 }
 """Colour of each token category (the keys of ``testbed.analysis.attribution.CATEGORIES``)."""
 CATEGORY_LABELS = {
@@ -38,6 +41,9 @@ CATEGORY_LABELS = {
     "refused": "refused (server limit)",
     "engine_only": "engine only",
     "routing": "routing (held by another instance)",
+    "prefetch_timeout": "prefetch timeout (late from a lower tier)",
+    "tier_read_failed": "tier read failed",
+    "store_dropped": "store dropped (back-pressure)",
 }
 """Legend name of each token category."""
 RECOMPUTED = "recomputed"

@@ -70,6 +70,9 @@ SECTIONS: dict[str, Section] = {
         ("lookup_vs_lmcache", "store_vs_lmcache", "retrieve_vs_lmcache"),
         peer_only=True,
     ),
+    "tiers": Section(
+        "tiers", ("disk_tier_write_vs_dd", "disk_tier_read_vs_dd", "promotion_vs_memcpy")
+    ),
     "others": Section("others", ()),
     # A GPU section goes here (store/retrieve bandwidth on the device against its own
     # copies): a module with section(config), run when torch.cuda.is_available().

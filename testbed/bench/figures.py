@@ -57,6 +57,9 @@ GOALS: dict[str, Goal] = {
     "hit_1k_vs_recompute": Goal("<=", 0.5, "×"),
     "hit_4k_vs_recompute": _NONE_SET,
     "hit_16k_vs_recompute": _NONE_SET,
+    "disk_tier_write_vs_dd": _NONE_SET,
+    "disk_tier_read_vs_dd": _NONE_SET,
+    "promotion_vs_memcpy": _NONE_SET,
 }
 PEER_GOALS: dict[str, Goal] = {
     "lookup_vs_lmcache": _NONE_SET,

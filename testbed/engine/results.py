@@ -36,6 +36,8 @@ class RequestRecord:
     unlimited_hit_tokens: int | None = None
     """The oracle with a capacity: the tokens an unlimited cache would have matched (the
     difference is its capacity misses)."""
+    disk_hit_tokens: int | None = None
+    """The oracle with a tier below L1: of ``hit_tokens``, those the disk tier served."""
 
     @property
     def ttft_ms(self) -> float | None:

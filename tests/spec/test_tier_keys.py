@@ -32,7 +32,10 @@ def test_one_tier_may_be_a_string_and_the_server_gets_its_flags() -> None:
         ({"tiers": ["tape:1GiB"]}, "unknown kind 'tape'"),
         ({"tier_write": "later"}, "tier write policy 'later' is unknown"),
         ({"prefetch": "timeout:x"}, "prefetch policy 'timeout:x' is unknown"),
-        ({"tiers": ["disk:1GiB"], "engine": "oracle", "policy": "lru"}, "the oracle engine"),
+        (
+            {"tiers": ["disk:1GiB"], "engine": "oracle", "policy": "fifo"},
+            "one tier below L1 with LRU",
+        ),
         ({"tiers": ["disk:1GiB"], "metadata_only": True}, "metadata_only"),
     ],
 )
