@@ -25,6 +25,7 @@ from server.state import (
     PendingLookup,
     Session,
 )
+from server.tiers.base import L1_SOURCE
 from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
@@ -296,7 +297,11 @@ class Sessions:
             }
         )
         reply = p.LookupResult(
-            hit_chunks=hit, num_locks=num_locks, handle=handle, miss_status=miss_status
+            hit_chunks=hit,
+            num_locks=num_locks,
+            handle=handle,
+            miss_status=miss_status,
+            hit_chunks_by_tier={L1_SOURCE: hit} if hit else {},
         )
         if req.evictions_after is not None:
             removed = s.evictions.since(

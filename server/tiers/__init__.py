@@ -1,6 +1,9 @@
-"""The tiers below L1: stores of chunk bytes behind one interface (``server.tiers.base``).
+"""The tiers below L1: a hierarchy of stores behind one cache server.
 
-All run in the cache server process, except ``redis_process``, which runs where the run's
-cache servers are started (it starts the run's own Redis). ``redis_store``: a tier in Redis,
-shared by every server that names it; ``redis_objects``: a chunk object as one Redis value.
+Everything here runs in the cache server process. ``spec`` is the user's name of a tier
+(``KIND[@POLICY]:CAPACITY[:WHERE]``, pure values); ``base`` the interface every lower-tier
+store implements (bytes under keys, failures answered, never raised). ``redis_store`` is a
+tier in Redis, shared by every server that names it (``redis_objects``: a chunk object as one
+Redis value); ``redis_process`` starts the run's own Redis (it runs where the run's cache
+servers are started).
 """

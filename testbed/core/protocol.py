@@ -499,6 +499,10 @@ class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     evictions_lost: bool = False
     """Removals after ``evictions_after`` are no longer known (the server forgot the oldest,
     or restarted): whatever the client believed stored may be gone."""
+    hit_chunks_by_tier: dict[str, int] = {}
+    """Where the hit's chunks were matched, at match time: hit-source name (``host`` for L1,
+    ``disk``, ``remote``, ``p2p``) -> chunks; sums to ``hit_chunks`` (empty on a miss). A
+    chunk matched below L1 was brought into L1 before this reply (a prefetch)."""
 
 
 class LocksFreed(_Reply, tag="locks_freed", kw_only=True):
