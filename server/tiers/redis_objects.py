@@ -4,13 +4,13 @@ Value layout (all integers little-endian)::
 
     b"KVTB" | version u8 (1) | key length u16 | key | blake3(key || data) 32 bytes | data
 
-The key is the object key's canonical MessagePack encoding (model, world size, KV rank, chunk
-hash, cache salt), so a value read back names exactly what it holds. :func:`decode_object`
-returns the bytes only if the value is well formed, names the key it was read for, and its
-digest matches: a truncated, overwritten or foreign value is ``None``, never bytes.
+The key is the hierarchy's key of the object (a :data:`~testbed.core.keys.ChunkHash`, as
+``server.tiers.base`` names it), so a value read back names exactly what it holds.
+:func:`decode_object` returns the bytes only if the value is well formed, names the key it was
+read for, and its digest matches: a truncated, overwritten or foreign value is ``None``, never
+bytes.
 
-The Redis key is ``NAMESPACE:`` followed by the hex of blake3 over the encoded object key
-(32 bytes): fixed length whatever the model name, and the same on every server that shares
+The Redis key is ``NAMESPACE:`` followed by the key's hex: the same on every server that shares
 the store, which is what lets one server hit what another wrote.
 """
 
@@ -19,32 +19,26 @@ from __future__ import annotations
 import struct
 
 import blake3
-import msgspec
 
-from server.objects import ObjectKey
+from testbed.core.keys import ChunkHash
 
 MAGIC = b"KVTB"
 VERSION = 1
 DIGEST_BYTES = 32
 _HEADER = struct.Struct("<4sBH")
-_encoder = msgspec.msgpack.Encoder()
 
 
-def encoded_key(key: ObjectKey) -> bytes:
-    return _encoder.encode(tuple(key))
+def redis_key(namespace: str, key: ChunkHash) -> bytes:
+    return namespace.encode() + b":" + key.hex().encode()
 
 
-def redis_key(namespace: str, key: ObjectKey) -> bytes:
-    return namespace.encode() + b":" + blake3.blake3(encoded_key(key)).hexdigest().encode()
-
-
-def encode_object(key: ObjectKey, data: bytes) -> bytes:
-    name = encoded_key(key)
+def encode_object(key: ChunkHash, data: bytes) -> bytes:
+    name = bytes(key)
     digest = _digest(name, data)
     return b"".join((_HEADER.pack(MAGIC, VERSION, len(name)), name, digest, data))
 
 
-def decode_object(key: ObjectKey, value: bytes) -> bytes | None:
+def decode_object(key: ChunkHash, value: bytes) -> bytes | None:
     """The data of ``value`` if it is a sound object for ``key`` (module docstring)."""
     if len(value) < _HEADER.size:
         return None
@@ -53,7 +47,7 @@ def decode_object(key: ObjectKey, value: bytes) -> bytes | None:
     if magic != MAGIC or version != VERSION or len(value) < start + name_bytes + DIGEST_BYTES:
         return None
     name = value[start : start + name_bytes]
-    if name != encoded_key(key):
+    if name != key:
         return None
     digest = value[start + name_bytes : start + name_bytes + DIGEST_BYTES]
     data = bytes(memoryview(value)[start + name_bytes + DIGEST_BYTES :])

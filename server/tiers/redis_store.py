@@ -7,7 +7,9 @@ key and answers what it holds; which chunks it keeps is the hierarchy's index an
 
 **One Redis value per chunk object** (:mod:`server.tiers.redis_objects`): the object key,
 the bytes, and a blake3 digest over both. A read verifies the value names the key asked for
-and that the digest matches; anything else is no hit (cause ``corrupt``), never bytes.
+and that the digest matches; anything else is no hit (cause ``corrupt``), never bytes. (The
+hierarchy frames and verifies its objects too: this check is the store's own, so that a value
+another writer left under the key is caught here and counted as the store's.)
 
 **Capacity, twice.** The testbed's own accounting is :meth:`used_bytes`: the bytes this store
 wrote and has not removed or found gone, never more than ``capacity_bytes`` when the
@@ -16,8 +18,9 @@ hierarchy keeps to it. Redis enforces its own bound as the store does: ``maxmemo
 sets both, with headroom for Redis's per-key overhead, so that it evicts only when others
 share it or the testbed's accounting is exceeded); a Redis given by URL keeps its own
 settings, which :meth:`store_memory` reports. A key Redis evicted (or another server removed)
-is found gone at the next read or ``contains``: a miss with cause ``absent``, and this
-store's accounting drops it (``found_gone``).
+is found gone at the next read or ``contains``: a miss with cause ``absent`` (``last_miss``;
+no failure of the medium, so ``last_failure`` is left as it was), and this store's accounting
+drops it (``found_gone``).
 
 **Faults** never block the caller for long and never raise: every command has a socket
 timeout (``timeout_s``); a connection error is a miss (or a failed write) with cause
@@ -35,10 +38,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from server.objects import ObjectKey
+from server.tiers.base import FailureCause
 from server.tiers.redis_objects import decode_object, encode_object, redis_key
+from testbed.core.keys import ChunkHash
 
-ReadFailure = Literal["absent", "corrupt", "unavailable"]
+ReadMiss = Literal["absent", "corrupt", "unavailable"]
+"""Why a read gave no bytes: not held (evicted by Redis, removed by another server, never
+written), held but not sound for its key, Redis not reachable. ``absent`` is no failure of
+the medium, so it leaves ``last_failure`` as it was."""
 DEFAULT_TIMEOUT_S = 1.0
 """Socket timeout of every Redis command (connect included)."""
 DEFAULT_RETRY_AFTER_S = 0.5
@@ -58,14 +65,14 @@ class RedisStoreStats:
     removes: int = 0
     found_gone: int = 0
     """Keys this store wrote that Redis no longer held (evicted by Redis, removed by another)."""
-    read_failures: dict[str, int] = field(default_factory=dict)
-    """Reads that gave no bytes, by cause (``absent``, ``corrupt``, ``unavailable``)."""
+    read_misses: dict[str, int] = field(default_factory=dict)
+    """Reads that gave no bytes, by :data:`ReadMiss`."""
     connection_errors: int = 0
     refusals: int = 0
     """Commands Redis answered with an error (a write out of memory under ``noeviction``)."""
 
-    def failed(self, cause: ReadFailure) -> None:
-        self.read_failures[cause] = self.read_failures.get(cause, 0) + 1
+    def missed(self, cause: ReadMiss) -> None:
+        self.read_misses[cause] = self.read_misses.get(cause, 0) + 1
 
 
 class RedisUnavailable(RuntimeError):
@@ -97,8 +104,10 @@ class RedisStore:
         self.namespace = namespace
         self.retry_after_s = retry_after_s
         self.stats = RedisStoreStats()
-        self.last_failure: ReadFailure | None = None
-        """The cause of the last read that gave no bytes (``None`` once one hit)."""
+        self.last_failure: FailureCause | None = None
+        """Why the last failed call failed (``server.tiers.base``); ``None`` before any."""
+        self.last_miss: ReadMiss | None = None
+        """Why the last read gave no bytes (``None`` when it gave them)."""
         self._clock = clock
         self._down_errors: tuple[type[BaseException], ...] = (
             redis.ConnectionError,
@@ -112,7 +121,7 @@ class RedisStore:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # one try: the window below is the retry policy
         )
-        self._sizes: dict[ObjectKey, int] = {}
+        self._sizes: dict[ChunkHash, int] = {}
         self._used_bytes = 0
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -122,7 +131,7 @@ class RedisStore:
     def used_bytes(self) -> int:
         return self._used_bytes
 
-    def contains(self, key: ObjectKey) -> bool:
+    def contains(self, key: ChunkHash) -> bool:
         """Whether Redis holds the key now (False when it cannot be asked)."""
         try:
             present = bool(self._call("exists", redis_key(self.namespace, key)))
@@ -132,8 +141,9 @@ class RedisStore:
             self._forget(key, gone=True)
         return present
 
-    def read(self, key: ObjectKey) -> bytes | None:
-        """The object's bytes, verified; ``None`` with the cause in ``last_failure``."""
+    def read(self, key: ChunkHash) -> bytes | None:
+        """The object's bytes, verified; ``None`` with the cause in ``last_miss`` (and in
+        ``last_failure`` when the medium failed)."""
         self.stats.reads += 1
         try:
             value = self._call("get", redis_key(self.namespace, key))
@@ -150,16 +160,17 @@ class RedisStore:
             return None
         self.stats.read_hits += 1
         self.stats.read_bytes += len(data)
-        self.last_failure = None
+        self.last_miss = None
         return data
 
-    def write(self, key: ObjectKey, data: bytes) -> bool:
+    def write(self, key: ChunkHash, data: bytes) -> bool:
         """Stores the object (replacing one under the key); False if Redis refused or is down
         (out of memory under ``noeviction``, unreachable): nothing is accounted then."""
         try:
             self._call("set", redis_key(self.namespace, key), encode_object(key, data))
         except RedisUnavailable:
             self.stats.write_failures += 1
+            self.last_failure = "unavailable"
             return False
         with self._lock:
             self._used_bytes += len(data) - self._sizes.get(key, 0)
@@ -168,7 +179,7 @@ class RedisStore:
         self.stats.written_bytes += len(data)
         return True
 
-    def remove(self, key: ObjectKey) -> None:
+    def remove(self, key: ChunkHash) -> None:
         """Deletes the object from Redis (also for the other servers that share it)."""
         self._forget(key, gone=False)
         self.stats.removes += 1
@@ -176,7 +187,7 @@ class RedisStore:
         with contextlib.suppress(RedisUnavailable):
             self._call("delete", redis_key(self.namespace, key))
 
-    def keys(self) -> Iterator[ObjectKey]:
+    def keys(self) -> Iterator[ChunkHash]:
         """The keys this store wrote and holds by its accounting (not the other servers')."""
         with self._lock:
             return iter(list(self._sizes))
@@ -222,13 +233,14 @@ class RedisStore:
             self.stats.refusals += 1
             raise RedisUnavailable(self.url) from error
 
-    def _miss(self, cause: ReadFailure) -> None:
+    def _miss(self, cause: ReadMiss) -> None:
         """Counts a read that gave no bytes, and why."""
-        self.stats.failed(cause)
-        self.last_failure = cause
-        return None
+        self.stats.missed(cause)
+        self.last_miss = cause
+        if cause != "absent":
+            self.last_failure = cause
 
-    def _forget(self, key: ObjectKey, *, gone: bool) -> None:
+    def _forget(self, key: ChunkHash, *, gone: bool) -> None:
         with self._lock:
             size = self._sizes.pop(key, None)
             if size is None:
