@@ -47,6 +47,7 @@ from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.context import Call, Routes, ServiceError, Shared, Steps
 from server.objects import Released
+from server.peering import Peering
 from server.pool import ExtentAllocator
 from server.pools import MemoryPool, make_pool
 from server.sessions import Sessions
@@ -98,7 +99,8 @@ class CacheService:
         self.shared = Shared(
             config, clock, secrets.randbits(62) + 1, pool, cache, chunk_log or NullChunkLog()
         )
-        self.sessions = Sessions(self.shared)
+        self.peering = Peering(self.shared)
+        self.sessions = Sessions(self.shared, self.peering)
         self.transfers = Transfers(self.shared, self.sessions)
         self._expiries = {
             "store": self.transfers.expire,
@@ -130,6 +132,9 @@ class CacheService:
         routes.add(p.Abort, transfers.abort, a.SERVER_ABORT)
         routes.add(p.DropObjects, info.drop_objects, None)
         routes.add(p.GetHeld, sessions.get_held, None)
+        routes.add(p.SetPeers, self.peering.set_peers, a.SERVER_SET_PEERS)
+        routes.add(p.PeerProbe, self.peering.probe, a.SERVER_PEER_PROBE)
+        routes.add(p.PeerFetch, self.peering.fetch, a.SERVER_PEER_SERVE)
         routes.check_complete()
         return routes
 
@@ -150,6 +155,7 @@ class CacheService:
         return self.shared.counters
 
     def close(self) -> None:
+        self.peering.close()
         self.shared.chunk_log.close()
         for client in self.shared.clients.values():
             if client.worker is not None:

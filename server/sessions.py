@@ -17,6 +17,7 @@ from server import quotas
 from server.context import Call, ServiceError, Shared, Steps
 from server.held import held_by
 from server.objects import CacheObject, Space
+from server.peering import Peering
 from server.state import (
     SESSION_INDEX_BYTES,
     TRACKED_CHUNK_INDEX_BYTES,
@@ -25,7 +26,7 @@ from server.state import (
     PendingLookup,
     Session,
 )
-from server.tiers.base import L1_SOURCE
+from server.tiers.base import L1_SOURCE, HitSource
 from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
@@ -36,8 +37,10 @@ HIT, IN_FLIGHT, ABSENT = "hit", "in_flight", "absent"
 class Sessions:
     """The live sessions, by id; ``tracked_chunks``: the objects their refresh lists name."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, peering: Peering) -> None:
         self.s = shared
+        self.peering = peering
+        """Asked after a local miss (a no-op until the server is given peers)."""
         self.live: dict[str, Session] = {}
         self.tracked_chunks = 0
 
@@ -247,8 +250,14 @@ class Sessions:
         req = pending.request
         chunk_size = s.config.chunk_size
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
-        hit = next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
+        hit = _hit(statuses)
         miss_status = statuses[hit] if hit < len(statuses) else ""
+        local_hit = hit
+        if miss_status == ABSENT and (yield from self.peering.fill(call, req, hit)):
+            statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
+            hit = _hit(statuses)  # the local hit may have lost chunks while the peers answered
+            miss_status = statuses[hit] if hit < len(statuses) else ""
+            local_hit = min(local_hit, hit)
         call.span.set_attributes(
             {
                 a.SESSION_ID: req.session_id,
@@ -301,7 +310,7 @@ class Sessions:
             num_locks=num_locks,
             handle=handle,
             miss_status=miss_status,
-            hit_chunks_by_tier={L1_SOURCE: hit} if hit else {},
+            hit_chunks_by_tier=_by_tier({L1_SOURCE: local_hit, "p2p": hit - local_hit}),
         )
         if req.evictions_after is not None:
             removed = s.evictions.since(
@@ -313,6 +322,14 @@ class Sessions:
             reply.eviction_seq = removed.seq
             reply.evictions_lost = removed.lost
         return reply
+
+
+def _hit(statuses: list[str]) -> int:
+    return next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
+
+
+def _by_tier(chunks: dict[HitSource, int]) -> dict[str, int]:
+    return {source: count for source, count in chunks.items() if count}
 
 
 def _statuses(

@@ -353,6 +353,41 @@ class GetHeld(_Request, tag="get_held", kw_only=True):
     owner: Name
 
 
+# ---------------------------------------------------------------------------------------------
+# Peers: the cache servers of one fleet, one per instance, asking each other (server.peering)
+# ---------------------------------------------------------------------------------------------
+
+
+class PeerEndpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    url: Name
+    token: Credential
+
+
+class SetPeers(_Request, tag="set_peers", kw_only=True):
+    """Administration (admin credential): the other servers this one asks when a lookup misses
+    locally (replaces the previous list; empty: none)."""
+
+    peers: Annotated[list[PeerEndpoint], msgspec.Meta(max_length=256)] = []
+
+
+class PeerProbe(_Request, tag="peer_probe", kw_only=True):
+    """From a peer server: how many leading chunks of ``chunk_hashes`` are held here (committed
+    on every one of ``world_size`` ranks). Takes no lock and changes nothing."""
+
+    model: Name
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    cache_salt: Name = ""
+    chunk_hashes: ChunkHashes
+
+
+class PeerFetch(PeerProbe, tag="peer_fetch", kw_only=True):
+    """From a peer server: the bytes of the leading chunks of ``chunk_hashes`` held here (fewer
+    than asked if some were evicted since the probe, or past ``max_bytes``); a fetch counts as
+    a hit of those chunks here."""
+
+    max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
+
+
 Request = (
     Ping
     | Heartbeat
@@ -371,6 +406,9 @@ Request = (
     | Abort
     | DropObjects
     | GetHeld
+    | SetPeers
+    | PeerProbe
+    | PeerFetch
 )
 
 
@@ -383,7 +421,7 @@ class Batch(_Request, tag="batch", kw_only=True):
     requests: Annotated[list[Request], msgspec.Meta(min_length=1, max_length=MAX_ITEMS_PER_BATCH)]
 
 
-ADMIN_REQUESTS = (DropObjects,)
+ADMIN_REQUESTS = (DropObjects, SetPeers)
 """Requests that need the admin credential."""
 
 # ---------------------------------------------------------------------------------------------
@@ -604,6 +642,20 @@ a server-wide one; ``quota``: one client's share). Clients count them as limit r
 (``limit_refusals``), not as failures of the server."""
 
 
+class PeerHeld(_Reply, tag="peer_held", kw_only=True):
+    held_chunks: Count = 0
+
+
+class PeerChunks(_Reply, tag="peer_chunks", kw_only=True):
+    """The objects of the leading chunks held, chunk then rank: each object's size, its bytes
+    (empty in metadata-only mode) and the blake3 digest of its bytes (verified on arrival)."""
+
+    num_chunks: Count = 0
+    nbytes: list[Count] = []
+    data: list[bytes] = []
+    digests: list[bytes] = []
+
+
 class Error(_Reply, tag="error", kw_only=True):
     code: ErrorCode
     message: str
@@ -624,6 +676,8 @@ Reply = (
     | Aborted
     | Dropped
     | Held
+    | PeerHeld
+    | PeerChunks
     | Error
 )
 

@@ -28,6 +28,10 @@ SERVER_LOCK_EXPIRE = "kvcache.server.lock_expire"
 SERVER_ABORT = "kvcache.server.abort"
 SERVER_OP_EXPIRE = "kvcache.server.op_expire"
 SERVER_CLIENT_GONE = "kvcache.server.client_gone"
+SERVER_SET_PEERS = "kvcache.server.set_peers"
+SERVER_PEER_FETCH = "kvcache.server.peer_fetch"  # a lookup's copy from a peer (server.peering)
+SERVER_PEER_PROBE = "kvcache.server.peer_probe"  # a peer asked what this server holds
+SERVER_PEER_SERVE = "kvcache.server.peer_serve"  # a peer fetched objects from this server
 
 # --- common ---------------------------------------------------------------------------------
 OP = "kvcache.op"  # the protocol message a server span handled (lookup, store_begin, ...)
@@ -88,6 +92,10 @@ INDEX_BYTES = "kvcache.index_bytes"  # estimated index memory outside the pool
 REASON = "kvcache.reason"
 OPS = "kvcache.ops"
 ABANDONED = "kvcache.abandoned"  # a release or abort of an operation the client gave up on
+PEERS = "kvcache.peers"  # the peer servers a server asks (their URLs, or how many)
+PEER = "kvcache.peer"  # the peer (its index in the list SetPeers gave) a copy came from
+PEER_WAIT_MS = "kvcache.peer.wait_ms"  # probes + fetch, as the lookup waited for them
+PEER_OUTCOME = "kvcache.peer.outcome"  # copied | failed
 
 # --- request (engine) -------------------------------------------------------------------------
 PROMPT_TOKENS = "kvcache.request.prompt_tokens"
