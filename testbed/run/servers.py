@@ -1,7 +1,8 @@
 """The run's cache servers: the ``--server`` it was given, or those it starts (one, or one
 per instance with servers 'per-instance'), each with the spec's chunk size, capacity, pool
 and policy, its telemetry in the run directory and the spec's trace sampler; stopped when the
-run is done with them."""
+run is done with them. With ``p2p``, every per-instance server is told the others once all
+are up (``server.peering``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from server.launch import ServerProcess
+from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
+from testbed.core.rpc import RpcClient
 from testbed.core.telemetry import sampling
 from testbed.run import footprint
 from testbed.run.interface import StartedServer
@@ -70,7 +73,22 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
             stack.callback(process.close)
             endpoint = ServerEndpoint(process.url, process.token, process.admin_token)
             started.append(StartedServer(endpoint, process.token_file))
-        yield RunServers([s.endpoint for s in started], started, capacity)
+        endpoints = [s.endpoint for s in started]
+        if spec.p2p:
+            set_peers(endpoints)
+        yield RunServers(endpoints, started, capacity)
+
+
+def set_peers(endpoints: Sequence[ServerEndpoint]) -> None:
+    """Tells each server every other one as its peers (its admin request ``SetPeers``)."""
+    for k, endpoint in enumerate(endpoints):
+        peers = [
+            p.PeerEndpoint(url=other.url, token=other.token)
+            for j, other in enumerate(endpoints)
+            if j != k
+        ]
+        with RpcClient(endpoint.url, role="run", token=endpoint.admin_token) as admin:
+            admin.call(p.SetPeers(peers=peers))
 
 
 def _unlimited_capacity(plan: RunPlan) -> int:

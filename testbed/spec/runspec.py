@@ -58,6 +58,7 @@ SPEC_MIGRATIONS: dict[str, Any] = {
     "router": "round_robin",
     "router_params": {},
     "servers": "shared",
+    "p2p": False,
 }
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
@@ -162,6 +163,9 @@ class RunSpec:
     temperature; prefix_approx: capacity_blocks)."""
     servers: str = "shared"
     """fleet: one cache server for every instance (shared) or one each (per-instance)."""
+    p2p: bool = False
+    """fleet with servers 'per-instance': a lookup that misses on an instance's server asks
+    the other instances' servers, and a peer's hit is copied into it (hit source ``p2p``)."""
 
     def __post_init__(self) -> None:
         problems = bound_problems(self)
@@ -354,6 +358,11 @@ def _fleet_problems(spec: RunSpec) -> list[str]:
         problems.append(f"servers must be one of {', '.join(FLEET_SERVERS)}, got {spec.servers!r}")
     elif spec.servers != "shared" and spec.engine != "fleet":
         problems.append("servers 'per-instance' applies to the fleet engine")
+    if spec.p2p and (spec.engine, spec.servers) != ("fleet", "per-instance"):
+        problems.append(
+            "p2p is between the per-instance cache servers of a fleet: use --engine fleet "
+            "--servers per-instance (a shared server has no peers)"
+        )
     if not routed and (spec.router, spec.router_params) != ("round_robin", {}):
         problems.append("router and router_params apply to the fleet and serve engines")
         return problems
