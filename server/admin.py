@@ -94,6 +94,9 @@ class Admin:
             refused_quotas=c.refused_quotas,
             chunk_events_dropped=s.chunk_log.dropped_rows,
             chunk_events_pending=s.chunk_log.pending_rows,
+            tiers=s.tiers.stats(),
+            prefetch_timeouts=c.prefetch_timeouts,
+            tier_read_failures=c.tier_read_failures,
             unauthenticated_closed=c.unauthenticated_closed,
         )
         yield

@@ -58,6 +58,7 @@ log = logging.getLogger("server")
 READY_PREFIX = "KVTB_SERVER_READY"
 _MAX_BATCH = 256  # requests handled per poll wake-up before slices and TTLs run again
 Reply = tuple[bytes, p.Reply]
+_TIER_POLL_MS = 1.0  # how soon finished tier I/O is collected while some is in flight
 
 
 def serve(
@@ -155,6 +156,9 @@ def _loop(
     next_tick = time.monotonic() + config.reap_interval_s
     while not stop.is_set():
         timeout_ms = 0.0 if service.busy else max(0.0, next_tick - time.monotonic()) * 1e3
+        if service.tiers_busy:
+            timeout_ms = min(timeout_ms, _TIER_POLL_MS)
+            service.pump()
         ready = dict(poller.poll(int(min(timeout_ms, 100.0))))
         if guard.monitor in ready:
             guard.read_events()

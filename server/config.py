@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Annotated
 
 from server.auth import is_loopback
+from server.tiers.policies import check_promote, parse_prefetch, parse_write
+from server.tiers.spec import parse_tier
 from testbed.core.bounds import Bound, bound_problems, field_bounds
 from testbed.core.policies import POLICIES
 from testbed.core.protocol import POOL_MEDIA, PoolMedium
@@ -134,6 +136,42 @@ class ServerConfig:
     """Where the server's telemetry goes: its spans (``RUN_DIR/spans/``, OTLP JSON lines) and
     the chunk event log (``RUN_DIR/chunks/``); ``None``: no chunk log, spans only over OTLP."""
 
+    tiers: tuple[str, ...] = ()
+    """Tiers below L1, in order: ``KIND[@POLICY]:CAPACITY[:WHERE]`` each (``--tier``,
+    repeatable; ``disk:8GiB:/data/kv``, ``disk@lfu:512MiB``), see ``server.tiers.spec``."""
+
+    tier_write: str = "write_through"
+    """When a chunk goes below L1: ``write_through`` (every chunk, asynchronously),
+    ``write_back`` (when L1 evicts it) or ``selective:N`` (after N hits in L1)."""
+
+    tier_promote: str = "none"
+    """A hit below L1: ``none`` (copied into L1 for its load only) or ``retain`` (stays)."""
+
+    prefetch: str = "wait"
+    """How long a lookup waits for its chunks below L1 to reach L1: ``wait`` (at most
+    ``lookup_pending_timeout_s``), ``timeout:S`` or ``best_effort`` (not at all)."""
+
+    tier_dir: Path | None = None
+    """Where disk tiers without a directory keep their files (``None``: a temporary directory
+    removed when the server stops)."""
+
+    tier_fsync: bool = False
+    """Sync every disk-tier file before it counts as written (durable; slower)."""
+
+    tier_direct_io: bool = False
+    """Open disk-tier files with ``O_DIRECT`` where the filesystem allows it (bypasses the page
+    cache, so reads are the device's speed, not memory's)."""
+
+    tier_delay_s: Annotated[float, Bound(0.0, 60.0, "s")] = 0.0
+    """Added to every tier read and write: a slow device, for fault scenarios."""
+
+    max_prefetch_objects: Annotated[int, Bound(1, 1 << 20, "objects")] = 4096
+    """Objects being brought up from lower tiers at once; a lookup past it ends its hit at the
+    first chunk it could not send for (miss status ``prefetch_timeout``)."""
+
+    max_queued_tier_writes: Annotated[int, Bound(1, 1 << 20, "objects")] = 4096
+    """Writes to lower tiers queued at once; past it a write is dropped (counted)."""
+
     def __post_init__(self) -> None:
         problems = bound_problems(self, flag_name)
         if self.policy not in POLICIES:
@@ -146,6 +184,7 @@ class ServerConfig:
             )
         elif self.pool_dir is not None and self.pool_medium != "disk":
             problems.append("--pool-dir goes with --pool disk (a shm pool is in /dev/shm)")
+        problems += _tier_problems(self)
         if not is_loopback(self.host) and self.curve_dir is None:
             problems.append(
                 f"--host {self.host} is not loopback: tokens would cross the network in clear "
@@ -160,10 +199,32 @@ class ServerConfig:
         return self.max_tracked_chunks_per_client or max(1, self.max_tracked_chunks // 4)
 
 
+def _tier_problems(config: ServerConfig) -> list[str]:
+    problems = []
+    for text, parse in (
+        *((tier, parse_tier) for tier in config.tiers),
+        (config.tier_write, parse_write),
+        (config.prefetch, parse_prefetch),
+        (config.tier_promote, check_promote),
+    ):
+        try:
+            parse(text)
+        except ValueError as err:
+            problems.append(str(err))
+    if config.tiers and (config.metadata_only or config.pool_medium == "gpu"):
+        problems.append("--tier needs a host pool with bytes (not --metadata-only, not --pool gpu)")
+    return problems
+
+
 BOUNDS: dict[str, Bound] = field_bounds(ServerConfig)
 """The ranges the numeric fields declare (RELIABILITY.md lists the limits)."""
 
-_FLAGS = {"capacity_bytes": "--capacity", "prefault_bytes": "--prefault", "pool_medium": "--pool"}
+_FLAGS = {
+    "tiers": "--tier",
+    "capacity_bytes": "--capacity",
+    "prefault_bytes": "--prefault",
+    "pool_medium": "--pool",
+}
 
 
 def flag_name(name: str) -> str:

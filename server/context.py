@@ -26,6 +26,8 @@ from server.eviction_feed import EvictionFeed
 from server.objects import Eviction
 from server.pools import MemoryPool
 from server.state import ClientState, Counters, Deadlines
+from server.tiers.build import NullHierarchy
+from server.tiers.hierarchy import Hierarchy
 from testbed.core import protocol as p
 from testbed.core import telemetry
 from testbed.core.chunk_events import DROP, EVICT, namespace
@@ -108,6 +110,8 @@ class Shared:
     counters: Counters = field(default_factory=Counters)
     clients: dict[bytes, ClientState] = field(default_factory=dict)
     deadlines: Deadlines = field(default_factory=Deadlines)
+    tiers: Hierarchy = field(default_factory=NullHierarchy)
+    """The tiers below L1 (``server.tiers``; the null hierarchy when none)."""
 
     def limit(self, name: str, value: int, what: str) -> ServiceError:
         """The refusal of a request over the server-wide limit ``name`` (counted)."""
@@ -129,6 +133,7 @@ class Shared:
         """The evict span (linked to the stores that wrote the objects) and its chunk log."""
         if not eviction.objects:
             return
+        self.tiers.evicted(eviction, parent)  # write_back: the bytes are still in the pool
         self.evictions.record(eviction.keys)
         if eviction.reason == "capacity":
             self.counters.evicted_objects += len(eviction.objects)

@@ -35,6 +35,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for name, annotation in hints(ServerConfig).items():
         group: Any = next((groups[t] for t, test in GROUPS.items() if test(name)), parser)
         help_text = _help(docs.get(name, ""), name, getattr(defaults, name))
+        if name == "tiers":
+            group.add_argument(
+                flag_name(name), action="append", dest=name, metavar="TIER", help=help_text
+            )
+            continue
         if annotation is bool:
             group.add_argument(flag_name(name), action="store_true", dest=name, help=help_text)
             continue

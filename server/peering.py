@@ -45,6 +45,7 @@ import numpy as np
 
 from server.context import Call, Shared, Steps
 from server.objects import CacheObject, Eviction, Space
+from server.tiers.base import HitSource
 from testbed.core import protocol as p
 from testbed.core import telemetry
 from testbed.core.keys import ChunkHash
@@ -56,6 +57,8 @@ PEER_TIMEOUT_S = 1.0
 MAX_FETCH_BYTES = 64 << 20
 """Bytes one fetch may bring (a longer run is cut: the rest is computed)."""
 Asked = TypeVar("Asked", bound=p.PeerProbe)
+P2P_SOURCE: HitSource = "p2p"
+"""The hit source of a chunk a peer's copy brought (vLLM's name)."""
 PEER_STORER = "peer"
 """The storer named on objects a peer's copy wrote (their store was the peer's)."""
 

@@ -52,6 +52,7 @@ from server.pool import ExtentAllocator
 from server.pools import MemoryPool, make_pool
 from server.sessions import Sessions
 from server.state import ClientState, Counters
+from server.tiers.build import make_hierarchy
 from server.transfers import Transfers
 from testbed.core import protocol as p
 from testbed.core import telemetry
@@ -99,6 +100,14 @@ class CacheService:
         self.shared = Shared(
             config, clock, secrets.randbits(62) + 1, pool, cache, chunk_log or NullChunkLog()
         )
+        try:
+            self.shared.tiers = make_hierarchy(
+                config, cache, None if pool is None else pool.array, clock
+            )
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
         self.peering = Peering(self.shared)
         self.sessions = Sessions(self.shared, self.peering)
         self.transfers = Transfers(self.shared, self.sessions)
@@ -156,6 +165,7 @@ class CacheService:
 
     def close(self) -> None:
         self.peering.close()
+        self.shared.tiers.close()
         self.shared.chunk_log.close()
         for client in self.shared.clients.values():
             if client.worker is not None:
@@ -220,6 +230,17 @@ class CacheService:
         """Whether requests split into slices are waiting for :meth:`advance`."""
         return bool(self._running)
 
+    @property
+    def tiers_busy(self) -> bool:
+        """Whether tier I/O is in flight (the loop then collects it often: :meth:`pump`)."""
+        return self.shared.tiers.busy
+
+    def pump(self) -> None:
+        """Collects finished tier I/O (prefetches reach L1, writes commit below) and records
+        the L1 objects that leave with it (promotions for one load only)."""
+        for eviction in self.shared.tiers.pump():
+            self.shared.record_eviction(eviction)
+
     def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
         self.shared.counters.errors += 1
         return p.Error(rid=rid, code=code, message=message, epoch=self.epoch)
@@ -232,6 +253,7 @@ class CacheService:
         """Applies TTLs and deadlines: lock groups, operations, pending lookups, sessions,
         silent clients. Flushes the chunk log."""
         s = self.shared
+        self.pump()
         for released in s.cache.expire_groups():
             s.counters.expired_locks += released.num_locks
             self._record_release("ttl", released)

@@ -17,7 +17,7 @@ from server import quotas
 from server.context import Call, ServiceError, Shared, Steps
 from server.held import held_by
 from server.objects import CacheObject, Space
-from server.peering import Peering
+from server.peering import P2P_SOURCE, Peering
 from server.state import (
     SESSION_INDEX_BYTES,
     TRACKED_CHUNK_INDEX_BYTES,
@@ -26,7 +26,7 @@ from server.state import (
     PendingLookup,
     Session,
 )
-from server.tiers.base import L1_SOURCE, HitSource
+from server.tiers.lookups import hit_sources, prefetch, tier_miss_status
 from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
@@ -74,6 +74,7 @@ class Sessions:
         session = self.live.pop(session_id, None)
         if session is None:
             return
+        self.s.tiers.release_session(session_id)
         self.tracked_chunks -= session.tracked_chunks
         owner = self.s.clients.get(session.owner)
         if owner is not None:
@@ -249,15 +250,20 @@ class Sessions:
         s = self.s
         req = pending.request
         chunk_size = s.config.chunk_size
+        if s.tiers.enabled:
+            yield from prefetch(s, call, pending)
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
         hit = _hit(statuses)
         miss_status = statuses[hit] if hit < len(statuses) else ""
-        local_hit = hit
-        if miss_status == ABSENT and (yield from self.peering.fill(call, req, hit)):
+        copied = 0
+        if miss_status == ABSENT:
+            copied = yield from self.peering.fill(call, req, hit)
+        if copied:
+            for chunk_hash in req.chunk_hashes[hit : hit + copied]:
+                pending.from_tier.setdefault(chunk_hash, P2P_SOURCE)
             statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
-            hit = _hit(statuses)  # the local hit may have lost chunks while the peers answered
+            hit = _hit(statuses)
             miss_status = statuses[hit] if hit < len(statuses) else ""
-            local_hit = min(local_hit, hit)
         call.span.set_attributes(
             {
                 a.SESSION_ID: req.session_id,
@@ -277,6 +283,8 @@ class Sessions:
             call.span.set_attribute(a.LOOKUP_PENDING, True)
             return p.LookupResult(pending=True)
         space = Space(req.model, req.world_size, req.cache_salt)
+        if s.tiers.enabled and miss_status:
+            miss_status = tier_miss_status(s, space, req.chunk_hashes[hit], miss_status)
         hashes = req.chunk_hashes[:hit]
         self.track(session, ChunkRun(space, hashes, tuple(range(req.world_size))), lookup=True)
         handle = secrets.token_bytes(16)
@@ -293,6 +301,14 @@ class Sessions:
             s.cache.touch_object(obj, hit=True)
             if index % 256 == 255:
                 yield
+        by_tier = hit_sources(pending, hashes)
+        if s.tiers.enabled:
+            s.tiers.claimed(hit_objects)
+            s.tiers.release_session(req.session_id)
+            s.tiers.hit(hit_objects, call.traceparent)
+            call.span.set_attribute(
+                a.HIT_CHUNKS_BY_TIER, [f"{name}={n}" for name, n in sorted(by_tier.items())]
+            )
         session.handle = handle
         if s.chunk_log.enabled:
             _log_lookup(s, call, req, statuses)
@@ -310,7 +326,7 @@ class Sessions:
             num_locks=num_locks,
             handle=handle,
             miss_status=miss_status,
-            hit_chunks_by_tier=_by_tier({L1_SOURCE: local_hit, "p2p": hit - local_hit}),
+            hit_chunks_by_tier=by_tier,
         )
         if req.evictions_after is not None:
             removed = s.evictions.since(
@@ -326,10 +342,6 @@ class Sessions:
 
 def _hit(statuses: list[str]) -> int:
     return next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
-
-
-def _by_tier(chunks: dict[HitSource, int]) -> dict[str, int]:
-    return {source: count for source, count in chunks.items() if count}
 
 
 def _statuses(

@@ -78,6 +78,8 @@ class PendingLookup:
     request: p.Lookup
     deadline: float
     polls: int = 0
+    from_tier: dict[ChunkHash, str] = field(default_factory=dict)
+    """Chunks matched below L1 (and sent for), with the hit source that held them then."""
 
 
 @dataclass
@@ -155,6 +157,10 @@ class Counters:
     unauthenticated_closed: int = 0
     """Connections closed for not authenticating (``server.connections``; the loop copies
     its count here)."""
+    prefetch_timeouts: int = 0
+    """Lookups whose hit ended at a chunk still on its way up from a lower tier."""
+    tier_read_failures: int = 0
+    """Lookups whose hit ended at a chunk whose read from a lower tier failed."""
 
 
 class Deadlines:

@@ -231,6 +231,8 @@ class Transfers:
                     span_id=span_id or store.span_id,
                     nbytes=obj.nbytes,
                 )
+        if ok and store.objects:
+            s.tiers.stored(store.objects, store.objects[0].origin)
         for (session_id, space, rank), hashes in refresh.items():
             session = self.sessions.live.get(session_id)
             if session is not None:  # the request's end will refresh what it stored

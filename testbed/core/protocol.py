@@ -454,6 +454,35 @@ class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     """Where the pool lives (``None``: no pool, metadata only)."""
 
 
+class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One tier below L1 (``name`` L2, L3, ...; ``kind`` its hit-source name), since start."""
+
+    name: str
+    kind: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    num_objects: int = 0
+    reads: int = 0
+    """Objects read from the tier (each verified before it reached L1)."""
+    read_bytes: int = 0
+    writes: int = 0
+    """Objects written to the tier (write-through, selective and write-back alike)."""
+    written_bytes: int = 0
+    promotions: int = 0
+    """Objects read from the tier and committed in L1 (a prefetch that arrived)."""
+    demotions: int = 0
+    """Objects L1 evicted that went down to the tier (``write_back``)."""
+    write_backs: int = 0
+    """Demotions whose write succeeded."""
+    evictions: int = 0
+    """Objects the tier evicted to make room (its own policy)."""
+    failures: int = 0
+    """Reads and writes that failed (``failures_by_cause``): never a wrong byte served."""
+    failures_by_cause: dict[str, int] = {}
+    dropped_writes: int = 0
+    """Writes not even tried: the tier's write queue was full (back-pressure)."""
+
+
 class ServerStats(_Reply, tag="stats", kw_only=True):
     num_objects: int
     used_bytes: int
@@ -492,6 +521,12 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     unauthenticated_closed: int = 0
     """Connections closed for sending no authenticated request in time, or beyond the number
     of such connections allowed at once."""
+    tiers: list[TierStats] = []
+    """The tiers below L1, in order (empty: L1 only)."""
+    prefetch_timeouts: int = 0
+    """Chunks whose prefetch had not reached L1 when their lookup was answered."""
+    tier_read_failures: int = 0
+    """Chunks a lookup matched below L1 whose read failed (the hit ended there)."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):

@@ -32,6 +32,12 @@ SERVER_SET_PEERS = "kvcache.server.set_peers"
 SERVER_PEER_FETCH = "kvcache.server.peer_fetch"  # a lookup's copy from a peer (server.peering)
 SERVER_PEER_PROBE = "kvcache.server.peer_probe"  # a peer asked what this server holds
 SERVER_PEER_SERVE = "kvcache.server.peer_serve"  # a peer fetched objects from this server
+SERVER_TIER_READ = "kvcache.server.tier_read"  # one object read from a tier below L1
+SERVER_TIER_WRITE = "kvcache.server.tier_write"  # one object written to a tier below L1
+SERVER_TIER_PREFETCH = "kvcache.server.tier_prefetch"  # a lookup's chunks brought up into L1
+SERVER_TIER_PROMOTE = "kvcache.server.tier_promote"  # an object read below L1 committed in L1
+SERVER_TIER_DEMOTE = "kvcache.server.tier_demote"  # L1 evictions written down (write_back)
+SERVER_TIER_EVICT = "kvcache.server.tier_evict"  # a tier below L1 evicting to make room
 
 # --- common ---------------------------------------------------------------------------------
 OP = "kvcache.op"  # the protocol message a server span handled (lookup, store_begin, ...)
@@ -96,6 +102,13 @@ PEERS = "kvcache.peers"  # the peer servers a server asks (their URLs, or how ma
 PEER = "kvcache.peer"  # the peer (its index in the list SetPeers gave) a copy came from
 PEER_WAIT_MS = "kvcache.peer.wait_ms"  # probes + fetch, as the lookup waited for them
 PEER_OUTCOME = "kvcache.peer.outcome"  # copied | failed
+TIER = "kvcache.tier"  # L2, L3, ...: the level below L1 an operation touched
+TIER_KIND = "kvcache.tier.kind"  # disk | remote | p2p: the tier's hit-source name
+TIER_CAUSE = "kvcache.tier.cause"  # full | io_error | corrupt | unavailable | slow | dropped
+TIER_WRITE_POLICY = "kvcache.tier.write_policy"  # write_through | write_back | selective:N
+TIER_PROMOTE_POLICY = "kvcache.tier.promote_policy"  # none | retain
+PREFETCH_POLICY = "kvcache.tier.prefetch_policy"  # wait | best_effort | timeout:S
+HIT_CHUNKS_BY_TIER = "kvcache.lookup.hit_chunks_by_tier"  # per hit source: host=N,disk=M
 
 # --- request (engine) -------------------------------------------------------------------------
 PROMPT_TOKENS = "kvcache.request.prompt_tokens"

@@ -1,0 +1,87 @@
+"""What a lookup does with the tiers below L1: send for the chunks they hold (a prefetch),
+say why the hit ended at a chunk between tiers, and credit each hit chunk to its tier.
+
+Runs in the cache server process, inside the lookup handler (``server.sessions``), on the
+loop. A chunk counts as matched in the tier that held it when the lookup first matched it
+(``PendingLookup.from_tier``), even once its prefetch has brought it into L1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+
+from server.context import Call, Shared
+from server.objects import Eviction, Space
+from server.state import PendingLookup
+from server.tiers import spans
+from server.tiers.base import L1_SOURCE
+from testbed.core.keys import ChunkHash
+
+PREFETCH_TIMEOUT = "prefetch_timeout"
+"""Miss status: the chunk was on its way up from a lower tier when the lookup was answered."""
+TIER_READ_FAILED = "tier_read_failed"
+"""Miss status: the chunk's read from a lower tier failed (or did not verify)."""
+
+
+def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, None, None]:
+    """Sends for the lookup's chunks after its L1 prefix that a lower tier holds, in order,
+    until a chunk no tier holds (or the bound on prefetches, or no room in L1); lowers the
+    lookup's deadline to the prefetch policy's wait when it sent for any."""
+    req = pending.request
+    tiers = s.tiers
+    space = Space(req.model, req.world_size, req.cache_salt)
+    eviction = Eviction(reason="capacity")
+    started: dict[str, int] = {}
+    nbytes = 0
+    for chunk_hash in req.chunk_hashes:
+        keys = space.keys(chunk_hash)
+        objects = [s.cache.get(key) for key in keys]
+        if all(obj is not None and obj.committed for obj in objects):
+            continue
+        if any(obj is not None for obj in objects):
+            if not all(tiers.is_prefetching(key) for key in keys):
+                break  # a store in flight: the lookup waits for it as without tiers
+            record = tiers.prefetching[keys[0]]
+            pending.from_tier.setdefault(chunk_hash, tiers.source(record.tier))
+            continue
+        tier = tiers.holder(keys)
+        if tier is None or not tiers.prefetch(
+            keys, tier, req.session_id, call.traceparent, eviction
+        ):
+            break
+        source = tiers.source(tier)
+        pending.from_tier[chunk_hash] = source
+        started[source] = started.get(source, 0) + 1
+        nbytes += sum(tiers.prefetching[key].l1.nbytes for key in keys)
+        if call.spend(req.world_size):
+            yield
+    s.record_eviction(eviction, call.traceparent)
+    if started:
+        policy = tiers.settings.prefetch
+        wait_s = policy.wait_s(s.config.lookup_pending_timeout_s)
+        pending.deadline = min(pending.deadline, s.clock() + wait_s)
+        spans.prefetch_started(call.traceparent, req.session_id, started, nbytes, str(policy))
+
+
+def tier_miss_status(s: Shared, space: Space, chunk_hash: ChunkHash, status: str) -> str:
+    """``status`` of the chunk that ended the hit, refined by the tiers (and counted):
+    ``prefetch_timeout`` if it is still on its way up, ``tier_read_failed`` if its read
+    failed."""
+    keys = space.keys(chunk_hash)
+    if any(s.tiers.is_prefetching(key) for key in keys):
+        s.counters.prefetch_timeouts += 1
+        return PREFETCH_TIMEOUT
+    failed = [s.tiers.read_failed.pop(key, None) for key in keys]
+    if any(cause is not None for cause in failed):
+        s.counters.tier_read_failures += 1
+        return TIER_READ_FAILED
+    return status
+
+
+def hit_sources(pending: PendingLookup, hashes: Sequence[ChunkHash]) -> dict[str, int]:
+    """Hit source -> chunks of the hit ``hashes`` matched there (sums to ``len(hashes)``)."""
+    counts: dict[str, int] = {}
+    for chunk_hash in hashes:
+        source = pending.from_tier.get(chunk_hash, L1_SOURCE)
+        counts[source] = counts.get(source, 0) + 1
+    return counts
