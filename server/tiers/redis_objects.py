@@ -38,6 +38,12 @@ def encode_object(key: ChunkHash, data: bytes) -> bytes:
     return b"".join((_HEADER.pack(MAGIC, VERSION, len(name)), name, digest, data))
 
 
+def data_size(key: ChunkHash, value_nbytes: int) -> int | None:
+    """The data's size in a value of ``value_nbytes`` for ``key`` (``None``: no such value)."""
+    size = value_nbytes - _HEADER.size - len(key) - DIGEST_BYTES
+    return size if value_nbytes > 0 and size >= 0 else None
+
+
 def decode_object(key: ChunkHash, value: bytes) -> bytes | None:
     """The data of ``value`` if it is a sound object for ``key`` (module docstring)."""
     if len(value) < _HEADER.size:

@@ -34,12 +34,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from server.tiers.base import FailureCause
-from server.tiers.redis_objects import decode_object, encode_object, redis_key
+from server.tiers.redis_objects import data_size, decode_object, encode_object, redis_key
 from testbed.core.keys import ChunkHash
 
 ReadMiss = Literal["absent", "corrupt", "unavailable"]
@@ -84,6 +84,9 @@ class RedisStore:
 
     kind = "remote"
     """The hit-source name of this tier (vLLM's)."""
+    shared = True
+    """Other servers may write to it: the hierarchy asks it (:meth:`held_size`) for objects
+    its own index does not know."""
 
     def __init__(
         self,
@@ -153,6 +156,9 @@ class RedisStore:
         if value is None:
             self._forget(key, gone=True)
             self._miss("absent")
+            # To the hierarchy, which read it because it believed it held, the object is lost:
+            # Redis evicted it, restarted empty, or another server removed it.
+            self.last_failure = "unavailable"
             return None
         data = decode_object(key, value)
         if data is None:
@@ -203,6 +209,15 @@ class RedisStore:
 
     # -- beyond the interface ------------------------------------------------------------------
 
+    def held_size(self, key: ChunkHash) -> int | None:
+        """The size of the data held under ``key`` (by whichever server wrote it), without
+        reading it; ``None`` when absent or Redis cannot be asked."""
+        try:
+            length = int(self._call("strlen", redis_key(self.namespace, key)))
+        except RedisUnavailable:
+            return None
+        return data_size(key, length)
+
     def store_memory(self) -> dict[str, int | str]:
         """Redis's own view: ``used_memory``, ``maxmemory``, ``maxmemory_policy``, ``evicted_keys``
         (empty when it cannot be asked)."""
@@ -248,3 +263,12 @@ class RedisStore:
             self._used_bytes -= size
         if gone:
             self.stats.found_gone += 1
+
+
+def shared_sizes(store: object, keys: Sequence[ChunkHash]) -> list[int] | None:
+    """The sizes of ``keys``' data in ``store`` if it is shared (:attr:`RedisStore.shared`) and
+    holds every one; ``None`` otherwise (a store of this server's alone never is asked)."""
+    if not isinstance(store, RedisStore) or not keys:
+        return None
+    sizes = [store.held_size(key) for key in keys]
+    return None if any(size is None for size in sizes) else sizes  # type: ignore[return-value]

@@ -481,6 +481,9 @@ class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     failures_by_cause: dict[str, int] = {}
     dropped_writes: int = 0
     """Writes not even tried: the tier's write queue was full (back-pressure)."""
+    adopted: int = 0
+    """Objects another server wrote to a shared tier (redis), entered into this server's index
+    when a lookup found them there."""
 
 
 class ServerStats(_Reply, tag="stats", kw_only=True):
