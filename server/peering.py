@@ -26,7 +26,8 @@ the request's chunks, at a chunk nobody is storing here (``absent``), does
    until a heartbeat is answered again, so a dead peer costs one timeout, not one per lookup.
    Bytes whose digest does not verify, a chunk that does not fit, a chunk being stored here
    meanwhile: the fill stops at that chunk, nothing of it is committed. Every outcome is a
-   count in :class:`PeerStats` and an attribute of the span; never an error of the lookup.
+   count in :class:`~testbed.core.protocol.PeerStats` (``GetStats``) and an attribute of the
+   span; never an error of the lookup.
 
 The handlers run on the server's loop like every other: :meth:`Peering.fill` yields while it
 waits for the peers, so this server keeps answering (its peers' probes and fetches included)
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import blake3
@@ -63,33 +63,12 @@ PEER_STORER = "peer"
 """The storer named on objects a peer's copy wrote (their store was the peer's)."""
 
 
-@dataclass
-class PeerStats:
-    """What peering did, counted since the server started (in ``GetStats``)."""
-
-    lookups: int = 0
-    """Lookups that missed here and asked the peers."""
-    peer_hits: int = 0
-    """Of those, lookups that brought at least one chunk from a peer."""
-    chunks: int = 0
-    bytes: int = 0
-    probe_failures: int = 0
-    fetch_failures: int = 0
-    short_chunks: int = 0
-    """Chunks a peer said it held but did not send (evicted between probe and fetch, cut by
-    ``MAX_FETCH_BYTES``), or that could not be placed here."""
-    corrupt_objects: int = 0
-    served_probes: int = 0
-    served_chunks: int = 0
-    served_bytes: int = 0
-
-
 class Peering:
     """The peers of this server and the handlers of the peer requests (module docstring)."""
 
     def __init__(self, shared: Shared) -> None:
         self.s = shared
-        self.stats = PeerStats()
+        self.stats = p.PeerStats()
         self.peers: list[p.PeerEndpoint] = []
         self._clients: list[RpcClient] = []
 

@@ -486,6 +486,30 @@ class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     when a lookup found them there."""
 
 
+class PeerStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Peer-to-peer since start (``server.peering``): what this server's lookups brought from
+    its peers, and what it served them."""
+
+    lookups: int = 0
+    """Lookups that missed here and asked the peers."""
+    peer_hits: int = 0
+    """Of those, lookups that brought at least one chunk from a peer."""
+    chunks: int = 0
+    """Chunks copied from peers into L1."""
+    bytes: int = 0
+    probe_failures: int = 0
+    """Probes not answered (a peer down, or past the timeout)."""
+    fetch_failures: int = 0
+    short_chunks: int = 0
+    """Chunks a peer said it held but did not send (evicted between probe and fetch, past a
+    fetch's byte bound), or that could not be placed here."""
+    corrupt_objects: int = 0
+    """Objects whose bytes did not match their digest (never committed)."""
+    served_probes: int = 0
+    served_chunks: int = 0
+    served_bytes: int = 0
+
+
 class ServerStats(_Reply, tag="stats", kw_only=True):
     num_objects: int
     used_bytes: int
@@ -530,6 +554,8 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     """Chunks whose prefetch had not reached L1 when their lookup was answered."""
     tier_read_failures: int = 0
     """Chunks a lookup matched below L1 whose read failed (the hit ended there)."""
+    peers: PeerStats | None = None
+    """Peer-to-peer (``None``: this server was never given peers)."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):

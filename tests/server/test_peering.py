@@ -40,7 +40,11 @@ def test_a_miss_here_is_loaded_from_the_peer_with_its_bytes(start_server: StartS
         outcomes = reader.load(reader.allocate("r", TARGET_BLOCKS, loaded))
         reader.side.request_finished("r")
         assert not any(o.failed_block_ids for o in outcomes)
-        assert reader.stats().num_objects == 3  # copied into b's own L1
+        stats = reader.stats()
+        assert stats.num_objects == 3  # copied into b's own L1
+        assert stats.peers is not None and stats.peers.chunks == 3 and stats.peers.peer_hits == 1
+        served = writer.stats().peers
+        assert served is not None and served.served_chunks == 3
         same = [
             blocks_equal_across(writer, reader, SOURCE_BLOCKS[k], TARGET_BLOCKS[k])
             for k in range(STORED)
@@ -66,6 +70,8 @@ def test_a_peer_that_is_gone_is_a_miss_and_the_server_goes_on(start_server: Star
         a.close()
         assert reader.matched("r", TOKENS) == 0
         reader.side.request_finished("r")
+        peers = reader.stats().peers
+        assert peers is not None and peers.probe_failures == 1 and peers.chunks == 0
         reader.prefill("own", TOKENS, SOURCE_BLOCKS)  # b still serves its own
         assert reader.matched("r2", TOKENS) == 3 * CHUNK
         reader.side.request_finished("r2")
