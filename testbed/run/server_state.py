@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.quiescence import run_quiescent
@@ -51,10 +53,18 @@ def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | N
 
 
 def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts summed key by key: nested counts (a server's peer stats) summed alike, lists (its
+    tiers) one after the other, ``None`` (nothing to report) left out of the sum."""
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            total[key] = total.get(key, 0) + value
+            previous = total.get(key)
+            if previous is None or value is None:
+                total[key] = value if previous is None else previous
+            elif isinstance(value, dict):
+                total[key] = _summed([previous, value])
+            else:
+                total[key] = previous + value
     return total
 
 
@@ -71,8 +81,10 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
 
 
 def _fields(message: p.Reply) -> dict[str, Any]:
+    """The reply's fields as plain values (nested structs as dicts, as ``summary.json`` has
+    them)."""
     return {
-        name: getattr(message, name)
+        name: msgspec.to_builtins(getattr(message, name))
         for name in message.__struct_fields__
         if name not in ("v", "rid", "epoch")
     }
