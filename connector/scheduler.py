@@ -45,6 +45,7 @@ from connector.planner import (
 from connector.scheduler_client import ALL_TOKENS, SchedulerClient
 from connector.tracker import Admission, Phase, RequestTracker
 from testbed.core import telemetry
+from testbed.core.hit_sources import split_range
 from testbed.core.keys import KeyExtras, chunk_hashes
 from testbed.core.telemetry import attributes as a
 
@@ -122,6 +123,10 @@ class SchedulerSide:
                 if answer is None:
                     return None, False
                 tracker.hit_tokens = answer.hit_chunks * self.geometry.chunk_size
+                tracker.hit_tokens_by_source = {
+                    source: chunks * self.geometry.chunk_size
+                    for source, chunks in answer.hit_chunks_by_tier.items()
+                }
                 tracker.lookup_ok = answer.ok
                 tracker.lookup_refused = answer.refused
                 tracker.handle = answer.handle
@@ -146,11 +151,28 @@ class SchedulerSide:
                 server_hit_tokens=tracker.hit_tokens if tracker.lookup_ok else None,
                 promised_tokens=num_external_tokens,
                 lookup_status=_status(tracker),
+                hit_tokens_by_source=dict(tracker.hit_tokens_by_source),
             )
         release = lock_release_after_alloc(tracker, num_external_tokens, self.geometry)
         self.client.forget_lookup(tracker.session_id)
         if release is not None:
             self.client.free_locks(tracker.session_id, *release, parent=tracker.traceparent)
+
+    def hit_sources(self, request_id: str, num_external_tokens: int) -> dict[str, int]:
+        """The ``num_external_tokens`` vLLM accepted for ``request_id`` (after its engine hit)
+        split by the tier that held them at match time (:mod:`testbed.core.hit_sources`;
+        only non-zero counts; they sum to ``num_external_tokens``)."""
+        tracker = self.trackers.get(request_id)
+        if tracker is None or num_external_tokens <= 0:
+            return {}
+        start = tracker.engine_hit_tokens
+        counts = split_range(
+            start,
+            start + num_external_tokens,
+            tracker.hit_tokens_by_source,
+            tracker.hit_tokens or 0,
+        )
+        return {source: tokens for source, tokens in counts.items() if tokens}
 
     def build_plan(
         self, scheduled: Iterable[ScheduledRequest], preempted_ids: Iterable[str] = ()
@@ -303,6 +325,9 @@ class SchedulerSide:
             attributes[a.LOOKUP_STATUS] = first.lookup_status
             if first.server_hit_tokens is not None:
                 attributes[a.TOKENS_HIT] = first.server_hit_tokens
+                for source, tokens in first.hit_tokens_by_source.items():
+                    if source in a.TOKENS_HIT_BY_SOURCE:
+                        attributes[a.TOKENS_HIT_BY_SOURCE[source]] = tokens
         span.set_attributes(attributes)  # type: ignore[arg-type]
         span.end()
 

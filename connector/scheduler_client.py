@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 from connector.stats import StatsRecorder
 from testbed.core import protocol as p
@@ -53,6 +53,9 @@ class LookupAnswer:
     refused: bool = False
     """The server refused it for a limit or a client quota (``ok`` is False): a limit
     refusal, counted apart from failures."""
+    hit_chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    """Of ``hit_chunks``, how many each tier held at match time (hit-source name -> chunks;
+    empty: all L1's, a server without tiers)."""
 
 
 @dataclass
@@ -198,11 +201,21 @@ class SchedulerClient:
         refused: bool = False,
     ) -> None:
         hit_chunks = 0 if reply is None else reply.hit_chunks
+        by_tier = {} if reply is None else dict(reply.hit_chunks_by_tier)
         lookup.answer = LookupAnswer(
-            hit_chunks, b"" if reply is None else reply.handle, ok=error is None, refused=refused
+            hit_chunks,
+            b"" if reply is None else reply.handle,
+            ok=error is None,
+            refused=refused,
+            hit_chunks_by_tier=by_tier,
         )
         lookup.span.set_attributes(
             {
+                **{
+                    a.TOKENS_HIT_BY_SOURCE[s]: n * self.chunk_size
+                    for s, n in by_tier.items()
+                    if s in a.TOKENS_HIT_BY_SOURCE
+                },
                 a.CHUNKS_HIT: hit_chunks,
                 a.TOKENS_HIT: hit_chunks * self.chunk_size,
                 a.LOOKUP_POLLS: lookup.polls,

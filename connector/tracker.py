@@ -33,6 +33,9 @@ class Admission:
     lookup_status: str
     """``ok``, ``unavailable`` (down, timed out, an error), ``refused`` (a limit or quota of
     the server) or ``none`` (no complete chunk)."""
+    hit_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    """Of the server's hit, tokens each tier held at match time (hit-source name -> tokens;
+    empty: all L1's)."""
 
 
 class Phase(enum.Enum):
@@ -60,6 +63,8 @@ class RequestTracker:
     lookup_submitted: bool = False
     hit_tokens: int | None = None
     """Chunk-aligned external hit; ``None`` until the lookup is answered."""
+    hit_tokens_by_source: dict[str, int] = field(default_factory=dict)
+    """Of ``hit_tokens``, the tokens each tier held at match time (``host``, ``disk``, ...)."""
     lookup_ok: bool = True
     """Whether the lookup was answered (False: server down, timed out or refused)."""
     lookup_refused: bool = False
@@ -89,6 +94,7 @@ class RequestTracker:
         self.phase = Phase.LOOKUP
         self.lookup_submitted = False
         self.hit_tokens = None
+        self.hit_tokens_by_source = {}
         self.lookup_ok = True
         self.lookup_refused = False
         self.handle = b""

@@ -88,6 +88,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_VLLM_SOURCES = {
+    "host": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "p2p": CacheHitSource.P2P,
+}
+"""Our hit-source names as vLLM's (``remote`` has none: ``external_unspecified``)."""
+
 
 class KVTBConnectorMetadata(KVConnectorMetadata):
     """The step's plan, from the scheduler side to every worker."""
@@ -98,7 +105,7 @@ class KVTBConnectorMetadata(KVConnectorMetadata):
 
 
 class KVTBConnector(KVConnectorBase_V1):
-    # The cache server's pool is host memory: vLLM counts these hits under "host".
+    # The default when a request has no per-tier split (get_external_cache_hit_sources).
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
@@ -386,6 +393,20 @@ class KVTBConnector(KVConnectorBase_V1):
         self.scheduler_side.update_state_after_alloc(
             request.request_id, single_group(blocks.get_block_ids()), num_external_tokens
         )
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's ``prompt_tokens_cached_by_source``: the accepted external hit split by the
+        tier the server matched each chunk in (``host`` L1, ``disk``, ``p2p``; a remote
+        store has no name of vLLM's and counts as ``external_unspecified``)."""
+        assert self.scheduler_side is not None
+        split = self.scheduler_side.hit_sources(request.request_id, num_external_tokens)
+        sources: dict[CacheHitSource, int] = {}
+        for name, tokens in split.items():
+            source = _VLLM_SOURCES.get(name, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + tokens
+        return sources
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None

@@ -33,6 +33,7 @@ import pandas as pd
 from testbed.analysis.chunk_causes import CHUNK_CAUSES, chunk_causes
 from testbed.analysis.routing import overlap, route_table, routing_region
 from testbed.analysis.tables import Run
+from testbed.core.hit_sources import HIT_SOURCES
 from testbed.core.telemetry import attributes as a
 
 CATEGORIES = (
@@ -48,8 +49,15 @@ CATEGORIES = (
     "refused",
     "engine_only",
     "routing",
+    "prefetch_timeout",
+    "tier_read_failed",
+    "store_dropped",
 )
 """Every prompt token is in exactly one of these (summary.json's ``tokens`` table)."""
+EXTERNAL_BY_SOURCE = tuple(f"external_{source}" for source in HIT_SOURCES)
+"""``external`` split by the tier the server matched each token's chunk in at lookup
+(``external_host`` ... ``external_p2p``; they sum to ``external``, and are not categories of
+their own: summary.json's ``tokens`` table carries them beside the categories)."""
 MISS_CAUSES = CATEGORIES[2:]
 """The categories of tokens the engine computed (every category but engine and external)."""
 LOOKUP_OK, LOOKUP_UNAVAILABLE, LOOKUP_NONE = "ok", "unavailable", "none"
@@ -76,6 +84,7 @@ COLUMNS = (
     "chunk_size",
     "tp_size",
     *CATEGORIES,
+    *EXTERNAL_BY_SOURCE,
     "causes_resolved",
 )
 
@@ -99,10 +108,15 @@ def attribution(run: Run | Path | str) -> pd.DataFrame:
 
 
 def token_causes(attr: pd.DataFrame) -> pd.Series:
-    """Sums of every category over the requests of ``attr`` (summary.json's ``tokens``)."""
-    return pd.Series(
-        {name: int(attr[name].sum()) if len(attr) else 0 for name in CATEGORIES}, dtype="int64"
-    )
+    """Sums of every category, and of ``external`` by hit source, over the requests of
+    ``attr`` (summary.json's ``tokens``; a table without the split counts it all as host)."""
+    sums = {name: int(attr[name].sum()) if len(attr) else 0 for name in CATEGORIES}
+    for name in EXTERNAL_BY_SOURCE:
+        if name in attr:
+            sums[name] = int(attr[name].sum()) if len(attr) else 0
+        else:
+            sums[name] = sums["external"] if name == "external_host" else 0
+    return pd.Series(sums, dtype="int64")
 
 
 def as_run(run: Run | Path | str) -> Run:
@@ -133,6 +147,12 @@ def connector_requests(spans: pd.DataFrame) -> pd.DataFrame:
             "engine_hit_tokens": _ints(rows, a.ENGINE_HIT_TOKENS),
             "promised_tokens": _ints(rows, a.PROMISED_TOKENS),
             "server_hit_tokens": hit.astype("Int64").to_numpy(),
+            **{
+                f"hit_{source}_tokens": _numbers(rows, a.TOKENS_HIT_BY_SOURCE[source])
+                .fillna(0)
+                .to_numpy(dtype=np.int64)
+                for source in HIT_SOURCES
+            },
             "lookup_status": np.where(status == "", implied, status),
             "chunk_size": _ints(rows, a.CHUNK_SIZE, fallback=f"resource.{a.CHUNK_SIZE}"),
             "tp_size": np.maximum(_ints(rows, a.TP_SIZE, fallback=f"resource.{a.TP_SIZE}"), 1),
@@ -246,6 +266,8 @@ def attribute(
             "routing": routing[1] - routing[0],
         }
     )
+    for name, tokens in external_by_source(requests, E, X, H).items():
+        out[name] = tokens
     causes, resolved = chunk_causes(requests, regions, chunks)
     for name in CHUNK_CAUSES:
         out[name] = causes[name]
@@ -254,6 +276,32 @@ def attribute(
     out.attrs["chunk_log"] = chunks is not None
     out.attrs["clamped_requests"] = clamped
     return out
+
+
+def external_by_source(
+    requests: pd.DataFrame, E: np.ndarray, X: np.ndarray, H: np.ndarray
+) -> dict[str, np.ndarray]:
+    """``external`` ``[E, E+X)`` per hit source: its overlap with the server's hit laid out
+    as :mod:`testbed.core.hit_sources` lays it out (L1's chunks first, then each lower tier's,
+    by the per-tier hit tokens the request span recorded; without them, all L1's)."""
+    lower = {
+        s: requests[f"hit_{s}_tokens"].to_numpy(dtype=np.int64)
+        if f"hit_{s}_tokens" in requests
+        else np.zeros(len(requests), dtype=np.int64)
+        for s in HIT_SOURCES[1:]
+    }
+    start = np.maximum(H - sum(lower.values(), np.zeros(len(requests), dtype=np.int64)), 0)
+    low, high = E, E + X
+    result = {"external_host": np.zeros(len(requests), dtype=np.int64)}
+    for source in HIT_SOURCES[1:]:
+        end = start + lower[source]
+        result[f"external_{source}"] = np.clip(
+            np.minimum(high, end) - np.maximum(low, start), 0, None
+        ).astype(np.int64)
+        start = end
+    lower_total = np.sum([result[f"external_{s}"] for s in HIT_SOURCES[1:]], axis=0)
+    result["external_host"] = (X - lower_total).astype(np.int64)
+    return result
 
 
 def loaded_tokens(

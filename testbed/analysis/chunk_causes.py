@@ -18,7 +18,14 @@ from testbed.analysis.routing import overlap
 
 CHUNK_HIT, CHUNK_IN_FLIGHT, CHUNK_ABSENT = "hit", "in_flight", "absent"
 """A lookup row's ``status``."""
-CHUNK_CAUSES = ("in_flight", "capacity", "cold")
+PREFETCH_TIMEOUT, TIER_READ_FAILED = "prefetch_timeout", "tier_read_failed"
+"""Lookup row statuses of a server with tiers: the chunk was matched below L1 but its
+prefetch had not reached L1 when the lookup was answered, or its read failed (or did not
+verify)."""
+STORE_DROPPED = "store_dropped"
+"""The ``cause`` of a ``drop`` row for a write the server dropped under back-pressure (its
+queue full): a later lookup that finds the chunk absent lost it to that drop."""
+CHUNK_CAUSES = ("in_flight", "capacity", "cold", PREFETCH_TIMEOUT, TIER_READ_FAILED, STORE_DROPPED)
 """The causes read from the chunk log (token categories of attribution)."""
 
 
@@ -62,7 +69,7 @@ def first_lookup_rows(chunks: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-_CAUSES = (CHUNK_HIT, "in_flight", "capacity", "cold")  # codes 0..3
+_CAUSES = (CHUNK_HIT, "in_flight", "capacity", "cold", *CHUNK_CAUSES[3:])  # codes 0..6
 
 
 def _own_causes(
@@ -73,15 +80,24 @@ def _own_causes(
     commits = (chunks["event"] == "commit").to_numpy()
     first_commit = np.full(int(keys.max(initial=-1)) + 1, np.iinfo(np.int64).max)
     np.minimum.at(first_commit, keys[commits], chunks["seq"].to_numpy()[commits])
-    committed_before = first_commit[row_keys] < rows["seq"].to_numpy()
+    seq = rows["seq"].to_numpy()
+    committed_before = first_commit[row_keys] < seq
+    drops = ((chunks["event"] == "drop") & (chunks["cause"] == STORE_DROPPED)).to_numpy()
+    last_drop = np.full(len(first_commit), -1, dtype=np.int64)
+    np.maximum.at(last_drop, keys[drops], chunks["seq"].to_numpy()[drops])
+    dropped_before = (last_drop[row_keys] >= 0) & (last_drop[row_keys] < seq)
     status = rows["status"]
+    absent = (status == CHUNK_ABSENT).to_numpy()
     return np.select(
         [
             (status == CHUNK_HIT).to_numpy(),
             (status == CHUNK_IN_FLIGHT).to_numpy(),
+            (status == PREFETCH_TIMEOUT).to_numpy(),
+            (status == TIER_READ_FAILED).to_numpy(),
+            absent & dropped_before,
             committed_before,
         ],
-        [0, 1, 2],
+        [0, 1, 4, 5, 6, 2],
         default=3,
     ).astype(np.int8)
 

@@ -22,6 +22,7 @@ the readable form ``kvtb explain RUN REQUEST_ID`` prints.
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 
@@ -133,7 +134,25 @@ class Explainer:
             first_miss=None if first is None else self._miss(row, first, chunks, route),
             causes_resolved=bool(row["causes_resolved"]),
             route=route,
+            external_by_source={
+                name.removeprefix("external_"): int(row[name]) for name in acc.EXTERNAL_BY_SOURCE
+            },
+            tier_traffic=self._tier_traffic(),
         )
+
+    def _tier_traffic(self) -> dict | None:
+        """summary.json's ``server_tiers`` and ``server_tier_lookups`` (``None``: no tiers,
+        or no summary yet)."""
+        path = self.run.path / "summary.json"
+        if not path.is_file():
+            return None
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not summary.get("server_tiers"):
+            return None
+        return {"levels": summary["server_tiers"], **(summary.get("server_tier_lookups") or {})}
 
     def _route(self, row: pd.Series) -> Route | None:
         workload_id = _text(row["workload_request_id"])

@@ -9,11 +9,13 @@ one request), its first miss (:class:`Miss`) and, in a fleet, its routing (:clas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
 from testbed.analysis import attribution as acc
 from testbed.analysis.chunk_causes import CHUNK_HIT
+from testbed.core.sizes import format_bytes
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class RequestStory:
     causes_resolved: bool
     route: Route | None = None
     """Fleets: where the request went and why."""
+    external_by_source: dict[str, int] | None = None
+    """``external`` by the tier each token's chunk was matched in (``host``, ``disk``, ...)."""
+    tier_traffic: dict[str, Any] | None = None
+    """The run's tiers below L1 and their traffic (summary.json ``tiers``), when it had any."""
 
     def __str__(self) -> str:
         names = [f"workload {self.workload_request_id}"] if self.workload_request_id else []
@@ -130,6 +136,13 @@ class RequestStory:
             f"  vLLM's own prefix cache: {self.engine_hit_tokens} tokens; promised to load: "
             f"{self.promised_tokens}; loaded: {self.external_hit_tokens}",
         ]
+        split = {k: v for k, v in (self.external_by_source or {}).items() if v}
+        if set(split) - {"host"}:
+            lines.append(
+                "  loaded by tier: " + ", ".join(f"{name} {n}" for name, n in split.items())
+            )
+        if self.tier_traffic:
+            lines += tier_lines(self.tier_traffic)
         if self.lookup:
             lines.append("  chunks: " + ", ".join(chunk_text(c) for c in self.lookup))
         lines.append("  tokens:")
@@ -163,6 +176,26 @@ class RequestStory:
         hit = self.server_hit_tokens or 0
         chunks = f" ({hit // self.chunk_size} of {len(self.lookup)} chunks)" if self.lookup else ""
         return f"ok, server hit {hit} tokens{chunks}"
+
+
+def tier_lines(traffic: dict[str, Any]) -> list[str]:
+    """The run's tier traffic (summary.json ``server_tiers`` by tier name, and
+    ``server_tier_lookups``), a line per tier below L1."""
+    lines = []
+    for name, tier in (traffic.get("levels") or {}).items():
+        lines.append(
+            f"  run's tier {name} ({tier['kind']}, {format_bytes(tier['capacity_bytes'])}):"
+            f" reads {tier['reads']} ({format_bytes(tier['read_bytes'])}), writes "
+            f"{tier['writes']} ({format_bytes(tier['written_bytes'])}), promotions "
+            f"{tier['promotions']}, demotions {tier['demotions']}, write-backs "
+            f"{tier['write_backs']}, evictions {tier['evictions']}, failures {tier['failures']}, "
+            f"dropped writes {tier['dropped_writes']}"
+        )
+    lines.append(
+        f"  run's prefetch timeouts {traffic.get('prefetch_timeouts', 0)}, tier read failures "
+        f"{traffic.get('tier_read_failures', 0)} (chunks)"
+    )
+    return lines
 
 
 def segments(row: pd.Series, chunks: list[ChunkLookup], route: Route | None) -> list[Segment]:

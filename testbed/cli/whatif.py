@@ -63,6 +63,25 @@ def add_whatif_parser(commands: Any) -> None:
         "--time-profiles", help="comma-separated time models: flat, h100, h200, a100, l40s"
     )
     parser.add_argument("--hardware-file", type=absolute_path, help="TOML hardware profiles to add")
+    parser.add_argument(
+        "--tiers", action="store_true",
+        help="hit tokens per tier (L1 host, L2 disk) at every (L1, L2) capacity pair",
+    )  # fmt: skip
+    parser.add_argument("--l1", help="--tiers: comma-separated L1 capacities (tokens)")
+    parser.add_argument("--l2", help="--tiers: comma-separated L2 capacities (tokens)")
+    parser.add_argument(
+        "--tier-policies", default="write_through+retain",
+        help="--tiers: comma-separated TIER_WRITE+TIER_PROMOTE (write_through+retain is one "
+        "pass; write_back, selective:N and promotion none are simulated)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tier-time", metavar="PROFILE",
+        help="--tiers: project each point's mean TTFT under this time model (h100, ...)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tier-links", default="gen5", metavar="NAME",
+        help="--tiers: the links of the projection (gen4, gen5, gen5-400g; default gen5)",
+    )  # fmt: skip
     parser.add_argument("--figures", action="store_true", help="also write PNG figures")
     parser.add_argument("--out", type=absolute_path, required=True, help="output directory")
 
@@ -81,6 +100,7 @@ def run_whatif(args: argparse.Namespace) -> int:
         policy_points=args.policy_points,
         time_profiles=tuple(_items(args.time_profiles)),
         hardware=load_hardware(args.hardware_file) if args.hardware_file else None,
+        tiers=_tier_grid(args),
     )
     if args.source and args.workload:
         raise ValueError("give SOURCE or --workload, not both")
@@ -96,6 +116,32 @@ def run_whatif(args: argparse.Namespace) -> int:
         _write_figures(whatif, args.out)
     _print_summary(whatif, path)
     return 0
+
+
+def _tier_grid(args: argparse.Namespace) -> Any:
+    if not args.tiers:
+        if args.l1 or args.l2:
+            raise ValueError("--l1 and --l2 need --tiers")
+        return None
+    from testbed.analysis.whatif.tiers import TierGrid
+    from testbed.models.tier_sim import TierPolicy
+
+    policies = []
+    for item in _items(args.tier_policies):
+        write, plus, promote = item.partition("+")
+        if not plus:
+            raise ValueError(
+                f"--tier-policies expects TIER_WRITE+TIER_PROMOTE items "
+                f"(e.g. write_back+none), got {item!r}"
+            )
+        policies.append(TierPolicy(write, promote))
+    return TierGrid(
+        _ints(args.l1, "--l1") or (),
+        _ints(args.l2, "--l2") or (),
+        tuple(policies),
+        time_profile=args.tier_time,
+        links=args.tier_links,
+    )
 
 
 def _workload_spec(args: argparse.Namespace, workload: str) -> Any:
@@ -152,6 +198,8 @@ def _print_summary(whatif: Any, path: Path) -> None:
             f"{run['measured_external_hit_tokens']:,} "
             f"(residual {run['residual_fraction_of_prompt_tokens']:+.3%} of prompt tokens)"
         )
+    if whatif.tiers is not None:
+        _print_tiers(whatif.tiers)
     sampling = meta.get("sampling")
     if sampling:
         errors = ", ".join(f"{k}: {v:.4f}" for k, v in sampling["estimated_max_error"].items())
@@ -163,6 +211,28 @@ def _print_summary(whatif: Any, path: Path) -> None:
                 f"  {row['time_profile']}, chunk {row['chunk_size']}: a hit pays from "
                 f"{row['break_even_prompt_tokens']} prompt tokens"
             )
+
+
+def _print_tiers(tiers: Any) -> None:
+    """One line per (chunk size, policy, L1): the largest L2 of the grid (tiers.parquet has all)."""
+    columns = ["chunk_size", "tier_write", "tier_promote", "l1_capacity_tokens"]
+    order = [*columns, "l2_capacity_tokens"]
+    largest = tiers.sort_values(order).groupby(columns, sort=False).tail(1)
+    for row in largest.to_dict("records"):
+        print(
+            f"  tiers ({row['method'].replace('_', ' ')}, {row['tier_write']}+"
+            f"{row['tier_promote']}), chunk {row['chunk_size']}, L1 "
+            f"{row['l1_capacity_tokens']:,} / L2 {row['l2_capacity_tokens']:,} tokens: "
+            f"host {row['host_hit_rate']:.2%}, disk {row['disk_hit_rate']:.2%}, "
+            f"total {row['token_hit_rate']:.2%}"
+            + (
+                f"; projected TTFT {row['ttft_mean_ms']:.1f} ms "
+                f"(no cache {row['ttft_no_cache_mean_ms']:.1f} ms, {row['time_profile']}, "
+                f"links {row['tier_profile']})"
+                if row.get("ttft_mean_ms") is not None
+                else ""
+            )
+        )
 
 
 def _items(text: str | None) -> list[str]:

@@ -53,18 +53,21 @@ def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | N
 
 
 def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Counts summed key by key: nested counts (a server's peer stats) summed alike, lists (its
-    tiers) one after the other, ``None`` (nothing to report) left out of the sum."""
+    """Counts summed key by key; tables (a tier's counts, by tier; a server's peer counts)
+    summed inside, text (a tier's kind) kept from the first, ``None`` (nothing to report) left
+    out of the sum."""
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            previous = total.get(key)
-            if previous is None or value is None:
-                total[key] = value if previous is None else previous
+            if value is None:
+                total.setdefault(key, None)
             elif isinstance(value, dict):
-                total[key] = _summed([previous, value])
+                total[key] = _summed([total.get(key) or {}, value])
+                total[key] = _summed([total.get(key, {}), value])
+            elif isinstance(value, str):
+                total.setdefault(key, value)
             else:
-                total[key] = previous + value
+                total[key] = total.get(key, 0) + value
     return total
 
 
@@ -81,10 +84,17 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
 
 
 def _fields(message: p.Reply) -> dict[str, Any]:
-    """The reply's fields as plain values (nested structs as dicts, as ``summary.json`` has
-    them)."""
-    return {
-        name: msgspec.to_builtins(getattr(message, name))
+    """A reply's counts; a server's ``tiers`` as a table by tier name (``L2``: its counts)."""
+    fields = {
+        name: getattr(message, name)
         for name in message.__struct_fields__
         if name not in ("v", "rid", "epoch")
     }
+    if fields.get("peers") is not None:
+        fields["peers"] = msgspec.structs.asdict(fields["peers"])
+    if "tiers" in fields:
+        fields["tiers"] = {
+            tier.name: {k: v for k, v in msgspec.structs.asdict(tier).items() if k != "name"}
+            for tier in fields["tiers"]
+        }
+    return fields

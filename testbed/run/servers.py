@@ -2,10 +2,12 @@
 per instance with servers 'per-instance'), each with the spec's chunk size, capacity, pool
 and policy, its telemetry in the run directory and the spec's trace sampler; stopped when the
 run is done with them. With ``p2p``, every per-instance server is told the others once all
-are up (``server.peering``)."""
+are up (``server.peering``); redis tiers without a URL share the run's own Redis
+(``testbed.run.redis_tiers``)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from server.launch import ServerProcess
+from server.tiers.spec import parse_tier
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.rpc import RpcClient
@@ -21,7 +24,9 @@ from testbed.run import footprint
 from testbed.run.interface import StartedServer
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
+from testbed.run.redis_tiers import with_run_redis
 from testbed.run.server_state import merged_states, server_state_after
+from testbed.spec.runspec import RunSpec
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,15 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
     env = sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio)
     count = spec.instances if spec.servers == "per-instance" else 1
     with ExitStack() as stack:
+        args += tier_arguments(spec, with_run_redis(spec.tiers, run_dir, stack))
         started = []
         for k in range(count):
             log_path = run_dir / ("server.log" if k == 0 else f"server-{k}.log")
-            process = ServerProcess(args, env=env, log_path=log_path).start()
+            own = _tier_dir(spec, run_dir, k)
+            if own is not None:  # the run's own disk tiers go with it
+                stack.callback(shutil.rmtree, own.parent, True)
+            tiers = [] if own is None else ["--tier-dir", str(own)]
+            process = ServerProcess(args + tiers, env=env, log_path=log_path).start()
             stack.callback(process.close)
             endpoint = ServerEndpoint(process.url, process.token, process.admin_token)
             started.append(StartedServer(endpoint, process.token_file))
@@ -89,6 +99,28 @@ def set_peers(endpoints: Sequence[ServerEndpoint]) -> None:
         ]
         with RpcClient(endpoint.url, role="run", token=endpoint.admin_token) as admin:
             admin.call(p.SetPeers(peers=peers))
+
+
+def tier_arguments(spec: RunSpec, tiers: Sequence[str] | None = None) -> list[str]:
+    """The server flags of the spec's tiers (or of ``tiers``, the same with the run's own
+    Redis named) and their policies (none without tiers)."""
+    tiers = spec.tiers if tiers is None else tiers
+    if not tiers:
+        return []
+    args = [flag for tier in tiers for flag in ("--tier", tier)]
+    return args + [
+        "--tier-write", spec.tier_write,
+        "--tier-promote", spec.tier_promote,
+        "--prefetch", spec.prefetch,
+    ]  # fmt: skip
+
+
+def _tier_dir(spec: RunSpec, run_dir: Path, number: int) -> Path | None:
+    """Where server ``number``'s disk tiers without a directory keep their files (``None``:
+    every tier names its own)."""
+    if not any(parse_tier(tier).where is None for tier in spec.tiers):
+        return None
+    return run_dir / "tiers" / f"server-{number}"
 
 
 def _unlimited_capacity(plan: RunPlan) -> int:

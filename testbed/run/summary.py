@@ -18,7 +18,12 @@ from typing import Any
 import pandas as pd
 
 from testbed.analysis import metrics
-from testbed.analysis.attribution import CATEGORIES, attribution, token_causes
+from testbed.analysis.attribution import (
+    CATEGORIES,
+    EXTERNAL_BY_SOURCE,
+    attribution,
+    token_causes,
+)
 from testbed.analysis.chunklog import has_chunk_log, write_chunk_parquet
 from testbed.analysis.fleet import routed_summary
 from testbed.analysis.tables import Run
@@ -76,6 +81,9 @@ def _oracle_table(result: EngineResult, engine: pd.DataFrame, chunk_size: int) -
     for name in CATEGORIES:
         table[name] = 0
     table["external"] = hits
+    for name in EXTERNAL_BY_SOURCE:
+        table[name] = 0
+    table["external_host"] = hits
     table["partial_chunk"] = prompt - complete - (hits - complete).clip(lower=0)
     table["capacity"] = (unlimited - hits).clip(lower=0)
     table["cold"] = (complete - unlimited.clip(lower=hits)).clip(lower=0)
@@ -111,6 +119,7 @@ def build_summary(
     summary.update(_traffic(run, summary["prompt_tokens"], bytes_per_token))
     summary.update(_server_state(server_after))
     summary["chunk_events_dropped"] = _chunk_events_dropped(server_after, chunk_log)
+    summary["server_tier_lookups"] = tier_lookups(server_after)
     if summary["chunk_events_dropped"]:
         missing.append(
             f"{summary['chunk_events_dropped']} chunk log events not written by the server "
@@ -241,7 +250,7 @@ def sampling_summary(spec: RunSpec, served: int, recorded: int) -> dict[str, Any
 
 def _token_figures(requests: pd.DataFrame) -> dict[str, Any]:
     if not len(requests):
-        return {"tokens": {name: 0 for name in CATEGORIES}}
+        return {"tokens": {name: 0 for name in (*CATEGORIES, *EXTERNAL_BY_SOURCE)}}
     causes = token_causes(requests)
     return {
         "engine_hit_tokens": int(requests["engine_hit_tokens"].sum()),
@@ -251,7 +260,7 @@ def _token_figures(requests: pd.DataFrame) -> dict[str, Any]:
         "token_hit_rate": metrics.token_hit_rate(requests),
         "external_token_hit_rate": metrics.external_token_hit_rate(requests),
         "mean_request_hit_rate": metrics.mean_request_hit_rate(requests),
-        "tokens": {name: int(causes[name]) for name in CATEGORIES},
+        "tokens": {name: int(causes[name]) for name in (*CATEGORIES, *EXTERNAL_BY_SOURCE)},
     }
 
 
@@ -265,6 +274,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
             "server_state_after": None,
             "server_state_scope": None,
             "server_locks_after": None,
+            "server_tiers": None,
         }
     own = server_after.get("held")
     source, keys = (
@@ -278,6 +288,19 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
         "server_state_scope": "run" if own is not None else "server",
         "server_locks_after": held["num_locks"],
         "server_index_bytes": int(server_after["index_bytes"]),
+        "server_tiers": server_after.get("tiers") or {},
+    }
+
+
+def tier_lookups(server_after: dict[str, Any] | None) -> dict[str, int] | None:
+    """The lookups' losses between tiers (server counters since its start): chunks whose
+    prefetch was late (``prefetch_timeouts``) or whose read below L1 failed
+    (``tier_read_failures``); ``None`` without tiers or without the server's answer."""
+    if server_after is None or not server_after.get("tiers"):
+        return None
+    return {
+        "prefetch_timeouts": int(server_after.get("prefetch_timeouts", 0)),
+        "tier_read_failures": int(server_after.get("tier_read_failures", 0)),
     }
 
 

@@ -46,6 +46,16 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         annotation = hints[name]
         default = getattr(defaults, name)
+        if name == "tiers":
+            parser.add_argument(
+                "--tier",
+                dest="tiers",
+                action="append",
+                default=None,
+                metavar="KIND:CAPACITY[:WHERE]",
+                help="a tier below the cache server's L1 (repeatable, in order; disk:8GiB:DIR)",
+            )
+            continue
         if annotation is bool:
             parser.add_argument(
                 flag,
@@ -100,6 +110,9 @@ def spec_from_args(args: argparse.Namespace) -> RunSpec:
     for name in RunSpec.keys():  # noqa: SIM118 (a classmethod, not a dict)
         raw = getattr(args, name, None)
         if raw is None or name in _PARAM_FLAGS:
+            continue
+        if isinstance(raw, list):  # a repeatable flag (--tier)
+            flags[name] = raw
             continue
         flags[name] = raw if isinstance(raw, bool) else _parse_flag(name, raw, hints[name])
     if "workload" in flags:

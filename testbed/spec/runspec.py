@@ -59,13 +59,18 @@ SPEC_MIGRATIONS: dict[str, Any] = {
     "router_params": {},
     "servers": "shared",
     "p2p": False,
+    "tiers": [],
+    "tier_write": "write_through",
+    "tier_promote": "none",
+    "prefetch": "wait",
 }
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
 they did). While a field has that value it is left out of the run id (older ids stay), and a
 ``spec.json`` that lacks the field compares as holding it. Added since version 3: the fleet's
 ``instances``, ``router``, ``router_params`` and ``servers`` (runs before them had one
-instance)."""
+instance); the hierarchy's ``tiers``, ``tier_write``, ``tier_promote`` and ``prefetch`` (runs
+before them had L1 alone)."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
@@ -166,6 +171,16 @@ class RunSpec:
     p2p: bool = False
     """fleet with servers 'per-instance': a lookup that misses on an instance's server asks
     the other instances' servers, and a peer's hit is copied into it (hit source ``p2p``)."""
+    tiers: list[str] = field(default_factory=list)
+    """Tiers below the cache server's L1, in order, each ``KIND[@POLICY]:CAPACITY[:WHERE]``
+    (``disk:8GiB:/data/kv``; without WHERE a disk tier uses a directory of the run's own,
+    removed at the end); ``--tier``, repeatable. See docs/tiers.md."""
+    tier_write: str = "write_through"
+    """When a chunk goes below L1: write_through, write_back or selective:N."""
+    tier_promote: str = "none"
+    """A hit below L1: none (copied into L1 for its load only) or retain (stays in L1)."""
+    prefetch: str = "wait"
+    """How long a lookup waits for chunks below L1: wait, timeout:S or best_effort."""
 
     def __post_init__(self) -> None:
         problems = bound_problems(self)
@@ -223,6 +238,7 @@ class RunSpec:
                 f"one of {', '.join(shaped)}"
             )
         problems += _fleet_problems(self)
+        problems += _tier_problems(self)
         if ":" in self.workload and _closed_loop(self.workload, self.workload_params):
             if self.engine in ("vllm", "serve"):
                 problems.append(
@@ -316,6 +332,8 @@ class RunSpec:
                 f"{', '.join(map(repr, unknown))}; valid keys: {', '.join(cls.keys())}"
             )
         resolved = dict(values)
+        if isinstance(resolved.get("tiers"), str):  # one tier: tiers = "disk:1GiB"
+            resolved["tiers"] = [resolved["tiers"]]
         if "capacity_bytes" in resolved and isinstance(resolved["capacity_bytes"], str):
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
         types = hints(cls)
@@ -341,6 +359,26 @@ class RunSpec:
 BOUNDS: dict[str, Bound] = field_bounds(RunSpec)
 """The ranges the numeric fields declare (RELIABILITY.md lists them); the machine's memory is
 checked separately, before a run starts (``testbed.run.footprint``)."""
+
+
+def _tier_problems(spec: RunSpec) -> list[str]:
+    from server.tiers.policies import check_promote, parse_prefetch, parse_write
+    from server.tiers.spec import parse_tier
+
+    problems = []
+    checks: list[tuple[str, Any]] = [(text, parse_tier) for text in spec.tiers]
+    checks += [(spec.tier_write, parse_write), (spec.prefetch, parse_prefetch)]
+    checks.append((spec.tier_promote, check_promote))
+    for text, parse in checks:
+        try:
+            parse(text)
+        except ValueError as err:
+            problems.append(str(err))
+    if spec.tiers and spec.engine == "oracle":
+        problems.append("tiers need a cache server; the oracle engine has none")
+    if spec.tiers and spec.metadata_only:
+        problems.append("tiers move KV bytes; a metadata_only run has none")
+    return problems
 
 
 def _fleet_problems(spec: RunSpec) -> list[str]:

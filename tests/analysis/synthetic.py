@@ -159,6 +159,9 @@ class SyntheticRun:
         self.engine_id = engine_id or run_id
         self.namespace = f"{NAMESPACE_MODEL}|{tp}|"
         self.admissions: dict[str, Admission] = {}
+        self.tier_statuses: dict[bytes, str] = {}
+        """Chunk -> the lookup status a server with tiers gives it (``prefetch_timeout``,
+        ``tier_read_failed``) in place of the store's."""
         resource = {a.CHUNK_SIZE: chunk_size, a.TP_SIZE: tp, a.MLA: mla}
         self._tracings: list[Tracing] = []
         self.engine = self._tracer("kvtb-engine", None, resource)
@@ -245,7 +248,7 @@ class SyntheticRun:
     def lookup(self, session_id: str, hashes: Sequence[bytes], parent: Any) -> Admission:
         span = self._server_span(a.SERVER_LOOKUP, parent, attributes={a.SESSION_ID: session_id})
         span_id = _span_id(span)
-        statuses = [self.store.status(h) for h in hashes]
+        statuses = [self.tier_statuses.get(h) or self.store.status(h) for h in hashes]
         committed = [h in self.store.ever_committed for h in hashes]
         for position, (chunk_hash, status) in enumerate(zip(hashes, statuses, strict=True)):
             self._row(
@@ -354,6 +357,7 @@ class SyntheticRun:
         evict: Sequence[bytes] = (),
         lookup_error: str = "cache server unavailable: no reply within 5.0 s",
         route: tuple[int, Sequence[int]] | None = None,
+        hit_by_source: Mapping[str, int] | None = None,
     ) -> Admission:
         """One request's first admission and its stores, as the connector would trace them.
 
@@ -455,6 +459,8 @@ class SyntheticRun:
         }
         if admission.lookup_status == acc.LOOKUP_OK:
             attributes[a.TOKENS_HIT] = admission.server_hit_tokens
+            for source, tokens in (hit_by_source or {}).items():
+                attributes[a.TOKENS_HIT_BY_SOURCE[source]] = tokens
         request_span.set_attributes(attributes)
         request_span.end(end_time=self.now())
         engine_span.end(end_time=self.now())

@@ -241,7 +241,7 @@ def test_token_causes_sum_every_category():
     )
     assert table.empty
     sums = acc.token_causes(table)
-    assert list(sums.index) == list(acc.CATEGORIES) and (sums == 0).all()
+    assert list(sums.index) == [*acc.CATEGORIES, *acc.EXTERNAL_BY_SOURCE] and (sums == 0).all()
 
 
 def _empty_spans():
@@ -369,3 +369,47 @@ def test_random_runs_put_every_token_in_exactly_one_category(tmp_path, seed):
     # The runs are varied enough to reach most categories, routing losses among them.
     assert (table[list(acc.CATEGORIES)].sum() > 0).sum() >= 9
     assert table["routing"].sum() > 0
+
+
+# --- tiers ------------------------------------------------------------------------------------
+
+
+def test_external_hits_split_by_the_tier_each_chunk_was_matched_in(synthetic):
+    run = synthetic()
+    run.request("r1", ABC)
+    # The server matched chunks 0-1 in L1 and chunk 2 on disk; vLLM held the first chunk.
+    run.request("r2", ABC, engine_hit=4, hit_by_source={"host": 8, "disk": 4})
+    # A third request's load fails at token 10: its disk hit is cut to 2 tokens.
+    run.request("r3", ABC, hit_by_source={"host": 8, "disk": 4}, retrieve={0: 10})
+    table = acc.attribution(run.close()).set_index("request_id")
+    split = table[list(acc.EXTERNAL_BY_SOURCE)]
+    assert split.loc["r2"].to_dict() == {
+        "external_host": 4, "external_disk": 4, "external_remote": 0, "external_p2p": 0
+    }  # fmt: skip
+    assert split.loc["r3", "external_host"] == 8 and split.loc["r3", "external_disk"] == 2
+    assert (split.sum(axis=1) == table["external"]).all()
+    # A server without tiers says nothing: every external token is L1's.
+    assert split.loc["r1"].sum() == 0 and table.loc["r1", "external"] == 0
+    sums = acc.token_causes(table.reset_index())
+    assert (sums["external_host"], sums["external_disk"]) == (12, 6)
+
+
+def test_a_chunk_whose_prefetch_was_late_or_failed_is_a_miss_of_its_own_cause(synthetic):
+    run = synthetic()
+    run.request("r1", ABC)
+    run.tier_statuses[ABC.hashes[1]] = "prefetch_timeout"
+    run.request("r2", ABC, hit_by_source={"host": 4})
+    run.tier_statuses = {ABC.hashes[0]: "tier_read_failed"}
+    run.request("r3", ABC)
+    table = acc.attribution(run.close())
+    # Chunk 2, held but behind the late chunk, follows it.
+    assert categories(table, "r2") == abc_tail(external=4, prefetch_timeout=8)
+    assert categories(table, "r3") == abc_tail(tier_read_failed=12)
+
+
+def test_a_store_dropped_under_back_pressure_is_a_store_dropped_miss_not_capacity(synthetic):
+    run = synthetic()
+    run.request("r1", ABC)
+    run.evict(ABC.hashes[0:1], reason="store_dropped")
+    run.request("r2", ABC)
+    assert categories(acc.attribution(run.close()), "r2") == abc_tail(store_dropped=12)

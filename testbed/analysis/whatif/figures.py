@@ -248,7 +248,38 @@ def whatif_figures(
             "CDFs over reused chunks: stack distance in bytes (the LRU capacity that would still "
             "hold the chunk) and time since its last use.",
         ),
+        *_tier_figures(whatif, suffix),
     ]
+
+
+def _tier_figures(whatif: WhatIf, suffix: str) -> list[FigureEntry]:
+    if whatif.tiers is None or whatif.tiers.empty:
+        return []
+    from testbed.analysis.whatif.tier_figures import tier_hit_rate_figure, tier_ttft_figure
+
+    entries = [
+        (
+            "whatif_tiers.png",
+            tier_hit_rate_figure(
+                whatif.tiers, title=f"Hit rate by tier against L2 capacity{suffix}"
+            ),
+            "Token hit rate served by L1 (host, dotted), L2 (disk, dashed) and both (solid) at "
+            "every L2 capacity, a panel per L1 capacity: the inclusive LRU hierarchy from one "
+            "pass, other write and promotion policies simulated (as labelled); Belady's MIN "
+            "over the whole hierarchy as stars.",
+        )
+    ]
+    if "ttft_mean_ms" in whatif.tiers:
+        entries.append(
+            (
+                "whatif_tiers_ttft.png",
+                tier_ttft_figure(whatif.tiers, title=f"Projected TTFT by tier{suffix}"),
+                "Mean projected TTFT with the hits each tier served (a disk hit costs its read "
+                "into L1 on top of the host copy; links of the named tier profile) against L2 "
+                "capacity; the cache-less TTFT dotted.",
+            )
+        )
+    return entries
 
 
 def _curve_samples(whatif: WhatIf, chunk_size: int, metric: str) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,9 @@
 
 ``capacity_tokens: null`` is the unlimited cache. ``lru_curves.parquet`` holds every step of
 each exact LRU curve; ``reuse.parquet`` the reuse distance and interval quantiles per group;
-``run_requests.parquet`` (run sources) the measured and predicted external hits per request.
+``run_requests.parquet`` (run sources) the measured and predicted external hits per request;
+``tiers.parquet`` (``--tiers``) hit tokens per tier at every (L1, L2) capacity pair and tier
+policy, each row's ``method`` saying ``one_pass`` or ``simulated`` (:mod:`.tiers`).
 :func:`load_whatif` reads it all back in one call.
 """
 
@@ -38,6 +40,7 @@ TABLES = {
     "lru_curves": "lru_curves.parquet",
     "reuse": "reuse.parquet",
     "run_requests": "run_requests.parquet",
+    "tiers": "tiers.parquet",
 }
 POINT_FIELDS = (
     "capacity_tokens",
@@ -66,6 +69,8 @@ class WhatIf:
     """Reuse distance / interval quantiles: see :func:`.reuse.reuse_quantiles`."""
     run_requests: pd.DataFrame | None = None
     """Run sources: per request, measured and predicted external hit tokens."""
+    tiers: pd.DataFrame | None = None
+    """A what-if over tiers: :func:`.tiers.tier_table`'s rows for every chunk size."""
     lru: dict[int, Any] = field(default_factory=dict)
     """In memory only: the :class:`~.curves.LRUCurve` per chunk size (empty when loaded)."""
 
@@ -97,6 +102,8 @@ def write_whatif(whatif: WhatIf, out_dir: Path | str) -> Path:
     tables = {"lru_curves": whatif.curves, "reuse": whatif.reuse}
     if whatif.run_requests is not None:
         tables["run_requests"] = whatif.run_requests
+    if whatif.tiers is not None:
+        tables["tiers"] = whatif.tiers
     for name, frame in tables.items():
         frame.to_parquet(out / TABLES[name], index=False)
     document = {
@@ -152,6 +159,7 @@ def load_whatif(out_dir: Path | str) -> WhatIf:
         min_capacity=gauges,
         reuse=frames["reuse"],
         run_requests=frames.get("run_requests"),
+        tiers=frames.get("tiers"),
     )
 
 

@@ -59,6 +59,16 @@ MODEL = "kvcache.model"
 # --- counts -----------------------------------------------------------------------------------
 TOKENS_REQUESTED = "kvcache.tokens.requested"
 TOKENS_HIT = "kvcache.tokens.hit"
+TOKENS_HIT_HOST = "kvcache.tokens.hit.host"  # of the hit, tokens matched in L1 (at match time)
+TOKENS_HIT_DISK = "kvcache.tokens.hit.disk"  # ... matched in the disk tier
+TOKENS_HIT_REMOTE = "kvcache.tokens.hit.remote"  # ... matched in the remote store
+TOKENS_HIT_P2P = "kvcache.tokens.hit.p2p"  # ... matched in a peer server
+TOKENS_HIT_BY_SOURCE = {
+    "host": TOKENS_HIT_HOST,
+    "disk": TOKENS_HIT_DISK,
+    "remote": TOKENS_HIT_REMOTE,
+    "p2p": TOKENS_HIT_P2P,
+}
 CHUNKS_REQUESTED = "kvcache.chunks.requested"
 CHUNKS_HIT = "kvcache.chunks.hit"
 TOKENS = "kvcache.tokens"
