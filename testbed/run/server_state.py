@@ -63,7 +63,6 @@ def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 total.setdefault(key, None)
             elif isinstance(value, dict):
                 total[key] = _summed([total.get(key) or {}, value])
-                total[key] = _summed([total.get(key, {}), value])
             elif isinstance(value, str):
                 total.setdefault(key, value)
             else:

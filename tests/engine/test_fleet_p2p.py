@@ -50,5 +50,9 @@ def test_peers_win_back_what_round_robin_sends_elsewhere(tmp_path):
     # The chunks copied cover the external hits the peers made (a copy may bring a chunk the
     # instance's own prefix cache then held: counted as copied, not as a hit).
     copied_tokens = int(copies[a.CHUNKS].sum()) * BASE["chunk_size"]
-    won = p2p["tokens"]["external"] - alone["tokens"]["external"]
-    assert copied_tokens >= won > 0
+    won = p2p["tokens"]["external_p2p"]
+    assert copied_tokens >= won > 0 and alone["tokens"]["external_p2p"] == 0
+    assert p2p["tokens"]["external"] == p2p["tokens"]["external_host"] + won
+    # The servers' own count of what they copied agrees with the spans.
+    peers = p2p["server_peers"]
+    assert peers["chunks"] == int(copies[a.CHUNKS].sum()) and alone["server_peers"] is None
