@@ -7,5 +7,6 @@ state it touches: ``sessions.Sessions`` (sessions, lookups, lock release, what o
 holds), ``transfers.Transfers`` (registration, stores, retrieves, aborts; ``copies`` for
 server-driven copies), ``admin.Admin`` (ping, configuration, statistics, drops). What they
 share is ``context.Shared``: the index (``cache``), the pool (``pools``), the chunk log
-(``chunk_log``), the eviction feed, counters, clients and deadlines (``state``).
+(``chunk_log``), the eviction feed, counters, clients and deadlines (``state``), and the tiers
+below L1 (``tiers``: their stores, I/O thread and policies; docs/tiers.md).
 """

@@ -17,7 +17,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.chaos import attacks, client_faults, crowds, exhaustion, server_faults, sharing
+from testbed.chaos import (
+    attacks,
+    client_faults,
+    crowds,
+    exhaustion,
+    server_faults,
+    sharing,
+    tier_faults,
+)
 from testbed.chaos.lab import ChaosConfig, Lab
 from testbed.chaos.report import ScenarioResult, write_reports
 from testbed.commands.only_flag import add_only_argument, picked
@@ -65,6 +73,9 @@ SCENARIOS: dict[str, Scenario] = {
     "shared_server": Scenario(sharing.shared_server, engines=_always),
     "disk_full": Scenario(exhaustion.disk_full, engines=_always),
     "lock_hog": Scenario(crowds.lock_hog, engines=_full_only),
+    "tier_disk_full": Scenario(tier_faults.tier_disk_full, engines=_never),
+    "tier_read_error": Scenario(tier_faults.tier_read_error, engines=_never),
+    "tier_slow_disk": Scenario(tier_faults.tier_slow_disk, engines=_never),
 }
 
 

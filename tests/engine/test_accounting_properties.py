@@ -49,6 +49,12 @@ CASES = {
         load_async=False,
     ),
     "mooncake": dict(workload=f"mooncake:{MOONCAKE}", engine_blocks=512, requests=150),
+    "chat-capacity-disk-tier": dict(
+        workload="chat",
+        engine_blocks=80,
+        capacity_tokens=3000,
+        tiers=["--tier", "disk:64MiB", "--tier-write", "write_back", "--tier-promote", "retain"],
+    ),
 }
 
 
@@ -69,6 +75,7 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
         )
     )
     capacity = options.pop("capacity_tokens", None)
+    tiers = options.pop("tiers", [])
     blocks = options.pop("engine_blocks")
     requests, _ = split_servable(requests, 32, blocks)
     replay_spec = ReplaySpec.of(
@@ -95,7 +102,7 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
     server = ["--chunk-size", str(chunk), "--capacity", "1GiB"]
     if capacity is not None:
         server[-1] = str(capacity * profile.stored_bytes_per_token(spec.tp))
-    run = recorded_run(tmp_path / "run", server, replay)
+    run = recorded_run(tmp_path / "run", server + tiers, replay)
     table = run.requests
 
     assert len(table) == len(requests) and run.result.integrity_errors == 0
@@ -129,9 +136,12 @@ def test_every_token_has_one_true_cause(tmp_path, monkeypatch, case):
     # Each condition shows where it should.
     if spec.fault_drop_fraction:
         assert table["load_failed"].sum() > 0
-    if capacity is not None:
+    # (With a tier below L1, an L1 eviction is a miss only while its write below is in flight.)
+    if capacity is not None and not tiers:
         assert table["capacity"].sum() > 0
-    else:
+    elif not tiers:
         assert table["capacity"].sum() == 0 or spec.fault_drop_fraction
     assert table["unavailable"].sum() == 0 and table["causes_resolved"].all()
     assert_quiescent(run.stats)
+    if tiers:  # hits below L1 counted as external hits like any other, one cause per token
+        assert run.stats.tiers[0].promotions > 0

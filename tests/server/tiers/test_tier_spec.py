@@ -3,8 +3,13 @@ and formatted back."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
+from server.config import ServerConfig
+from server.flags import add_config_arguments, config_from_args
+from server.tiers.policies import WritePolicy, parse_prefetch, parse_write
 from server.tiers.spec import TierSpec, format_tier, parse_tier
 
 
@@ -46,3 +51,40 @@ def test_a_bad_tier_is_refused_with_what_to_write(text: str, says: str) -> None:
 )
 def test_format_reads_back(text: str) -> None:
     assert parse_tier(format_tier(parse_tier(text))) == parse_tier(text)
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"tier_write": "sometimes"}, "write_through, write_back or selective:N"),
+        ({"tier_write": "selective:0"}, "selective:N"),
+        ({"prefetch": "timeout:-1"}, "timeout:S"),
+        ({"tier_promote": "always"}, "none, retain"),
+        ({"tiers": ("disk",)}, "KIND[@POLICY]:CAPACITY"),
+        ({"tiers": ("disk:1MiB",), "metadata_only": True}, "needs a host pool"),
+    ],
+)
+def test_a_server_config_with_bad_tier_settings_is_refused_saying_what_to_write(
+    values: dict, says: str
+) -> None:
+    with pytest.raises(ValueError) as err:
+        ServerConfig(**values)
+    assert says in str(err.value)
+
+
+def test_policies_parse_with_the_peers_names() -> None:
+    assert parse_write("selective:2") == WritePolicy("selective", 2)
+    assert str(parse_write("write_back")) == "write_back"
+    assert parse_prefetch("timeout:0.5").wait_s(2.0) == 0.5
+    assert parse_prefetch("wait").wait_s(2.0) == 2.0
+    assert parse_prefetch("best_effort").wait_s(2.0) == 0.0
+
+
+def test_the_tier_flag_repeats_in_order() -> None:
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(
+        ["--tier", "disk:1MiB:/a", "--tier", "disk:4MiB", "--prefetch", "best_effort"]
+    )
+    config = config_from_args(args)
+    assert config.tiers == ("disk:1MiB:/a", "disk:4MiB") and config.prefetch == "best_effort"

@@ -1,0 +1,60 @@
+"""An inclusive LRU hierarchy (write_through + retain + lru in both tiers) on a real server
+gives exactly Mattson's stack prediction: a chunk at reuse distance d (distinct chunks since
+its last access, itself included) hits L1 if d <= C1, else the disk tier if d <= C2, else
+misses. The one-pass what-if over tiers relies on this."""
+
+from __future__ import annotations
+
+import random
+
+from testbed.core.keys import chunk_hashes
+from tests.support.cache_harness import connect
+from tests.support.quiescence import assert_quiescent
+from tests.support.tier_flows import OBJECT_BYTES, C, Worker, lookup, stats, until
+
+C1, C2 = 3, 6
+
+
+def predicted(accesses: list[int]) -> list[str]:
+    """Where each access hits by its stack distance: ``host``, ``disk`` or ``miss``."""
+    stack: list[int] = []
+    where = []
+    for chunk in accesses:
+        distance = stack.index(chunk) + 1 if chunk in stack else None
+        if distance is None:
+            where.append("miss")
+        else:
+            where.append("host" if distance <= C1 else "disk" if distance <= C2 else "miss")
+            stack.remove(chunk)
+        stack.insert(0, chunk)
+    return where
+
+
+def test_hits_by_tier_equal_the_stack_prediction(start_server, tmp_path):
+    server = start_server(
+        "--chunk-size", str(C),
+        "--capacity", str(C1 * OBJECT_BYTES),
+        "--tier", f"disk:{C2 * OBJECT_BYTES}:{tmp_path / 'l2'}",
+        "--tier-promote", "retain",
+        "--lookup-pending-timeout", "30",
+    )  # fmt: skip
+    rng = random.Random(7)
+    accesses = [rng.randrange(9) for _ in range(80)]
+    hashes = [chunk_hashes([chunk * 1000 + i for i in range(C)], C) for chunk in range(9)]
+    seen = []
+    writes = 0
+    with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
+        for number, chunk in enumerate(accesses):
+            reply = lookup(scheduler, f"r{number}", hashes[chunk])
+            if reply.hit_chunks:
+                (source,) = reply.hit_chunks_by_tier
+                seen.append(source)
+                continue
+            seen.append("miss")
+            worker.store(f"r{number}", hashes[chunk])
+            writes += 1
+            until(scheduler, lambda s, n=writes: s.tiers[0].writes == n)
+        assert_quiescent(stats(scheduler))
+    expected = predicted(accesses)
+    assert seen == expected
+    assert {"host", "disk", "miss"} <= set(expected)  # the sequence exercises every outcome

@@ -1,0 +1,42 @@
+"""The hierarchy's run keys: parsed, checked, swept, and out of the id of runs without tiers."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.run.servers import tier_arguments
+from testbed.spec.runspec import RunSpec
+
+
+def test_a_spec_without_tiers_keeps_the_id_it_had() -> None:
+    plain = RunSpec()
+    assert plain.run_id == RunSpec(tiers=[], tier_write="write_through").run_id
+    assert RunSpec(tiers=["disk:1GiB"]).run_id != plain.run_id
+
+
+def test_one_tier_may_be_a_string_and_the_server_gets_its_flags() -> None:
+    spec = RunSpec.from_mapping({"tiers": "disk:1GiB", "tier_write": "selective:2"})
+    assert spec.tiers == ["disk:1GiB"]
+    assert tier_arguments(spec) == [
+        "--tier", "disk:1GiB",
+        "--tier-write", "selective:2",
+        "--tier-promote", "none",
+        "--prefetch", "wait",
+    ]  # fmt: skip
+    assert tier_arguments(RunSpec()) == []
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"tiers": ["tape:1GiB"]}, "unknown kind 'tape'"),
+        ({"tier_write": "later"}, "tier write policy 'later' is unknown"),
+        ({"prefetch": "timeout:x"}, "prefetch policy 'timeout:x' is unknown"),
+        ({"tiers": ["disk:1GiB"], "engine": "oracle", "policy": "lru"}, "the oracle engine"),
+        ({"tiers": ["disk:1GiB"], "metadata_only": True}, "metadata_only"),
+    ],
+)
+def test_bad_tier_keys_are_refused(values: dict, says: str) -> None:
+    with pytest.raises(ValueError) as err:
+        RunSpec.from_mapping(values)
+    assert says in str(err.value)
