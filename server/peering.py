@@ -19,8 +19,8 @@ the request's chunks, at a chunk nobody is storing here (``absent``), does
    in this server's L1 (evicting by its policy, as a store would), its bytes written into the
    pool after their digest verified, and committed; the lookup then finds it as an L1 hit and
    locks it with the rest, so the worker loads it as any other L1 hit. The copy is one span,
-   ``kvcache.server.peer_fetch``, a child of the lookup's (the request's trace): the peer, the
-   chunks and bytes it brought, the wait.
+   ``kvcache.server.peer_fetch``, a child of the lookup's (the request's trace): the peer (its
+   name, a fleet's ``instance N``), the chunks and bytes it brought, the wait.
 3. **Faults.** A peer that does not answer within :data:`PEER_TIMEOUT_S` (killed, stuck) is a
    probe or fetch that failed (counted); the RPC client marks it down for every later lookup
    until a heartbeat is answered again, so a dead peer costs one timeout, not one per lookup.
@@ -184,7 +184,8 @@ class Peering:
         future = self._clients[index].submit(request)
         yield from _wait([future])
         reply = _reply(future)
-        span.set_attributes({a.PEER: index, a.SERVER_URL: self.peers[index].url})
+        peer = self.peers[index]
+        span.set_attributes({a.PEER: peer.name or peer.url, a.SERVER_URL: peer.url})
         if not isinstance(reply, p.PeerChunks):
             self.stats.fetch_failures += 1
             span.set_attributes({a.CHUNKS: 0, a.BYTES: 0, a.PEER_OUTCOME: "failed"})

@@ -361,6 +361,8 @@ class GetHeld(_Request, tag="get_held", kw_only=True):
 class PeerEndpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     url: Name
     token: Credential
+    name: Name = ""
+    """How spans and ``kvtb explain`` name the peer (a fleet's ``instance 2``); empty: its URL."""
 
 
 class SetPeers(_Request, tag="set_peers", kw_only=True):

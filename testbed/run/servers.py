@@ -93,7 +93,7 @@ def set_peers(endpoints: Sequence[ServerEndpoint]) -> None:
     """Tells each server every other one as its peers (its admin request ``SetPeers``)."""
     for k, endpoint in enumerate(endpoints):
         peers = [
-            p.PeerEndpoint(url=other.url, token=other.token)
+            p.PeerEndpoint(url=other.url, token=other.token, name=f"instance {j}")
             for j, other in enumerate(endpoints)
             if j != k
         ]

@@ -12,6 +12,8 @@ pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cp
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from testbed.analysis import load_spans  # noqa: E402
+from testbed.analysis.explain import explain  # noqa: E402
+from testbed.analysis.fleet import run_fleet_table  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.spec.runspec import RunSpec  # noqa: E402
@@ -59,3 +61,9 @@ def test_peers_win_back_what_round_robin_sends_elsewhere(tmp_path):
     # The servers' own count of what they copied agrees with the spans.
     peers = p2p["server_peers"]
     assert peers["chunks"] == int(copies[a.CHUNKS].sum()) and alone["server_peers"] is None
+    # kvtb explain names the peer a request's chunks came from.
+    table = run_fleet_table(tmp_path / p2p_spec.run_id)
+    served = table[table["external_p2p"] > 0].iloc[0]
+    story = explain(tmp_path / p2p_spec.run_id, str(served["workload_request_id"]))
+    assert story.peer_copies and story.peer_copies[0].peer.startswith("instance ")
+    assert f"copied from {story.peer_copies[0].peer}" in str(story)
