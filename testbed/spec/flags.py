@@ -23,7 +23,7 @@ from testbed.spec.inputs import (
     with_sampling_from_environment,
 )
 from testbed.spec.paths import absolute_path
-from testbed.spec.runspec import DERIVED_KEYS, RunSpec
+from testbed.spec.runspec import DERIVED_KEYS, NAMED_NONE_KEYS, RunSpec
 
 _PARAM_FLAGS = {
     "workload_params": ("--workload-param", "workload generator"),
@@ -146,7 +146,7 @@ def assignments(items: list[str]) -> dict[str, Any]:
 def _parse_flag(name: str, raw: str, annotation: Any) -> Any:
     """A flag's text as its field's type (``none``/``unlimited``: ``None``; sizes for
     ``capacity_bytes``)."""
-    if raw.lower() in ("none", "unlimited"):
+    if raw.lower() in ("none", "unlimited") and name not in NAMED_NONE_KEYS:
         return None
     if name == "capacity_bytes":
         return parse_bytes(raw)

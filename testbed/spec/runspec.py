@@ -71,6 +71,8 @@ they did). While a field has that value it is left out of the run id (older ids 
 ``instances``, ``router``, ``router_params`` and ``servers`` (runs before them had one
 instance); the hierarchy's ``tiers``, ``tier_write``, ``tier_promote`` and ``prefetch`` (runs
 before them had L1 alone)."""
+NAMED_NONE_KEYS = ("tier_promote",)
+"""Keys where ``"none"`` is a value's name (the promotion policy), not an absent value."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
@@ -338,7 +340,7 @@ class RunSpec:
             resolved["capacity_bytes"] = parse_bytes(resolved["capacity_bytes"])
         types = hints(cls)
         for name, value in list(resolved.items()):
-            if value in ("none", "unlimited"):
+            if value in ("none", "unlimited") and name not in NAMED_NONE_KEYS:
                 value = None
             # strict: TOML values are typed; an int for a float field becomes one (1 and 1.0
             # must name the same run)

@@ -74,6 +74,8 @@ def sample(info: mi.Type, default: Any = msgspec.NODEFAULT) -> Any:
         return sample(chosen, default)
     if isinstance(info, mi.ListType):
         return [sample(info.item_type)] * max(1, info.min_length or 0)
+    if isinstance(info, mi.DictType):
+        return {sample(info.key_type): sample(info.value_type)}
     if isinstance(info, mi.LiteralType):
         return next(value for value in reversed(info.values) if value != default)
     if isinstance(info, mi.BoolType):

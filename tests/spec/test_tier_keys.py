@@ -40,3 +40,9 @@ def test_bad_tier_keys_are_refused(values: dict, says: str) -> None:
     with pytest.raises(ValueError) as err:
         RunSpec.from_mapping(values)
     assert says in str(err.value)
+
+
+def test_promote_none_is_a_policy_name_not_an_absent_value() -> None:
+    spec = RunSpec.from_mapping({"tier_promote": "none"})
+    assert spec.tier_promote == "none"
+    assert RunSpec.from_mapping(spec.to_dict()).run_id == spec.run_id  # spec.json reads back
