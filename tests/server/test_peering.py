@@ -97,3 +97,30 @@ def blocks_equal_across(writer: Harness, reader: Harness, source: int, target: i
     )
 
 
+
+
+def test_a_peer_that_never_answers_costs_one_timeout_then_is_skipped(
+    start_server: StartServer,
+) -> None:
+    import zmq
+
+    _, b = _servers(start_server)
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # a real endpoint that reads, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        _peer_urls(b, f"tcp://127.0.0.1:{port}")
+        with Harness(b, seed=2, timeout_s=5.0) as reader:
+            assert reader.matched("r", TOKENS) == 0  # answered after the peer's timeout
+            reader.side.request_finished("r")
+            assert reader.matched("r2", TOKENS) == 0  # the peer is down: not waited for again
+            reader.side.request_finished("r2")
+            peers = reader.stats().peers
+            assert peers is not None and peers.probe_failures == 2 and peers.chunks == 0
+            assert silent.poll(0)  # the first probe did reach it
+    finally:
+        silent.close(linger=0)
+
+
+def _peer_urls(server: ServerProcess, *urls: str) -> None:
+    with connect(server, admin=True) as admin:
+        admin.call(p.SetPeers(peers=[p.PeerEndpoint(url=url, token="t") for url in urls]))
