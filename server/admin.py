@@ -97,6 +97,7 @@ class Admin:
             chunk_events_dropped=s.chunk_log.dropped_rows,
             chunk_events_pending=s.chunk_log.pending_rows,
             tiers=lower,
+            peers=self.sessions.peering.stats if self.sessions.peering.peers else None,
             prefetch_timeouts=c.prefetch_timeouts,
             tier_read_failures=c.tier_read_failures,
             unauthenticated_closed=c.unauthenticated_closed,

@@ -48,6 +48,7 @@ from server.chunk_log import NullChunkLog
 from server.config import ServerConfig
 from server.context import Call, Routes, ServiceError, Shared, Steps, at_once
 from server.objects import Released
+from server.peering import Peering
 from server.pool import ExtentAllocator
 from server.pools import MemoryPool, make_pool
 from server.sessions import Sessions
@@ -110,7 +111,8 @@ class CacheService:
             if pool is not None:
                 pool.close()
             raise
-        self.sessions = Sessions(self.shared)
+        self.peering = Peering(self.shared)
+        self.sessions = Sessions(self.shared, self.peering)
         self.transfers = Transfers(self.shared, self.sessions)
         self._expiries: dict[DeadlineKind, Callable[[str, bytes, object, float], None]] = {
             "store": self.transfers.expire,
@@ -144,6 +146,9 @@ class CacheService:
         routes.add(p.Abort, at_once(transfers.abort), a.SERVER_ABORT)
         routes.add(p.DropObjects, info.drop_objects, None)
         routes.add(p.GetHeld, at_once(sessions.get_held), None)
+        routes.add(p.SetPeers, at_once(self.peering.set_peers), a.SERVER_SET_PEERS)
+        routes.add(p.PeerProbe, at_once(self.peering.probe), a.SERVER_PEER_PROBE)
+        routes.add(p.PeerFetch, at_once(self.peering.fetch), a.SERVER_PEER_SERVE)
         routes.check_complete()
         return routes
 
@@ -169,6 +174,7 @@ class CacheService:
         return self._admin.stats()
 
     def close(self) -> None:
+        self.peering.close()
         self.shared.tiers.close()
         self.shared.chunk_log.close()
         for client in self.shared.clients.values():

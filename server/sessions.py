@@ -18,6 +18,7 @@ from server import quotas
 from server.context import Call, ServiceError, Shared, Steps
 from server.held import held_by
 from server.objects import CacheObject, Space
+from server.peering import P2P_SOURCE, Peering
 from server.state import (
     SESSION_INDEX_BYTES,
     TRACKED_CHUNK_INDEX_BYTES,
@@ -40,8 +41,10 @@ ABSENT: Final = "absent"
 class Sessions:
     """The live sessions, by id; ``tracked_chunks``: the objects their refresh lists name."""
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, peering: Peering) -> None:
         self.s = shared
+        self.peering = peering
+        """Asked after a local miss (a no-op until the server is given peers)."""
         self.live: dict[str, Session] = {}
         self.tracked_chunks = 0
 
@@ -252,10 +255,17 @@ class Sessions:
         if s.tiers.enabled:
             yield from prefetch(s, call, pending)
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
-        hit = next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
-        miss_status: p.MissStatus = (
-            "" if hit == len(statuses) else ABSENT if statuses[hit] == ABSENT else IN_FLIGHT
-        )
+        hit = _hit(statuses)
+        miss_status = _miss_status(statuses, hit)
+        copied = 0
+        if miss_status == ABSENT:
+            copied = yield from self.peering.fill(call, req, hit)
+        if copied:
+            for chunk_hash in req.chunk_hashes[hit : hit + copied]:
+                pending.from_tier.setdefault(chunk_hash, P2P_SOURCE)
+            statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
+            hit = _hit(statuses)
+            miss_status = _miss_status(statuses, hit)
         call.span.set_attributes(
             {
                 a.SESSION_ID: req.session_id,
@@ -333,6 +343,17 @@ class Sessions:
             reply.eviction_seq = removed.seq
             reply.evictions_lost = removed.lost
         return reply
+
+
+def _miss_status(statuses: list[str], hit: int) -> p.MissStatus:
+    """Why the chunk after a hit of ``hit`` chunks is not one (empty: all hit)."""
+    if hit == len(statuses):
+        return ""
+    return ABSENT if statuses[hit] == ABSENT else IN_FLIGHT
+
+
+def _hit(statuses: list[str]) -> int:
+    return next((i for i, status in enumerate(statuses) if status != HIT), len(statuses))
 
 
 def _statuses(

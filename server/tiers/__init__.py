@@ -9,4 +9,7 @@ promotion and prefetch policies by name. ``hierarchy``: which tier holds what, t
 the hooks the server calls (stores, hits, L1 evictions, prefetches). ``lookups``: what a
 lookup does with the tiers. ``spans``: the tier operations' spans. ``build``: the hierarchy
 from the server's config (``STORES`` by kind; the null hierarchy without tiers).
+``redis_store``: a tier in Redis, shared by every server that names it (``redis_objects``: a
+chunk object as one Redis value; ``redis_tier``: the store as the server builds it);
+``redis_process``: a Redis the server or the run starts for itself (it runs where they do).
 """

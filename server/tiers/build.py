@@ -24,6 +24,7 @@ from server.tiers.disk import DiskStore
 from server.tiers.hierarchy import Hierarchy, Settings, Tier
 from server.tiers.io import TierIO
 from server.tiers.policies import check_promote, parse_prefetch, parse_write
+from server.tiers.redis_tier import redis_tier
 from server.tiers.spec import TierSpec, parse_tier, tier_name
 from testbed.core import protocol as p
 from testbed.core.policies import make_policy
@@ -38,7 +39,7 @@ def _disk(spec: TierSpec, number: int, config: ServerConfig, scratch: Path) -> L
     )
 
 
-STORES: dict[str, StoreFactory] = {"disk": _disk}
+STORES: dict[str, StoreFactory] = {"disk": _disk, "redis": redis_tier}
 """Tier kind -> its store's factory (a kind without one is refused at start)."""
 
 

@@ -34,9 +34,10 @@ import numpy as np
 from server.cache import KVCache
 from server.objects import CacheObject, Eviction, ObjectKey
 from server.tiers import spans
-from server.tiers.framing import frame, store_key, unframe
+from server.tiers.framing import HEADER_BYTES, frame, store_key, unframe
 from server.tiers.io import TierIO, TierJob
 from server.tiers.policies import PrefetchPolicy, PromoteKind, WritePolicy
+from server.tiers.redis_store import shared_sizes
 from server.tiers.spec import TierSpec, tier_name
 from testbed.core import protocol as p
 
@@ -120,7 +121,30 @@ class Hierarchy:
         for number, tier in enumerate(self.tiers):
             if all(tier.index.committed(key) is not None for key in keys):
                 return number
+            if self._adopt(number, keys):
+                return number
         return None
+
+    def _adopt(self, number: int, keys: Sequence[ObjectKey]) -> bool:
+        """A shared tier (``store.shared``: a remote store other servers write to) may hold
+        objects this index never saw: asked, on the loop, and entered into the index as held
+        when it holds every one of ``keys`` (a missing or unreachable one: nothing entered)."""
+        tier, store = self.tiers[number], self.io.stores[number]
+        unknown = [key for key in keys if tier.index.get(key) is None]
+        sizes = shared_sizes(store, [store_key(key) for key in unknown])
+        if not unknown or sizes is None or len(unknown) < len(keys):
+            return False  # a key being written here: the write, not another server, decides
+        eviction = Eviction(reason="capacity")
+        adopted = []
+        for key, size in zip(unknown, sizes, strict=True):
+            lower = tier.index.reserve(key, size - HEADER_BYTES, "", "", eviction)
+            if lower is None:
+                break
+            tier.index.commit(lower)
+            adopted.append(lower)
+        self._tier_evicted(number, eviction, "")
+        tier.stats.adopted += len(adopted)
+        return len(adopted) == len(keys)
 
     def source(self, tier: int) -> str:
         return self.tiers[tier].kind

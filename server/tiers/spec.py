@@ -18,6 +18,8 @@ from testbed.core.policies import POLICIES
 from testbed.core.sizes import parse_bytes
 
 TierKind = Literal["disk", "redis"]
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+"""The URLs a redis tier's WHERE may be (TCP, TLS, a unix socket: the run's own store)."""
 TIER_KINDS: tuple[str, ...] = get_args(TierKind)
 TIER_SYNTAX = (
     "KIND[@POLICY]:CAPACITY[:WHERE] (e.g. disk:8GiB:/data/kv, disk@lfu:512MiB, redis:4GiB)"
@@ -61,8 +63,11 @@ def parse_tier(text: str) -> TierSpec:
     if capacity < 1:
         raise ValueError(f"tier {text!r}: the capacity must be at least 1 byte")
     where = parts[2] if len(parts) == 3 and parts[2] else None
-    if kind == "redis" and where is not None and not where.startswith("redis://"):
-        raise ValueError(f"tier {text!r}: a redis tier's WHERE is a URL redis://HOST:PORT")
+    if kind == "redis" and where is not None and not where.startswith(REDIS_SCHEMES):
+        raise ValueError(
+            f"tier {text!r}: a redis tier's WHERE is a URL redis://HOST:PORT "
+            "(or unix:///PATH/redis.sock)"
+        )
     return TierSpec(kind=kind, capacity_bytes=capacity, where=where, policy=policy)  # type: ignore[arg-type]
 
 

@@ -34,6 +34,7 @@ from testbed.analysis.chunk_causes import CHUNK_HIT, first_lookup_rows, object_k
 from testbed.analysis.explain_story import (
     ChunkLookup,
     Miss,
+    PeerCopy,
     RequestStory,
     Route,
     Segment,
@@ -138,6 +139,25 @@ class Explainer:
                 name.removeprefix("external_"): int(row[name]) for name in acc.EXTERNAL_BY_SOURCE
             },
             tier_traffic=self._tier_traffic(),
+            peer_copies=self._peer_copies(str(row["trace_id"])),
+        )
+
+    def _peer_copies(self, trace_id: str) -> tuple[PeerCopy, ...]:
+        """The copies peers made for the request's lookups (its trace's peer fetch spans)."""
+        spans = self.run.spans
+        if not len(spans) or a.PEER not in spans:
+            return ()
+        rows = spans[(spans["name"] == a.SERVER_PEER_FETCH) & (spans["trace_id"] == trace_id)]
+        rows = rows[rows[a.PEER].notna() & (rows[a.CHUNKS].fillna(0) > 0)]
+        return tuple(
+            PeerCopy(
+                peer=str(r[a.PEER]),
+                url=str(r[a.SERVER_URL]),
+                chunks=int(r[a.CHUNKS]),
+                nbytes=int(r[a.BYTES]),
+                wait_ms=float(r[a.PEER_WAIT_MS]),
+            )
+            for _, r in rows.iterrows()
         )
 
     def _tier_traffic(self) -> dict | None:

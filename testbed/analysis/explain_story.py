@@ -72,6 +72,24 @@ class Miss:
 
 
 @dataclass(frozen=True)
+class PeerCopy:
+    """Chunks a peer server copied into the request's server for its lookup (``--p2p``)."""
+
+    peer: str
+    """The peer's name (a fleet's ``instance N``)."""
+    url: str
+    chunks: int
+    nbytes: int
+    wait_ms: float
+
+    def __str__(self) -> str:
+        return (
+            f"copied from {self.peer} ({self.url}): {self.chunks} chunks, "
+            f"{format_bytes(self.nbytes)}, the lookup waited {self.wait_ms:.1f} ms"
+        )
+
+
+@dataclass(frozen=True)
 class Route:
     """The fleet's routing decision for the request (its ``kvcache.route`` span)."""
 
@@ -119,6 +137,8 @@ class RequestStory:
     """``external`` by the tier each token's chunk was matched in (``host``, ``disk``, ...)."""
     tier_traffic: dict[str, Any] | None = None
     """The run's tiers below L1 and their traffic (summary.json ``tiers``), when it had any."""
+    peer_copies: tuple[PeerCopy, ...] = ()
+    """What peers copied for the request's lookups (``kvcache.server.peer_fetch`` spans)."""
 
     def __str__(self) -> str:
         names = [f"workload {self.workload_request_id}"] if self.workload_request_id else []
@@ -141,6 +161,7 @@ class RequestStory:
             lines.append(
                 "  loaded by tier: " + ", ".join(f"{name} {n}" for name, n in split.items())
             )
+        lines += [f"  {copy}" for copy in self.peer_copies]
         if self.tier_traffic:
             lines += tier_lines(self.tier_traffic)
         if self.lookup:

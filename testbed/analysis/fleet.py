@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from testbed.analysis.routing import route_table
+from testbed.analysis.routing import route_table, won_back
 from testbed.analysis.source import Source
 from testbed.analysis.tables import Run
 
@@ -107,6 +107,7 @@ def fleet_summary(table: pd.DataFrame) -> dict[str, Any]:
     return {
         "instances": len(per_instance),
         "routing_tokens": int(table["routing"].sum()) if "routing" in table else 0,
+        "routing_won_back_tokens": int(won_back(table).sum()),
         "routing_loss_rate": int(table["routing"].sum()) / prompt
         if prompt and "routing" in table
         else 0.0,

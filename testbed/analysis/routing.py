@@ -13,7 +13,9 @@ workload request; :func:`routing_region` says which prompt tokens of each reques
 
 i.e. the tokens the request computed (past its engine hit, its loads and failed loads; the last
 token is always computed) that another instance's prefix cache held when it arrived, beyond
-what the chosen instance held. A router that always picks an instance holding the longest
+what the chosen instance held. With peers (P2P between per-instance servers) part of that
+prefix is loaded from a peer instead: :func:`won_back` counts it, and ``routing`` is what was
+lost for good. A router that always picks an instance holding the longest
 prefix (the ``oracle``) has none by construction (``A <= B``).
 """
 
@@ -89,6 +91,28 @@ def routing_region(
     start = np.maximum(low, held)
     end = np.maximum(np.minimum(other, last), start)
     return start, end
+
+
+def won_back(table: pd.DataFrame) -> np.ndarray:
+    """Per request of a fleet table (``testbed.analysis.fleet.fleet_requests``), the routing
+    loss a peer won back: its ``external_p2p`` tokens, the last of its loaded tokens
+    ``[E + X − p2p, E + X)`` (the hit layout puts a peer's chunks last), inside
+    ``[B, min(A, P − 1))``, what another instance's prefix cache held beyond the chosen one's
+    (zeros without ``external_p2p`` or route spans)."""
+    if "external_p2p" not in table or table.empty:
+        return np.zeros(len(table), dtype=np.int64)
+    loaded_end = (table["engine_hit_tokens"] + table["external_hit_tokens"]).to_numpy(np.int64)
+    p2p = table["external_p2p"].fillna(0).to_numpy(np.int64)
+    chosen, best = np.zeros(len(table), np.int64), np.zeros(len(table), np.int64)
+    routes = zip(table["instance"], table["cached_tokens"], strict=True)
+    for row, (instance, cached) in enumerate(routes):
+        if pd.isna(instance) or cached is None:
+            continue
+        held = np.asarray(cached, dtype=np.int64)
+        chosen[row] = held[int(instance)]
+        best[row] = int(np.delete(held, int(instance)).max(initial=0))
+    last = np.maximum(table["prompt_tokens"].to_numpy(np.int64) - 1, 0)
+    return overlap(loaded_end - p2p, loaded_end, chosen, np.minimum(best, last))
 
 
 def overlap(

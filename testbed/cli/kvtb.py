@@ -32,7 +32,7 @@ from typing import Any
 
 from server.launch import ServerStartError
 from testbed.core.credentials import ServerEndpoint, client_token
-from testbed.core.extras import MissingExtra, require_engines, require_lab
+from testbed.core.extras import MissingExtra, require_engines, require_lab, require_redis
 from testbed.core.process_groups import sigterm_as_interrupt
 from testbed.core.version import package_version
 from testbed.spec.flags import (
@@ -267,6 +267,7 @@ def _run(args: argparse.Namespace) -> int:
 
     spec = spec_from_args(args)
     require_engines([spec.engine])  # before the run directory is made
+    require_redis(spec.tiers)
     summary = execute_run(
         spec,
         args.out,

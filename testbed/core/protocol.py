@@ -353,6 +353,43 @@ class GetHeld(_Request, tag="get_held", kw_only=True):
     owner: Name
 
 
+# ---------------------------------------------------------------------------------------------
+# Peers: the cache servers of one fleet, one per instance, asking each other (server.peering)
+# ---------------------------------------------------------------------------------------------
+
+
+class PeerEndpoint(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    url: Name
+    token: Credential
+    name: Name = ""
+    """How spans and ``kvtb explain`` name the peer (a fleet's ``instance 2``); empty: its URL."""
+
+
+class SetPeers(_Request, tag="set_peers", kw_only=True):
+    """Administration (admin credential): the other servers this one asks when a lookup misses
+    locally (replaces the previous list; empty: none)."""
+
+    peers: Annotated[list[PeerEndpoint], msgspec.Meta(max_length=256)] = []
+
+
+class PeerProbe(_Request, tag="peer_probe", kw_only=True):
+    """From a peer server: how many leading chunks of ``chunk_hashes`` are held here (committed
+    on every one of ``world_size`` ranks). Takes no lock and changes nothing."""
+
+    model: Name
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)]
+    cache_salt: Name = ""
+    chunk_hashes: ChunkHashes
+
+
+class PeerFetch(PeerProbe, tag="peer_fetch", kw_only=True):
+    """From a peer server: the bytes of the leading chunks of ``chunk_hashes`` held here (fewer
+    than asked if some were evicted since the probe, or past ``max_bytes``); a fetch counts as
+    a hit of those chunks here."""
+
+    max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 << 20
+
+
 Request = (
     Ping
     | Heartbeat
@@ -371,6 +408,9 @@ Request = (
     | Abort
     | DropObjects
     | GetHeld
+    | SetPeers
+    | PeerProbe
+    | PeerFetch
 )
 
 
@@ -383,7 +423,7 @@ class Batch(_Request, tag="batch", kw_only=True):
     requests: Annotated[list[Request], msgspec.Meta(min_length=1, max_length=MAX_ITEMS_PER_BATCH)]
 
 
-ADMIN_REQUESTS = (DropObjects,)
+ADMIN_REQUESTS = (DropObjects, SetPeers)
 """Requests that need the admin credential."""
 
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +483,33 @@ class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     failures_by_cause: dict[str, int] = {}
     dropped_writes: int = 0
     """Writes not even tried: the tier's write queue was full (back-pressure)."""
+    adopted: int = 0
+    """Objects another server wrote to a shared tier (redis), entered into this server's index
+    when a lookup found them there."""
+
+
+class PeerStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Peer-to-peer since start (``server.peering``): what this server's lookups brought from
+    its peers, and what it served them."""
+
+    lookups: int = 0
+    """Lookups that missed here and asked the peers."""
+    peer_hits: int = 0
+    """Of those, lookups that brought at least one chunk from a peer."""
+    chunks: int = 0
+    """Chunks copied from peers into L1."""
+    bytes: int = 0
+    probe_failures: int = 0
+    """Probes not answered (a peer down, or past the timeout)."""
+    fetch_failures: int = 0
+    short_chunks: int = 0
+    """Chunks a peer said it held but did not send (evicted between probe and fetch, past a
+    fetch's byte bound), or that could not be placed here."""
+    corrupt_objects: int = 0
+    """Objects whose bytes did not match their digest (never committed)."""
+    served_probes: int = 0
+    served_chunks: int = 0
+    served_bytes: int = 0
 
 
 class TierUsage(msgspec.Struct, frozen=True, kw_only=True):
@@ -509,6 +576,8 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     """``errors`` by :data:`ErrorCode`."""
     tier_usage: list[TierUsage] = msgspec.field(default_factory=list)
     """Every tier's objects and bytes, in order: L1 (``host``), then ``tiers``' own."""
+    peers: PeerStats | None = None
+    """Peer-to-peer (``None``: this server was never given peers)."""
 
 
 class WorkerRegistered(_Reply, tag="registered", kw_only=True):
@@ -664,6 +733,20 @@ a server-wide one; ``quota``: one client's share). Clients count them as limit r
 (``limit_refusals``), not as failures of the server."""
 
 
+class PeerHeld(_Reply, tag="peer_held", kw_only=True):
+    held_chunks: Count = 0
+
+
+class PeerChunks(_Reply, tag="peer_chunks", kw_only=True):
+    """The objects of the leading chunks held, chunk then rank: each object's size, its bytes
+    (empty in metadata-only mode) and the blake3 digest of its bytes (verified on arrival)."""
+
+    num_chunks: Count = 0
+    nbytes: list[Count] = []
+    data: list[bytes] = []
+    digests: list[bytes] = []
+
+
 class Error(_Reply, tag="error", kw_only=True):
     code: ErrorCode
     message: str
@@ -684,6 +767,8 @@ Reply = (
     | Aborted
     | Dropped
     | Held
+    | PeerHeld
+    | PeerChunks
     | Error
 )
 

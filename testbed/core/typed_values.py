@@ -16,7 +16,7 @@ import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -94,3 +94,18 @@ def means_absent(text: str, annotation: Any) -> bool:
     ``annotation``: only where the key may be None (a capacity); elsewhere ``none`` is a
     value's name (``tier_promote``)."""
     return text.lower() in ("none", "unlimited") and type(None) in typing.get_args(annotation)
+
+
+def literal_problems(value: Any) -> list[str]:
+    """The fields of a closed set (a ``Literal``) of dataclass ``value`` holding a value outside
+    it: a value made by its constructor is checked as ``msgspec.convert`` checks one it
+    converts."""
+    problems = []
+    for name, annotation in hints(type(value)).items():
+        if typing.get_origin(annotation) is Literal:
+            options = typing.get_args(annotation)
+            held = getattr(value, name)
+            if held not in options:
+                listed = ", ".join(map(str, options))
+                problems.append(f"{name} must be one of {listed}, got {held!r}")
+    return problems

@@ -53,12 +53,18 @@ def merged_states(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | N
 
 
 def _summed(counts: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Counts added key by key: numbers summed, tables (``errors_by_code``, the tiers by name)
-    key by key, lists of tiers' usage tier by tier, text (a tier's kind) kept from the first."""
+    """Counts added key by key: numbers summed, tables (``errors_by_code``, the tiers by name,
+    a server's peer counts) key by key, lists of tiers' usage tier by tier, text (a tier's
+    kind) kept from the first, ``None`` (nothing to report) left out of the sum."""
     total: dict[str, Any] = {}
     for count in counts:
         for key, value in count.items():
-            total[key] = value if key not in total else _added(total[key], value)
+            if value is None:
+                total.setdefault(key, None)
+            elif total.get(key) is None:
+                total[key] = value
+            else:
+                total[key] = _added(total[key], value)
     return total
 
 

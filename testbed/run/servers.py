@@ -1,7 +1,9 @@
 """The run's cache servers: the ``--server`` it was given, or those it starts (one, or one
 per instance with servers 'per-instance'), each with the spec's chunk size, capacity, pool
 and policy, its telemetry in the run directory and the spec's trace sampler; stopped when the
-run is done with them."""
+run is done with them. With ``p2p``, every per-instance server is told the others once all
+are up (``server.peering``); redis tiers without a URL share the run's own Redis
+(``testbed.run.redis_tiers``)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ from typing import Any
 
 from server.launch import ServerProcess
 from server.tiers.spec import parse_tier
+from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
+from testbed.core.rpc import RpcClient
 from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import sampling
 from testbed.run import footprint
 from testbed.run.interface import StartedServer
 from testbed.run.options import RunOptions
 from testbed.run.plan import RunPlan
+from testbed.run.redis_tiers import with_run_redis
 from testbed.run.server_state import merged_states, server_state_after
 from testbed.spec.runspec import RunSpec
 
@@ -60,7 +65,6 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
     ]  # fmt: skip
     if spec.metadata_only:
         args.append("--metadata-only")
-    args += tier_arguments(spec)
     if options.otlp_endpoint:
         args += ["--otlp-endpoint", options.otlp_endpoint]
     if options.otlp_protocol:
@@ -68,6 +72,7 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
     env = sampling.environment(spec.trace_sampler, spec.trace_sampler_ratio)
     count = spec.instances if spec.servers == "per-instance" else 1
     with ExitStack() as stack:
+        args += tier_arguments(spec, with_run_redis(spec.tiers, run_dir, stack))
         started = []
         for k in range(count):
             log_path = RunDir(run_dir).server_log(k)
@@ -79,14 +84,31 @@ def run_servers(plan: RunPlan, run_dir: Path, options: RunOptions) -> Iterator[R
             stack.callback(process.close)
             endpoint = ServerEndpoint(process.url, process.token, process.admin_token)
             started.append(StartedServer(endpoint, process.token_file))
-        yield RunServers([s.endpoint for s in started], started, capacity)
+        endpoints = [s.endpoint for s in started]
+        if spec.p2p:
+            set_peers(endpoints)
+        yield RunServers(endpoints, started, capacity)
 
 
-def tier_arguments(spec: RunSpec) -> list[str]:
-    """The server flags of the spec's tiers and their policies (none without tiers)."""
-    if not spec.tiers:
+def set_peers(endpoints: Sequence[ServerEndpoint]) -> None:
+    """Tells each server every other one as its peers (its admin request ``SetPeers``)."""
+    for k, endpoint in enumerate(endpoints):
+        peers = [
+            p.PeerEndpoint(url=other.url, token=other.token, name=f"instance {j}")
+            for j, other in enumerate(endpoints)
+            if j != k
+        ]
+        with RpcClient(endpoint.url, role="run", token=endpoint.admin_token) as admin:
+            admin.call(p.SetPeers(peers=peers))
+
+
+def tier_arguments(spec: RunSpec, tiers: Sequence[str] | None = None) -> list[str]:
+    """The server flags of the spec's tiers (or of ``tiers``, the same with the run's own
+    Redis named) and their policies (none without tiers)."""
+    tiers = spec.tiers if tiers is None else tiers
+    if not tiers:
         return []
-    args = [flag for tier in spec.tiers for flag in ("--tier", tier)]
+    args = [flag for tier in tiers for flag in ("--tier", tier)]
     return args + [
         "--tier-write", spec.tier_write,
         "--tier-promote", spec.tier_promote,

@@ -247,6 +247,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
             "server_state_scope": None,
             "server_locks_after": None,
             "server_tiers": None,
+            "server_peers": None,
         }
     own = server_after.get("held")
     source, keys = (
@@ -261,6 +262,7 @@ def _server_state(server_after: dict[str, Any] | None) -> dict[str, Any]:
         "server_locks_after": held["num_locks"],
         "server_index_bytes": int(server_after["index_bytes"]),
         "server_tiers": _tier_counts(server_after.get("tiers") or {}),
+        "server_peers": server_after.get("peers"),
     }
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -35,7 +34,7 @@ from testbed.core.protocol import PoolMedium
 from testbed.core.sizes import parse_bytes
 from testbed.core.telemetry import sampling
 from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
-from testbed.core.typed_values import convert, hints, means_absent, type_name
+from testbed.core.typed_values import convert, hints, literal_problems, means_absent, type_name
 from testbed.models.profiles import PROFILES, KVProfile, get_profile
 from testbed.spec.engines import ENGINE_NAMES, ENGINE_RULES, EngineName, engines_where
 from testbed.spec.tiers import tier_problems
@@ -60,6 +59,7 @@ SPEC_MIGRATIONS: dict[str, Any] = {
     "router": "round_robin",
     "router_params": {},
     "servers": "shared",
+    "p2p": False,
     "tiers": [],
     "tier_write": "write_through",
     "tier_promote": "none",
@@ -182,6 +182,9 @@ class RunSpec:
     temperature; prefix_approx: capacity_blocks)."""
     servers: FleetServers = "shared"
     """fleet: one cache server for every instance (shared) or one each (per-instance)."""
+    p2p: bool = False
+    """fleet with servers 'per-instance': a lookup that misses on an instance's server asks
+    the other instances' servers, and a peer's hit is copied into it (hit source ``p2p``)."""
     tiers: list[str] = field(default_factory=list)
     """Tiers below the cache server's L1, in order, each ``KIND[@POLICY]:CAPACITY[:WHERE]``
     (``disk:8GiB:/data/kv``; without WHERE a disk tier uses a directory of the run's own,
@@ -194,7 +197,7 @@ class RunSpec:
     """How long a lookup waits for chunks below L1: wait, timeout:S or best_effort."""
 
     def __post_init__(self) -> None:
-        problems = bound_problems(self) + _literal_problems(self)
+        problems = bound_problems(self) + literal_problems(self)
         if problems:  # the rules below read the engine's row
             raise ValueError("invalid run spec: " + "; ".join(problems))
         problems += _profile_problems(self) + _engine_problems(self)
@@ -320,20 +323,6 @@ BOUNDS: dict[str, Bound] = field_bounds(RunSpec)
 checked separately, before a run starts (``testbed.run.footprint``)."""
 
 
-def _literal_problems(spec: RunSpec) -> list[str]:
-    """The fields of a closed set (a ``Literal``) holding a value outside it: a spec made by
-    its constructor is checked as :meth:`RunSpec.from_mapping` checks one it converts."""
-    problems = []
-    for name, annotation in hints(RunSpec).items():
-        if typing.get_origin(annotation) is Literal:
-            options = typing.get_args(annotation)
-            value = getattr(spec, name)
-            if value not in options:
-                listed = ", ".join(map(str, options))
-                problems.append(f"{name} must be one of {listed}, got {value!r}")
-    return problems
-
-
 def _profile_problems(spec: RunSpec) -> list[str]:
     """What is wrong with the spec's KV profile and the replay clock's profiles."""
     from testbed.models.hardware import HARDWARE
@@ -410,6 +399,12 @@ def _fleet_problems(spec: RunSpec) -> list[str]:
     if not rules.routed and (spec.router, spec.router_params) != ("round_robin", {}):
         problems.append(
             f"router and router_params apply to the {' and '.join(engines_where('routed'))} engines"
+        )
+    if spec.p2p and not (rules.per_instance_servers and spec.servers == "per-instance"):
+        apply = " and ".join(engines_where("per_instance_servers"))
+        problems.append(
+            f"p2p is between the per-instance cache servers of a {apply} run: use "
+            "--servers per-instance (a shared server has no peers)"
         )
         return problems
     from testbed.fleet.routers import make_router

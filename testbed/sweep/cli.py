@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from testbed.core.extras import require_engines
+from testbed.core.extras import require_engines, require_redis
 from testbed.core.process_groups import sigterm_as_interrupt
 from testbed.run import is_reusable, reuse_differences
 from testbed.spec.flags import assignments
@@ -81,6 +81,7 @@ def run_sweep(sweep: SweepSpec, out: Path, options: SweepOptions = SweepOptions(
     # Before anything is written: the engines of the runs still to do, the executor.
     todo = [run for run in sweep.runs if not is_reusable(sweep_dir / run.run_id, run)]
     require_engines(run.engine for run in todo)
+    require_redis(tier for run in todo for tier in run.tiers)
     if options.executor == "ray":
         require_ray()
     sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -244,3 +244,12 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip()
+
+
+def test_a_redis_tier_without_its_store_says_how_to_install_it(monkeypatch, tmp_path):
+    from testbed.core.extras import MissingExtra, require_redis
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server here
+    require_redis(["disk:1GiB", "redis:1GiB:redis://127.0.0.1:6379"])  # a URL needs no server
+    with pytest.raises(MissingExtra, match="apt-get install redis-server"):
+        require_redis(["disk:1GiB", "redis@lfu:1GiB"])
