@@ -107,6 +107,7 @@ def test_every_block_of_the_readme_is_marked_run_or_show():
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not DATA.is_dir(), reason="needs the data directory ../shared/data")
+@pytest.mark.slow
 def test_the_readme_runs_and_its_first_result_is_the_demos(scratch):
     pytest.importorskip("vllm")
     work, env = scratch
