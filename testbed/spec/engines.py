@@ -57,6 +57,8 @@ ENGINE_RULES: dict[EngineName, EngineRules] = {
 HTTP), oracle (prefix arithmetic, no server)."""
 
 
-def engines_where(rule: str) -> list[str]:
-    """The engines whose ``rule`` holds, for messages (``"model"``: ``['vllm', 'serve']``)."""
-    return [name for name, rules in ENGINE_RULES.items() if getattr(rules, rule)]
+def engines_where(rule: str, conjunction: str = "and") -> str:
+    """The engines whose ``rule`` holds, for messages (``"model"``: ``vllm and serve``;
+    ``"closed_loop", "or"``: ``replay, fleet or oracle``)."""
+    names = [name for name, rules in ENGINE_RULES.items() if getattr(rules, rule)]
+    return f" {conjunction} ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)

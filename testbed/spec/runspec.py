@@ -363,14 +363,14 @@ def _engine_problems(spec: RunSpec) -> list[str]:
         )
     if spec.model is not None and not rules.model:
         problems.append(
-            f"model applies to the {' and '.join(engines_where('model'))} engines only "
+            f"model applies to the {engines_where('model')} engines only "
             f"({spec.engine} uses KV profiles)"
         )
     if ":" in spec.workload and _closed_loop(spec.workload, spec.workload_params):
         if not rules.closed_loop:
             problems.append(
                 "closed-loop users (workload param users) need the "
-                f"{', '.join(engines_where('closed_loop'))} engine: the {spec.engine} engine "
+                f"{engines_where('closed_loop', 'or')} engine: the {spec.engine} engine "
                 "sends requests at times fixed in advance; leave users out to replay the "
                 "trace's own timestamps"
             )
@@ -394,18 +394,16 @@ def _fleet_problems(spec: RunSpec) -> list[str]:
             "servers); use --engine fleet"
         )
     if spec.servers != "shared" and not rules.per_instance_servers:
-        apply = " and ".join(engines_where("per_instance_servers"))
+        apply = engines_where("per_instance_servers")
         problems.append(f"servers 'per-instance' applies to the {apply} engine")
-    if not rules.routed and (spec.router, spec.router_params) != ("round_robin", {}):
-        problems.append(
-            f"router and router_params apply to the {' and '.join(engines_where('routed'))} engines"
-        )
     if spec.p2p and not (rules.per_instance_servers and spec.servers == "per-instance"):
-        apply = " and ".join(engines_where("per_instance_servers"))
         problems.append(
-            f"p2p is between the per-instance cache servers of a {apply} run: use "
-            "--servers per-instance (a shared server has no peers)"
+            f"p2p is between the per-instance cache servers of a "
+            f"{engines_where('per_instance_servers')} run: use --servers per-instance (a shared "
+            "server has no peers)"
         )
+    if not rules.routed and (spec.router, spec.router_params) != ("round_robin", {}):
+        problems.append(f"router and router_params apply to the {engines_where('routed')} engines")
         return problems
     from testbed.fleet.routers import make_router
 

@@ -39,6 +39,7 @@ def marked_processes(mark: str) -> list[int]:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_a_quick_run_writes_every_key_with_its_goal_and_what_it_timed(tmp_path):
     mark = uuid.uuid4().hex
     done = subprocess.run(

@@ -208,6 +208,7 @@ def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugi
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_a_relative_out_from_another_directory_lands_there_in_a_wheel_install(installed, tmp_path):
     pytest.importorskip("vllm")
     elsewhere = tmp_path / "elsewhere"

@@ -49,6 +49,7 @@ def generate(tmp_path, server, name, transfer_mode="worker") -> Recorded:
     return recorded_engine(tmp_path / name / "run", endpoint, run)
 
 
+@pytest.mark.slow
 def test_outputs_are_identical_with_and_without_the_cache_in_either_transfer_mode(
     tmp_path, start_server
 ):

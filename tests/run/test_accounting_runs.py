@@ -41,6 +41,7 @@ def test_runs_sharing_a_server_each_report_their_own_bytes(tmp_path):
     assert first["stored_bytes"] != second["stored_bytes"]
 
 
+@pytest.mark.slow
 def test_the_vllm_engine_holds_its_capacity_in_its_own_models_bytes(tmp_path):
     spec = RunSpec(
         engine="vllm",

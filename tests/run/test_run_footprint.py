@@ -63,6 +63,7 @@ def corpus(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_the_block_key_oracle_over_thirty_times_the_agentic_sessions_is_not_refused(
     tmp_path, corpus
 ):

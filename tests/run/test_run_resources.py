@@ -50,6 +50,7 @@ def test_kvtb_run_on_an_external_server_exits_0_after_a_good_run(tmp_path, capsy
     assert summary["requests"] == 4 and summary["pool_medium"] == "shm"
 
 
+@pytest.mark.slow
 def test_a_run_whose_disk_fills_ends_with_a_summary_that_says_what_is_missing(
     private_mounts, tmp_path
 ):

@@ -28,7 +28,7 @@ def test_the_spec_checks_a_run_against_its_engines_row(monkeypatch):
     monkeypatch.setattr("testbed.spec.runspec.ENGINE_RULES", rules)
     monkeypatch.setattr("testbed.spec.engines.ENGINE_RULES", rules)
     RunSpec(engine="replay", model="some/model", policy="belady")
-    with pytest.raises(ValueError, match="model applies to the replay and vllm and serve"):
+    with pytest.raises(ValueError, match="model applies to the replay, vllm and serve engines"):
         RunSpec(engine="oracle", model="some/model", policy="belady")
 
 

@@ -99,6 +99,7 @@ def test_run_ids_hash_every_field_and_the_schema(monkeypatch):
     assert spec.run_id != original
 
 
+@pytest.mark.slow
 def test_a_sweep_redoes_only_the_run_whose_spec_json_differs(tmp_path, caplog):
     sweep = expand_sweep(
         {"base": ORACLE, "grid": {"chunk_size": [128, 256]}}, source="test", default_name="ids"

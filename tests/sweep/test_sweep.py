@@ -278,6 +278,7 @@ def test_failed_run_is_recorded_and_the_others_complete(tmp_path):
     assert sorted(again.executed) == sorted(failed) and sorted(again.failed) == sorted(failed)
 
 
+@pytest.mark.slow
 def test_interrupted_sweep_leaves_no_server_and_resumes_with_only_the_missing_runs(tmp_path):
     path = write(
         tmp_path,
@@ -339,6 +340,7 @@ def test_interrupted_sweep_leaves_no_server_and_resumes_with_only_the_missing_ru
     assert cache_servers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ray_executor_gives_the_same_index_as_the_local_one(tmp_path):
     pytest.importorskip("ray", reason="the Ray executor needs ray (pip install 'kvtestbed[ray]')")
     path = write(
