@@ -57,6 +57,11 @@ GOALS: dict[str, Goal] = {
     "hit_1k_vs_recompute": Goal("<=", 0.5, "×"),
     "hit_4k_vs_recompute": _NONE_SET,
     "hit_16k_vs_recompute": _NONE_SET,
+    "scale_1m_wall_s": Goal("<=", 3600.0, "s"),
+    "scale_1m_peak_rss_bytes": Goal("<=", 4 * 2**30, "bytes"),
+    "scale_fleet16_wall_s": Goal("<=", 600.0, "s"),
+    "scale_agentic_whatif_wall_s": Goal("<=", 300.0, "s"),
+    "scale_agentic_peak_rss_bytes": Goal("<=", 4 * 2**30, "bytes"),
 }
 PEER_GOALS: dict[str, Goal] = {
     "lookup_vs_lmcache": _NONE_SET,
