@@ -226,7 +226,7 @@ def _batches(path: Path) -> Iterator[Any]:
                 window, offset, position = window[position:] + more, offset + position, 0
                 eof = not more
                 continue
-            batch = _batch_decoder.decode(view[:end])
+            batch: Any = _batch_decoder.decode(view[:end])
             rows += len(batch.columns.seq or [])
             position += end
             yield batch
