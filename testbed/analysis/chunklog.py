@@ -4,7 +4,8 @@ Every cache server writing to a run directory (``kvtb server --run-dir``) append
 ``<run_dir>/chunks/server-<pid>.msgpack``: a stream of msgpack maps, each one columnar batch
 ``{"columns": {name: [values, ...]}}`` whose lists have equal lengths. At the end of a run,
 :func:`write_chunk_parquet` turns the streams into ``<run_dir>/chunks.parquet`` (dictionary
-encoded, zstd) and removes them; :func:`load_chunk_log` reads the Parquet file when there is
+encoded, zstd; written a row group at a time, so converting a log of any length holds one
+group in memory) and removes them; :func:`load_chunk_log` reads the Parquet file when there is
 one, else the streams. Both give the same DataFrame, one row per event:
 
 ==============  ============  ====================================================================
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,10 @@ from testbed.core.run_dir import CHUNKS, CHUNKS_DIR, RunDir
 log = logging.getLogger(__name__)
 
 CHUNK_PARQUET = CHUNKS  # testbed.core.run_dir's
+ROW_GROUP_ROWS = 1 << 20
+"""Rows of one row group of ``chunks.parquet`` (the most the conversion holds at once)."""
+READ_BYTES = 1 << 22
+"""Bytes of a stream read at a time (a window grows to hold a larger batch)."""
 
 INT_COLUMNS: dict[str, tuple[str, int]] = {  # name -> (dtype, value when a batch lacks it)
     c.name: (c.kind, int(c.missing)) for c in SCHEMA if c.kind.startswith("int")
@@ -98,12 +104,10 @@ def write_chunk_parquet(run_dir: Path | str, *, remove_raw: bool = True) -> tupl
     streams = _streams(run_dir)
     if not streams:
         return 0, 0
-    frame = _from_streams(streams)
-    table = pa.Table.from_pandas(frame, schema=_parquet_schema(frame), preserve_index=False)
     target = RunDir(run_dir).chunks
     tmp = target.with_name(target.name + ".tmp")
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        rows = _write_row_groups(streams, tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)  # e.g. a full disk: the raw streams stay
         raise
@@ -114,10 +118,36 @@ def write_chunk_parquet(run_dir: Path | str, *, remove_raw: bool = True) -> tupl
         directory = RunDir(run_dir).chunk_streams
         if not any(directory.iterdir()):
             directory.rmdir()
-    return len(frame), target.stat().st_size
+    return rows, target.stat().st_size
 
 
-def _parquet_schema(frame: pd.DataFrame) -> pa.Schema:
+def _write_row_groups(streams: list[Path], path: Path) -> int:
+    """Writes the streams' rows to ``path`` a row group of at most :data:`ROW_GROUP_ROWS` at a
+    time (memory holds one group, whatever the log's length); returns the rows written."""
+    schema = _parquet_schema()
+    rows = 0
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        for values in _row_groups(streams):
+            frame = _frame(values)
+            writer.write_table(pa.Table.from_pandas(frame, schema=schema, preserve_index=False))
+            rows += len(frame)
+    return rows
+
+
+def _row_groups(streams: list[Path]) -> Iterator[dict[str, list[Any]]]:
+    """The streams' rows, in order, as columns of about :data:`ROW_GROUP_ROWS` rows each."""
+    values: dict[str, list[Any]] = {name: [] for name in COLUMNS}
+    for path in streams:
+        for batch in _batches(path):
+            _append(values, batch.columns, path.stem)
+            if len(values["server"]) >= ROW_GROUP_ROWS:
+                yield values
+                values = {name: [] for name in COLUMNS}
+    if values["server"]:
+        yield values
+
+
+def _parquet_schema() -> pa.Schema:
     fields = []
     for name in COLUMNS:
         if name in INT_COLUMNS:
@@ -139,6 +169,10 @@ def _from_streams(paths: list[Path]) -> pd.DataFrame:
     for path in paths:
         for batch in _batches(path):
             _append(values, batch.columns, path.stem)
+    return _frame(values)
+
+
+def _frame(values: dict[str, list[Any]]) -> pd.DataFrame:
     frame = pd.DataFrame(
         {
             "server": _categorical(values["server"]),
@@ -165,33 +199,53 @@ def _objects(values: list[Any]) -> np.ndarray:
     return array
 
 
-def _batches(path: Path) -> list[Any]:
-    """The batches of one stream. msgspec decodes exactly one object per call; the end of each
-    map is found by a cheap untyped pass (``Raw`` skips without building objects)."""
-    data = path.read_bytes()
-    view = memoryview(data)
-    batches: list[Any] = []  # ChunkBatch
-    position = 0
-    while position < len(data):
-        rest = view[position:]
-        try:
-            _raw_decoder.decode(rest)
-            end = len(rest)
-        except msgspec.DecodeError as exc:
-            match = _TRAILING.search(str(exc))
-            if match is None:
+def _batches(path: Path) -> Iterator[Any]:
+    """The batches of one stream, read a window at a time (memory holds about one batch, not
+    the stream). msgspec decodes exactly one object per call; the end of each map is found by
+    a cheap untyped pass (``Raw`` skips without building objects), which also says when the
+    window ends inside a map and must grow."""
+    rows = 0
+    with path.open("rb") as stream:
+        window, position, offset, eof = b"", 0, 0, False
+        while True:
+            if position == len(window) and not eof:
+                window, offset, position = stream.read(READ_BYTES), offset + position, 0
+                eof = not window
+            if position == len(window):
+                return
+            view = memoryview(window)[position:]
+            try:
+                end = _end_of_batch(view, eof)
+            except msgspec.DecodeError as exc:
                 log.warning(
                     "%s: unreadable data from byte %d on (%s); %d rows of batches before it kept",
-                    path,
-                    position,
-                    exc,
-                    sum(len(b.columns.seq or []) for b in batches),
-                )
-                break
-            end = int(match.group(1))
-        batches.append(_batch_decoder.decode(rest[:end]))
-        position += end
-    return batches
+                    path, offset + position, exc, rows,
+                )  # fmt: skip
+                return
+            if end is None:  # the window ends inside this batch: read on
+                more = stream.read(max(READ_BYTES, len(view)))
+                window, offset, position = window[position:] + more, offset + position, 0
+                eof = not more
+                continue
+            batch: Any = _batch_decoder.decode(view[:end])
+            rows += len(batch.columns.seq or [])
+            position += end
+            yield batch
+
+
+def _end_of_batch(view: memoryview, eof: bool) -> int | None:
+    """Bytes of the map ``view`` begins with; ``None`` when ``view`` ends inside it and the
+    stream has more; ``DecodeError`` when it is not a map's start or the stream ends inside it."""
+    try:
+        _raw_decoder.decode(view)
+        return len(view)
+    except msgspec.DecodeError as exc:
+        match = _TRAILING.search(str(exc))
+        if match is not None:
+            return int(match.group(1))
+        if not eof and "truncated" in str(exc):
+            return None
+        raise
 
 
 def _append(values: dict[str, list[Any]], columns: Any, server: str) -> None:

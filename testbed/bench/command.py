@@ -74,6 +74,16 @@ SECTIONS: dict[str, Section] = {
         "tiers", ("disk_tier_write_vs_dd", "disk_tier_read_vs_dd", "promotion_vs_memcpy")
     ),
     "others": Section("others", ()),
+    "scale": Section(
+        "scale",
+        (
+            "scale_1m_wall_s",
+            "scale_1m_peak_rss_bytes",
+            "scale_fleet16_wall_s",
+            "scale_agentic_whatif_wall_s",
+            "scale_agentic_peak_rss_bytes",
+        ),
+    ),
     # A GPU section goes here (store/retrieve bandwidth on the device against its own
     # copies): a module with section(config), run when torch.cuda.is_available().
 }
@@ -126,7 +136,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from testbed.core.extras import require_engines
 
     require_engines(["replay", "vllm"])  # MissingExtra, and then bad input: before anything runs
-    if {"replay", "others"} & set(names):
+    if {"replay", "others", "scale"} & set(names):
         find_trace(config)
     started = time.perf_counter()
     run: dict[str, Any] = {

@@ -36,6 +36,12 @@ class BenchConfig:
     e2e_lengths = QuickOrFull((1024,), (1024, 4096, 16384))
     e2e_samples = QuickOrFull(1, 7)
     _replay_default = QuickOrFull(24, 2000)
+    scale_requests = QuickOrFull(200, 1_000_000)
+    """Requests of the generated chat workload of ``--only scale``."""
+    scale_fleet_requests = QuickOrFull(32, None)
+    """Requests of the trace on the 16-instance fleet (``None``: the whole trace)."""
+    scale_copies = QuickOrFull(1, 30)
+    """Times the shared agentic corpus is repeated (two capped sessions with ``--quick``)."""
 
     @property
     def replay_size(self) -> int | None:

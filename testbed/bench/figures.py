@@ -60,6 +60,11 @@ GOALS: dict[str, Goal] = {
     "disk_tier_write_vs_dd": _NONE_SET,
     "disk_tier_read_vs_dd": _NONE_SET,
     "promotion_vs_memcpy": _NONE_SET,
+    "scale_1m_wall_s": Goal("<=", 3600.0, "s"),
+    "scale_1m_peak_rss_bytes": Goal("<=", 4 * 2**30, "bytes"),
+    "scale_fleet16_wall_s": Goal("<=", 600.0, "s"),
+    "scale_agentic_whatif_wall_s": Goal("<=", 300.0, "s"),
+    "scale_agentic_peak_rss_bytes": Goal("<=", 4 * 2**30, "bytes"),
 }
 PEER_GOALS: dict[str, Goal] = {
     "lookup_vs_lmcache": _NONE_SET,

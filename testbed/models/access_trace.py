@@ -137,6 +137,20 @@ class AccessTrace:
             )
         return self.rechunk(chunk_size // self.chunk_size)
 
+    def request_key_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`request_keys` as flat arrays ``(keys, offsets)``: request ``r``'s keys are
+        ``keys[offsets[r]:offsets[r + 1]]`` (what the simulated cache's kernel reads)."""
+        steps = np.flatnonzero(self.step_request >= 0)
+        chosen = np.full(self.num_requests, -1, dtype=np.int64)
+        np.maximum.at(chosen, self.step_request[steps], steps)  # the last step, as below
+        has = chosen >= 0
+        starts = np.where(has, self.query_offsets[np.maximum(chosen, 0)], 0)
+        lengths = np.where(has, self.query_offsets[np.maximum(chosen, 0) + 1] - starts, 0)
+        offsets = np.zeros(self.num_requests + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        index = np.arange(offsets[-1], dtype=np.int64) + np.repeat(starts - offsets[:-1], lengths)
+        return self.query_keys[index].astype(np.int64, copy=False), offsets
+
     def request_keys(self) -> list[list[int]]:
         """Per request, the keys its first lookup asked for (empty if it had none)."""
         keys: list[list[int]] = [[] for _ in range(self.num_requests)]

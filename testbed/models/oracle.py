@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from testbed.models.access_trace import AccessTrace, HashedRequest, hashed_trace
-from testbed.models.cache_sim import INFINITE, check_policy, replay
+from testbed.models.cache_sim import INFINITE, check_policy, replay_flat
 from testbed.models.cache_sim import POLICIES as SIMULATED
 
 POLICIES: tuple[str, ...] = tuple(name for name in SIMULATED if name != INFINITE)
@@ -63,7 +63,7 @@ def simulate_keys(
     trace: AccessTrace, policy: str = INFINITE, capacity_chunks: int | None = None
 ) -> OracleResult:
     """:func:`simulate` over an already keyed workload (each request's first lookup)."""
-    outcome = replay(trace.request_keys(), policy, capacity_chunks)
+    outcome = replay_flat(*trace.request_key_arrays(), policy, capacity_chunks)
     per_request_hit_tokens = [hit * trace.chunk_size for hit in outcome.hit_chunks]
     prompts = trace.prompt_tokens.tolist()
     prompt_tokens = sum(prompts)

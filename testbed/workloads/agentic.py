@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated
@@ -58,6 +58,8 @@ from testbed.workloads.params import AtLeast, WorkloadParams, parse_params
 __all__ = ["GROUP_SEPARATOR", "AgenticParams", "AgenticWorkload"]
 
 _SAMPLE = 1  # what a seed of this module is for: the sample of sessions
+COPY_SEPARATOR = "#"
+"""Between a session's name and its copy's number (``trace_0004#3``)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,11 @@ class AgenticParams(WorkloadParams, workload="agentic"):
     """End each agent before its first request with more input tokens (``None``: no cap)."""
     max_think_s: Annotated[float | None, AtLeast(0.0)] = None
     """Cap on every closed-loop delay (think time, sub-agent start), seconds."""
+    copies: Annotated[int, AtLeast(1)] = 1
+    """Each session this many times (a corpus that many times larger): copy ``k`` > 0 is named
+    ``NAME#k`` (its groups and request ids too) and its block ids are its own, as if it were
+    another file (the copies' ids in a scope of their own; a global file's copies share their
+    ids with each other as the originals do)."""
 
     @property
     def arrival_mode(self) -> str:
@@ -161,10 +168,12 @@ class AgenticWorkload(BlockTraceWorkload):
 
     @cached_property
     def _replays(self) -> list[_Replay]:
+        conversations = [read_conversation(file) for file in self.files]
         replays = [
             replay
-            for file in self.files
-            if (replay := _replay(read_conversation(file), self.params, self.options)).requests
+            for copy in range(self.params.copies)
+            for conversation in conversations
+            if (replay := _replay(_copy(conversation, copy), self.params, self.options)).requests
         ]
         if not replays:
             raise ValueError(
@@ -218,6 +227,21 @@ def _replay(conversation: Conversation, params: AgenticParams, options: Workload
             )
             after, done_s = (len(steps) - 1,), sent_s + (call.api_s or 0.0)
     return _Replay(Session(conversation.name, tuple(steps)), requests)
+
+
+def _copy(conversation: Conversation, copy: int) -> Conversation:
+    """Copy ``copy`` of ``conversation`` under new ids (``AgenticParams.copies``); copy 0 is
+    the conversation itself."""
+    if copy == 0:
+        return conversation
+    name = f"{conversation.name}{COPY_SEPARATOR}{copy}"
+    agents = tuple(
+        replace(agent, group=name + agent.group[len(conversation.name) :])
+        for agent in conversation.agents
+    )
+    seed = name if conversation.scope is not None else f"{COPY_SEPARATOR}{copy}"
+    scope = int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little") >> 1
+    return replace(conversation, name=name, scope=scope, agents=agents)
 
 
 def _anchor(

@@ -30,21 +30,67 @@ from testbed.workloads.base import WorkloadRequest
 from testbed.workloads.block_trace import BlockRequest
 
 
+def prefix_numbers(blocks: np.ndarray, counts: np.ndarray, roots: np.ndarray) -> np.ndarray:
+    """Per block of every request (``blocks``: the requests' ids end to end, ``counts`` per
+    request, ``roots``: each request's scope as a negative code), the dense id of the id prefix
+    ending there, numbered in order of first appearance: the ids a dict of ``(parent prefix,
+    block id)`` pairs hands out walking the requests in order. Computed a prefix length at a
+    time: at length ``k + 1`` the prefixes are the distinct (length-``k`` prefix, block id)
+    pairs, found by sorting; the working arrays are int32 where the counts allow, so memory
+    holds a few 4-byte arrays of the blocks."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    index = np.int32 if total < 2**31 - 1 else np.int64
+    starts = (np.cumsum(counts) - counts).astype(index)
+    level = np.arange(total, dtype=index) - np.repeat(starts, counts)
+    order = np.argsort(level, kind="stable").astype(index)  # by length, then walking order
+    bounds = np.searchsorted(level[order], np.arange(int(level.max()) + 2)).tolist()
+    del level, starts
+    request = np.repeat(np.arange(len(counts), dtype=index), counts)
+    classes = np.empty(total, dtype=index)
+    first = np.empty(total, dtype=index)  # per class, its first block (walking order)
+    num_classes = 0
+    for length in range(len(bounds) - 1):
+        positions = order[bounds[length] : bounds[length + 1]]
+        parents = roots[request[positions]] if length == 0 else classes[positions - 1]
+        ids = blocks[positions]
+        by_pair = np.lexsort((ids, parents))  # stable: each pair's first block first
+        parents, ids, positions = parents[by_pair], ids[by_pair], positions[by_pair]
+        new = np.ones(len(positions), dtype=bool)
+        new[1:] = (parents[1:] != parents[:-1]) | (ids[1:] != ids[:-1])
+        classes[positions] = np.cumsum(new) - 1 + num_classes
+        first[num_classes : num_classes + int(new.sum())] = positions[new]
+        num_classes += int(new.sum())
+    del order, request
+    numbers = np.empty(num_classes, dtype=np.int64)
+    numbers[np.argsort(first[:num_classes], kind="stable")] = np.arange(num_classes)
+    del first
+    return numbers[classes]
+
+
+def _blocks(requests: Sequence[BlockRequest]) -> np.ndarray:
+    """The requests' block ids end to end (int32 where they fit)."""
+    if not requests:
+        return np.zeros(0, dtype=np.int64)
+    low = min(int(r.block_ids.min(initial=0)) for r in requests)
+    high = max(int(r.block_ids.max(initial=0)) for r in requests)
+    small = low >= -(2**31) and high < 2**31
+    return np.concatenate(
+        [np.asarray(r.block_ids, dtype=np.int32 if small else np.int64) for r in requests]
+    )
+
+
 class BlockKeys:
     """The id prefixes of ``requests`` numbered once; :meth:`at` keys any chunk size."""
 
     def __init__(self, requests: Sequence[BlockRequest]) -> None:
-        prefixes: dict[tuple[int, int], int] = {}
         roots: dict[int | None, int] = {}
-        ids: list[int] = []
-        counts = np.zeros(len(requests), dtype=np.int64)
-        for index, request in enumerate(requests):
-            parent = roots.setdefault(request.scope, -1 - len(roots))
-            for block_id in request.block_ids.tolist():
-                parent = prefixes.setdefault((parent, block_id), len(prefixes))
-                ids.append(parent)
-            counts[index] = len(request.block_ids)
-        self.prefix_ids = np.asarray(ids, dtype=np.int64)
+        root_of = np.array(
+            [roots.setdefault(r.scope, -1 - len(roots)) for r in requests], dtype=np.int64
+        )
+        counts = np.array([len(r.block_ids) for r in requests], dtype=np.int64)
+        self.prefix_ids = prefix_numbers(_blocks(requests), counts, root_of)
         """Per request and block, the dense id of the id prefix ending at that block."""
         self.block_offsets = np.zeros(len(requests) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.block_offsets[1:])

@@ -98,3 +98,25 @@ def test_batches_may_lack_columns_and_carry_unknown_ones(tmp_path):
     path.write_bytes(msgspec.msgpack.encode({"columns": {"seq": [0, 1], "event": ["evict"]}}))
     with pytest.raises(ValueError, match="different lengths"):
         load_chunk_log(tmp_path)
+
+
+def test_a_long_log_is_converted_a_row_group_at_a_time_reading_a_window_at_a_time(
+    tmp_path, monkeypatch
+):
+    """Memory holds one row group and one read window, whatever the log's length: with both
+    made tiny, the file has a group per 5 rows, windows grow to hold a batch, and it loads
+    back to exactly the frame the streams give."""
+    from testbed.analysis import chunklog
+
+    for server in (1, 2, 3):
+        write_stream(tmp_path / "chunks" / f"server-{server}.msgpack", rows_per_batch=server)
+    raw = load_chunk_log(tmp_path)
+    monkeypatch.setattr(chunklog, "ROW_GROUP_ROWS", 5)
+    monkeypatch.setattr(chunklog, "READ_BYTES", 7)  # smaller than any batch
+    assert pd.testing.assert_frame_equal(load_chunk_log(tmp_path), raw) is None
+    rows, _ = write_chunk_parquet(tmp_path)
+    assert rows == len(raw) == 24
+    metadata = pq.ParquetFile(tmp_path / CHUNK_PARQUET).metadata
+    assert metadata.num_row_groups >= 24 // 5
+    assert max(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)) < 5 + 3
+    pd.testing.assert_frame_equal(load_chunk_log(tmp_path), raw)

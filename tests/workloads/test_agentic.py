@@ -245,3 +245,23 @@ def test_the_description_names_the_files_content_and_the_mode(tmp_path):
         make_workload(f"agentic:{tmp_path}", num_requests=None).describe()["sha256"]
         != (described["sha256"])
     )
+
+
+@pytest.mark.parametrize("scope", ["local", "global"])
+def test_copies_repeat_every_session_under_new_ids_with_blocks_of_their_own(tmp_path, scope):
+    write(tmp_path, "conv", SESSION, hash_id_scope=scope)
+    once = load(tmp_path)
+    thrice = load(tmp_path, copies=3)
+    assert len(thrice) == 3 * len(once)
+    assert _same(once, [r for r in thrice if "#" not in r.request_id])  # copy 0: the original
+    copy = sorted((r for r in thrice if r.group.startswith("conv#2")), key=lambda r: r.arrival_s)
+    assert [(r.request_id, r.group) for r in copy] == [
+        (r.request_id.replace("conv", "conv#2", 1), r.group.replace("conv", "conv#2", 1))
+        for r in once
+    ]
+    assert [r.arrival_s for r in copy] == [r.arrival_s for r in once]
+    assert [r.num_prompt_tokens for r in copy] == [r.num_prompt_tokens for r in once]
+    by_id = {r.request_id: r.prompt_token_ids for r in copy}
+    assert np.array_equal(by_id["conv#2-0000"][: 2 * B], by_id["conv#2-0002"][: 2 * B])
+    for original, repeated in zip(once, copy, strict=True):  # no block shared with the original
+        assert not np.array_equal(original.prompt_token_ids[:B], repeated.prompt_token_ids[:B])

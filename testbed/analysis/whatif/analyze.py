@@ -23,7 +23,7 @@ from testbed.analysis.whatif.stack import stack_distances
 from testbed.analysis.whatif.tiers import TierGrid, TierTime, default_tier_grid, tier_table
 from testbed.analysis.whatif.timing import break_even_rows, time_models, time_rows
 from testbed.models.access_trace import AccessTrace
-from testbed.models.cache_sim import INFINITE, POLICIES, replay
+from testbed.models.cache_sim import INFINITE, POLICIES, replay_flat
 from testbed.models.hardware import Hardware
 from testbed.models.links import tier_profile
 from testbed.spec.runspec import RunSpec
@@ -236,12 +236,12 @@ def _policy_rows(
     simulated = [p for p in options.policies if p != "lru"]
     if not simulated:
         return []
-    keys = trace.request_keys()  # each request's first lookup, walked as the oracle walks it
+    keys = trace.request_key_arrays()  # each request's first lookup, walked as the oracle walks it
     unlimited = curve.at(None)
     rows = []
     for policy in simulated:
         for capacity in policy_capacities(curve, options.policy_points, options.at_tokens):
-            hits = replay(keys, policy, capacity // trace.chunk_size).hit_chunks
+            hits = replay_flat(*keys, policy, capacity // trace.chunk_size).hit_chunks
             point = c.request_hits_point(trace, capacity, np.asarray(hits, dtype=np.int64))
             rows.append(_row(trace.chunk_size, policy, point, True))
         rows.append(_row(trace.chunk_size, policy, unlimited, options.sample_rate >= 1.0))

@@ -1,7 +1,9 @@
 """Installing the OpenTelemetry SDK in an entry point (server, engine, CLI). Not for libraries.
 
-:func:`configure_tracing` builds a tracer provider whose resource names the process, its TP
-rank and the run, and whose exporters are
+:func:`configure_tracing` builds a tracer provider (the span recorder,
+:mod:`testbed.core.telemetry.recorder`, unless ``TracingConfig.recorder`` is off: then the SDK's
+own, :mod:`testbed.core.telemetry.sdk_provider`) whose resource names the process, its TP rank
+and the run, and whose exporters are
 
 - OTLP JSON lines in ``<run_dir>/spans/<service>-<pid>.jsonl`` (the default, embedded);
 - OTLP over gRPC or HTTP/protobuf to Jaeger or any collector, when ``otlp_endpoint`` is given
@@ -29,12 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    SimpleSpanProcessor,
     SpanExporter,
     SpanExportResult,
 )
@@ -44,7 +43,9 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID
 from testbed.core import telemetry
 from testbed.core.run_dir import SPANS_DIR
 from testbed.core.telemetry import attributes as a
+from testbed.core.telemetry.recorder import RecorderProvider
 from testbed.core.telemetry.sampling import make_sampler, sampler_from_environment
+from testbed.core.telemetry.sdk_provider import EndCounter, sdk_provider
 from testbed.core.telemetry.span_file import JsonLinesSpanExporter
 
 COUNTS_SUFFIX = ".counts.json"
@@ -53,13 +54,6 @@ COLLECTED_PREFIX = "collected-"
 spans that a process also wrote to its own file)."""
 COUNTS_BYTES = 4096
 """Space of a counts file, reserved when tracing starts (the record is padded to it)."""
-
-# Defaults chosen so that a run's bursts fit: the SDK's 2,048-span queue overflows silently.
-_BSP_DEFAULTS = {
-    "OTEL_BSP_MAX_QUEUE_SIZE": 1 << 18,
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 4096,
-    "OTEL_BSP_SCHEDULE_DELAY": 500,
-}
 
 
 @dataclass(frozen=True)
@@ -86,6 +80,10 @@ class TracingConfig:
     sampling: tuple[str, float | None] | None = None
     """The trace sampler, ``(name, ratio)`` as :mod:`testbed.core.telemetry.sampling` names it;
     ``None``: what the ``OTEL_TRACES_SAMPLER*`` variables say, read as that module reads them."""
+    recorder: bool = True
+    """Record spans as rows and build the SDK's spans at export
+    (:mod:`testbed.core.telemetry.recorder`); ``False``: the SDK's own tracer provider and
+    batch processors (the same spans, at the SDK's cost per span)."""
 
 
 class SystemIdGenerator(IdGenerator):
@@ -163,27 +161,12 @@ class _CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
-class _EndCounter(SpanProcessor):
-    def __init__(self) -> None:
-        self.ended = 0
-        self._lock = threading.Lock()
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        return None
-
-    def on_end(self, span: ReadableSpan) -> None:
-        with self._lock:
-            self.ended += 1
-
-
-class _InstanceStamp(SpanProcessor):
-    """Stamps spans started inside :func:`testbed.core.telemetry.instance_scope` with the fleet
-    instance (``kvcache.instance``), as ``kvcache.rank`` tells TP ranks apart in a process."""
-
-    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        instance = telemetry.current_instance.get()
-        if instance is not None:
-            span.set_attribute(a.INSTANCE, instance)
+def _stamp_instance(attributes: dict[str, Any]) -> None:
+    """The recorder's instance stamp (the SDK provider's ``InstanceStamp``): the fleet
+    instance of a span that starts."""
+    instance = telemetry.current_instance.get()
+    if instance is not None:
+        attributes[a.INSTANCE] = instance
 
 
 class Tracing:
@@ -205,27 +188,41 @@ class Tracing:
         if config.rank is not None:
             resource_attributes[a.SERVICE_INSTANCE_ID] = str(config.rank)
             resource_attributes[a.RANK] = config.rank
-        self.provider = TracerProvider(
-            resource=Resource.create(resource_attributes),
-            id_generator=SystemIdGenerator(),
-            sampler=make_sampler(*config.sampling)
+        resource = Resource.create(resource_attributes)
+        sampler = (
+            make_sampler(*config.sampling)
             if config.sampling is not None
-            else sampler_from_environment(),
+            else sampler_from_environment()
         )
-        self._ends = _EndCounter()
-        self.provider.add_span_processor(self._ends)
-        self.provider.add_span_processor(_InstanceStamp())
         self.exporters = {name: _CountingExporter(name, e) for name, e in exporters.items()}
         self.span_file = span_file
         self._counts_fd: int | None = None
         if span_file is not None:
             self._counts_fd = _open_counts(span_file.with_suffix(COUNTS_SUFFIX))
-        for name, exporter in self.exporters.items():
-            if config.synchronous and name == "file":
-                exporter.after_export = self._write_counts
-                self.provider.add_span_processor(SimpleSpanProcessor(exporter))
-            else:
-                self.provider.add_span_processor(_batch_processor(exporter))
+        synchronous = {
+            name: e for name, e in self.exporters.items() if config.synchronous and name == "file"
+        }
+        for exporter in synchronous.values():
+            exporter.after_export = self._write_counts
+        batched = [e for name, e in self.exporters.items() if name not in synchronous]
+        self.provider: TracerProvider | RecorderProvider
+        if config.recorder:
+            self.provider = RecorderProvider(
+                resource=resource,
+                sampler=sampler,
+                id_generator=SystemIdGenerator(),
+                exporters=batched,
+                synchronous=list(synchronous.values()),
+                on_start=_stamp_instance,
+            )
+            self._ended: Callable[[], int] = lambda: self.provider.ended  # type: ignore[union-attr]
+        else:
+            self.provider = sdk_provider(
+                resource, sampler, SystemIdGenerator(), batched, list(synchronous.values())
+            )
+            ends = EndCounter()
+            self.provider.add_span_processor(ends)
+            self._ended = lambda: ends.ended
         self._closed = False
         telemetry.use_provider(self.provider)
 
@@ -243,12 +240,12 @@ class Tracing:
         return {
             "service": self.config.service_name,
             "pid": os.getpid(),
-            "ended": self._ends.ended,
+            "ended": self._ended(),
             "exporters": {
                 name: {
                     "exported": e.delivered,
                     "failed": e.failed,
-                    "dropped": self._ends.ended - e.delivered,
+                    "dropped": self._ended() - e.delivered,
                     **({"error": e.error[:300]} if e.error else {}),
                 }
                 for name, e in self.exporters.items()
@@ -348,21 +345,6 @@ def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> S
     raise ValueError(
         f"unsupported OTLP protocol {protocol!r}; use grpc or http/protobuf "
         "(OTEL_EXPORTER_OTLP_PROTOCOL)"
-    )
-
-
-def _batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    """A batch processor with our queue sizes, unless OTEL_BSP_* variables set them (the SDK
-    reads a variable when the argument is ``None``)."""
-
-    def setting(variable: str) -> int | None:
-        return None if variable in os.environ else _BSP_DEFAULTS[variable]
-
-    return BatchSpanProcessor(
-        exporter,
-        max_queue_size=setting("OTEL_BSP_MAX_QUEUE_SIZE"),
-        max_export_batch_size=setting("OTEL_BSP_MAX_EXPORT_BATCH_SIZE"),
-        schedule_delay_millis=setting("OTEL_BSP_SCHEDULE_DELAY"),
     )
 
 

@@ -1,0 +1,171 @@
+"""A finished operation's row: :class:`RowSpan`, the API span the recorder hands out, and
+:class:`SpanColumns`, the lists its fields are appended to when it ends (any process).
+
+A :class:`RowSpan` keeps what the SDK's span keeps (name, ids, parent, kind, start, attributes,
+events, links, status) in plain slots, with the SDK's rules for each method (an overwritten
+attribute moves last, a status set to ``OK`` stays, an exception becomes an ``exception``
+event), and no lock: a span is used by the thread that started it. ``end`` hands it to its
+provider once (:mod:`testbed.core.telemetry.recorder`).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import Event, SpanLimits
+from opentelemetry.trace import Link, SpanContext, SpanKind
+from opentelemetry.trace.status import Status, StatusCode
+
+COLUMNS = ("name", "context", "parent", "kind", "start", "end", "attributes", "events", "links",
+            "status")  # fmt: skip
+_UNSET = Status(StatusCode.UNSET)
+
+
+class Recording(Protocol):
+    """What a span needs of its provider: the SDK's limits, and where it goes when it ends."""
+
+    limits: SpanLimits
+
+    def record(self, span: RowSpan, end_ns: int) -> None: ...
+
+
+class SpanColumns:
+    """Finished spans, one list per field (:data:`COLUMNS`); :meth:`rows` reads them back."""
+
+    __slots__ = ("count", *COLUMNS)
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.name: list[str] = []
+        self.context: list[SpanContext] = []
+        self.parent: list[SpanContext | None] = []
+        self.kind: list[SpanKind] = []
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.attributes: list[dict[str, Any]] = []
+        self.events: list[list[Event] | None] = []
+        self.links: list[tuple[Link, ...]] = []
+        self.status: list[Status] = []
+
+    def rows(self) -> Iterator[tuple[Any, ...]]:
+        return zip(*(getattr(self, name) for name in COLUMNS), strict=True)
+
+
+class RowSpan(trace.Span):
+    """A recording span whose ``end`` appends it to its provider's columns (API methods only)."""
+
+    __slots__ = ("_provider", "_name", "_context", "_parent", "_kind", "_start", "_attributes",
+                 "_events", "_links", "_status", "_ended")  # fmt: skip
+
+    def __init__(
+        self,
+        provider: Recording,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: dict[str, Any],
+        links: tuple[Link, ...],
+        start_ns: int,
+    ) -> None:
+        self._provider = provider
+        self._name = name
+        self._context = context
+        self._parent = parent
+        self._kind = kind
+        self._start = start_ns
+        self._attributes = attributes
+        self._events: list[Event] | None = None
+        self._links = links
+        self._status = _UNSET
+        self._ended = False
+
+    def get_span_context(self) -> SpanContext:
+        return self._context
+
+    def is_recording(self) -> bool:
+        return not self._ended
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if not self._ended:
+            attributes = self._attributes
+            attributes.pop(key, None)  # the SDK's bounded map moves an overwritten key last
+            attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        if not self._ended:
+            mine = self._attributes
+            for key, value in attributes.items():
+                mine.pop(key, None)
+                mine[key] = value
+
+    def add_event(
+        self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
+    ) -> None:
+        if self._ended:
+            return
+        limits = self._provider.limits
+        event = Event(
+            name,
+            BoundedAttributes(
+                limits.max_event_attributes,
+                attributes,
+                immutable=True,
+                max_value_len=limits.max_attribute_length,
+            ),
+            timestamp,
+        )
+        if self._events is None:
+            self._events = []
+        self._events.append(event)
+
+    def update_name(self, name: str) -> None:
+        if not self._ended:
+            self._name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        if self._ended or self._status.status_code is StatusCode.OK:
+            return
+        if isinstance(status, Status):
+            if status.status_code is not StatusCode.UNSET:
+                self._status = status
+        elif status is not StatusCode.UNSET:
+            self._status = Status(status, description)
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Mapping[str, Any] | None = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        """As the SDK's span records one: an ``exception`` event with type, message, stack."""
+        module = type(exception).__module__
+        qualname = type(exception).__qualname__
+        recorded: dict[str, Any] = {
+            "exception.type": f"{module}.{qualname}"
+            if module and module != "builtins"
+            else qualname,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+        }
+        recorded.update(attributes or {})
+        self.add_event("exception", recorded, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._provider.record(self, time.time_ns() if end_time is None else end_time)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not self._ended:
+            self.record_exception(exc, escaped=True)
+            self.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        super().__exit__(exc_type, exc, tb)
