@@ -3,7 +3,9 @@
 - ``small-sweep``: the tests that read the session's small sweep (``tests/conftest.py``), so
   that it is made once;
 - ``vllm-servers``: the tests that start real vLLM OpenAI servers, one after another, never
-  two at once (each server's engine core is busy while it starts).
+  two at once (each server's engine core is busy while it starts);
+- ``readme``: the README's and the docs' blocks, which run in one scratch directory in order
+  (the docs' pages read the runs the README's demo made).
 
 A group is named by path prefixes of test ids, since the controller, which assigns the work,
 sees only the ids (pytest-xdist's own ``xdist_group`` mark renames the ids, which pytest 9 no
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "vllm-servers": ("tests/engine/test_serve",),
+    "readme": ("tests/test_readme.py",),
     "small-sweep": (
         "tests/notebooks/",
         "tests/analysis/test_figure_rules.py",
