@@ -83,11 +83,7 @@ def _sift_down(heap: np.ndarray, size: int, position: int) -> None:
             child += 1
         if not _less(heap, child, position):
             return
-        for column in range(5):
-            heap[position, column], heap[child, column] = (
-                heap[child, column],
-                heap[position, column],
-            )
+        _swap(heap, position, child)
         position = child
 
 
@@ -100,11 +96,7 @@ def _push(heap: np.ndarray, size: int, p0: int, p1: int, p2: int, key: int, vers
         parent = (position - 1) // 2
         if not _less(heap, position, parent):
             break
-        for column in range(5):
-            heap[position, column], heap[parent, column] = (
-                heap[parent, column],
-                heap[position, column],
-            )
+        _swap(heap, position, parent)
         position = parent
     return size + 1
 

@@ -10,7 +10,17 @@ from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
 from tests.support.cache_harness import connect
 from tests.support.quiescence import assert_quiescent
-from tests.support.tier_flows import OBJECT_BYTES, C, Worker, l2, lookup, release, stats, until
+from tests.support.tier_flows import (
+    OBJECT_BYTES,
+    C,
+    Worker,
+    below_l1,
+    l2,
+    lookup,
+    release,
+    stats,
+    until,
+)
 
 L1_CHUNKS = 3
 
@@ -101,14 +111,7 @@ def test_a_locked_chunk_is_not_demoted_away(start_server, tmp_path):
 def test_a_chunk_being_read_from_l2_is_not_evicted_there(start_server, tmp_path):
     server = tiered(start_server, tmp_path, "--tier-delay", "3", l2_chunks=1)
     a, c = prompt(1, chunks=1), prompt(3, chunks=1)
-    with (
-        Worker(server) as worker,
-        connect(server, role="scheduler") as scheduler,
-        connect(server, admin=True) as admin,
-    ):
-        worker.store("a", a)
-        until(scheduler, lambda s: s.tiers[0].writes == 1)
-        admin.call(p.DropObjects(chunk_hashes=a))  # out of L1, still in L2
+    with below_l1(server, a) as (worker, scheduler):  # out of L1, still in L2
         first = scheduler.call(p.Lookup(session_id="r", model="m", world_size=1, chunk_hashes=a))
         assert isinstance(first, p.LookupResult) and first.pending  # its read is slow
         worker.store("c", c)  # write_through wants L2's only slot: a's is being read
