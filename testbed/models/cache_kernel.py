@@ -128,6 +128,15 @@ def _compact(heap: np.ndarray, size: int, cached: np.ndarray, versions: np.ndarr
 
 
 @_compiled
+def _leading_hits(ids: np.ndarray, cached: np.ndarray, start: int, end: int) -> int:
+    """How many of ``ids[start:end]``, from the first, are cached: the request's hit."""
+    hit = 0
+    while start + hit < end and cached[ids[start + hit]]:
+        hit += 1
+    return hit
+
+
+@_compiled
 def _priority(policy: int, state: np.ndarray, key: int) -> tuple[int, int, int]:
     """The key's priority; ``state`` columns: inserted, last_access, hits, next_use, depth."""
     if policy == LRU:
@@ -158,10 +167,7 @@ def run(
         held = 0
         for request in range(num_requests):
             start, end = offsets[request], offsets[request + 1]
-            hit = 0
-            while start + hit < end and cached[ids[start + hit]]:
-                hit += 1
-            hits[request] = hit
+            hits[request] = _leading_hits(ids, cached, start, end)
             for access in range(start, end):
                 if not cached[ids[access]]:
                     cached[ids[access]] = True
@@ -177,10 +183,7 @@ def run(
     refresh = policy != FIFO
     for request in range(num_requests):
         start, end = offsets[request], offsets[request + 1]
-        hit = 0
-        while start + hit < end and cached[ids[start + hit]]:
-            hit += 1
-        hits[request] = hit
+        hits[request] = _leading_hits(ids, cached, start, end)
         for access in range(start, end):
             clock += 1
             key = ids[access]
