@@ -14,21 +14,15 @@ import os
 import threading
 from pathlib import Path
 
+from testbed.core.process_groups import proc_stats
+
 INTERVAL_S = 0.25
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def tree_rss_bytes(root: int) -> int:
     """Resident bytes of ``root`` and its descendants now (0 when it is gone)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents[int(entry.name)] = int(fields[1])
+    parents = {pid: int(fields[1]) for pid, fields in proc_stats()}
     tree, frontier = {root}, [root]
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():

@@ -111,6 +111,19 @@ def kill_group(process: subprocess.Popen[Any]) -> None:
     _wait_empty(process.pid, _GONE_TIMEOUT_S)
 
 
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """Each live process's ``(pid, fields of /proc/pid/stat after the command name)``: its
+    state first, then its parent, then its process group; a process gone meanwhile is passed."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        yield int(entry.name), fields
+
+
 def group_members(group: int) -> list[int]:
     """Live (not zombie) processes of process group ``group``, from ``/proc``."""
     try:
@@ -120,15 +133,9 @@ def group_members(group: int) -> list[int]:
     except PermissionError:
         pass
     members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
+    for pid, fields in proc_stats():
         if int(fields[2]) == group and fields[0] != "Z":
-            members.append(int(entry.name))
+            members.append(pid)
     return members
 
 

@@ -83,11 +83,7 @@ def _sift_down(heap: np.ndarray, size: int, position: int) -> None:
             child += 1
         if not _less(heap, child, position):
             return
-        for column in range(5):
-            heap[position, column], heap[child, column] = (
-                heap[child, column],
-                heap[position, column],
-            )
+        _swap(heap, position, child)
         position = child
 
 
@@ -100,11 +96,7 @@ def _push(heap: np.ndarray, size: int, p0: int, p1: int, p2: int, key: int, vers
         parent = (position - 1) // 2
         if not _less(heap, position, parent):
             break
-        for column in range(5):
-            heap[position, column], heap[parent, column] = (
-                heap[parent, column],
-                heap[position, column],
-            )
+        _swap(heap, position, parent)
         position = parent
     return size + 1
 
@@ -133,6 +125,15 @@ def _compact(heap: np.ndarray, size: int, cached: np.ndarray, versions: np.ndarr
     for position in range(kept // 2 - 1, -1, -1):
         _sift_down(heap, kept, position)
     return kept
+
+
+@_compiled
+def _leading_hits(ids: np.ndarray, cached: np.ndarray, start: int, end: int) -> int:
+    """How many of ``ids[start:end]``, from the first, are cached: the request's hit."""
+    hit = 0
+    while start + hit < end and cached[ids[start + hit]]:
+        hit += 1
+    return hit
 
 
 @_compiled
@@ -166,10 +167,7 @@ def run(
         held = 0
         for request in range(num_requests):
             start, end = offsets[request], offsets[request + 1]
-            hit = 0
-            while start + hit < end and cached[ids[start + hit]]:
-                hit += 1
-            hits[request] = hit
+            hits[request] = _leading_hits(ids, cached, start, end)
             for access in range(start, end):
                 if not cached[ids[access]]:
                     cached[ids[access]] = True
@@ -185,10 +183,7 @@ def run(
     refresh = policy != FIFO
     for request in range(num_requests):
         start, end = offsets[request], offsets[request + 1]
-        hit = 0
-        while start + hit < end and cached[ids[start + hit]]:
-            hit += 1
-        hits[request] = hit
+        hits[request] = _leading_hits(ids, cached, start, end)
         for access in range(start, end):
             clock += 1
             key = ids[access]

@@ -177,6 +177,16 @@ def blocks_equal(kv: PagedKV, a: list[int], b: list[int]) -> bool:
     )
 
 
+def hit_and_load(h: Harness, session: str, tokens: list[int], target: list[int]) -> int:
+    """A request whose lookup hits, loads into blocks ``target`` with no block failed and then
+    finishes; the tokens loaded."""
+    loaded = h.matched(session, tokens)
+    outcomes = h.load(h.allocate(session, target, loaded))
+    h.side.request_finished(session)
+    assert [o.failed_block_ids for o in outcomes] == [set()]
+    return loaded
+
+
 def cache_cycle(h: Harness, chunk_size: int, traceparent: str = "") -> dict[str, object]:
     """One of every operation: a miss and its store, then a partial engine hit whose locks
     below the engine's boundary are freed, a retrieve of the rest, and the end of the session.

@@ -3,8 +3,9 @@ the end (polling while the lookup is pending), read tier stats; deadline polls, 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from testbed.core import protocol as p
 from testbed.core.closing import Closing
@@ -80,3 +81,18 @@ def until(
             return current
         assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {current}"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def below_l1(server: ServerLike, hashes: list[bytes]) -> Iterator[tuple[Worker, RpcClient]]:
+    """A worker and a scheduler connection once ``hashes`` are stored, written to the first
+    tier below L1 (one write each) and dropped from L1: only a lower tier holds them."""
+    with (
+        Worker(server) as worker,
+        connect(server, role="scheduler") as scheduler,
+        connect(server, admin=True) as admin,
+    ):
+        worker.store("a", hashes)
+        until(scheduler, lambda s: s.tiers[0].writes == len(hashes))
+        admin.call(p.DropObjects(chunk_hashes=hashes))
+        yield worker, scheduler

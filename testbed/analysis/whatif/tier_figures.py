@@ -11,6 +11,7 @@ import textwrap
 
 import pandas as pd
 from matplotlib import pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from testbed.analysis.whatif.tiers import ONE_PASS
@@ -25,13 +26,8 @@ TIER_LABELS = {
 
 def tier_hit_rate_figure(tiers: pd.DataFrame, title: str = "Hit rate by tier") -> Figure:
     """Hit rate by tier against L2 capacity (tokens), one panel per (chunk size, L1)."""
-    panels = sorted({(int(r.chunk_size), int(r.l1_capacity_tokens)) for r in tiers.itertuples()})
-    figure, axes_list = plt.subplots(
-        1, len(panels), figsize=(6 * len(panels), 5), squeeze=False, layout="constrained"
-    )
-    figure.suptitle(textwrap.fill(title, 100))
-    for axes, (chunk, l1) in zip(axes_list[0], panels, strict=True):
-        chosen = tiers[(tiers["chunk_size"] == chunk) & (tiers["l1_capacity_tokens"] == l1)]
+    figure, panels = _panels(tiers, title)
+    for axes, (chunk, l1), chosen in panels:
         for colour, ((write, promote), rows) in zip(
             plt.rcParams["axes.prop_cycle"].by_key()["color"],
             chosen.groupby(["tier_write", "tier_promote"], sort=False),
@@ -65,13 +61,8 @@ def tier_hit_rate_figure(tiers: pd.DataFrame, title: str = "Hit rate by tier") -
 def tier_ttft_figure(tiers: pd.DataFrame, title: str = "Projected TTFT by tier") -> Figure:
     """Mean projected TTFT against L2 capacity per tier policy, one panel per (chunk, L1); the
     cache-less TTFT dotted. ``tiers`` needs the ``ttft_*`` columns (``--tier-time``)."""
-    panels = sorted({(int(r.chunk_size), int(r.l1_capacity_tokens)) for r in tiers.itertuples()})
-    figure, axes_list = plt.subplots(
-        1, len(panels), figsize=(6 * len(panels), 5), squeeze=False, layout="constrained"
-    )
-    figure.suptitle(textwrap.fill(title, 100))
-    for axes, (chunk, l1) in zip(axes_list[0], panels, strict=True):
-        chosen = tiers[(tiers["chunk_size"] == chunk) & (tiers["l1_capacity_tokens"] == l1)]
+    figure, panels = _panels(tiers, title)
+    for axes, (chunk, l1), chosen in panels:
         for (write, promote), rows in chosen.groupby(["tier_write", "tier_promote"], sort=False):
             rows = rows.sort_values("l2_capacity_tokens")
             how = "one pass" if (rows["method"] == ONE_PASS).all() else "simulated"
@@ -89,3 +80,20 @@ def tier_ttft_figure(tiers: pd.DataFrame, title: str = "Projected TTFT by tier")
         axes.grid(True, alpha=0.3)
         axes.legend(fontsize="x-small")
     return figure
+
+
+def _panels(
+    tiers: pd.DataFrame, title: str
+) -> tuple[Figure, list[tuple[Axes, tuple[int, int], pd.DataFrame]]]:
+    """A titled figure with one panel per (chunk size, L1 capacity) of ``tiers``: each panel's
+    axes, its ``(chunk, l1)`` and its rows."""
+    keys = sorted({(int(r.chunk_size), int(r.l1_capacity_tokens)) for r in tiers.itertuples()})
+    figure, axes_list = plt.subplots(
+        1, len(keys), figsize=(6 * len(keys), 5), squeeze=False, layout="constrained"
+    )
+    figure.suptitle(textwrap.fill(title, 100))
+    panels = []
+    for axes, (chunk, l1) in zip(axes_list[0], keys, strict=True):
+        chosen = tiers[(tiers["chunk_size"] == chunk) & (tiers["l1_capacity_tokens"] == l1)]
+        panels.append((axes, (chunk, l1), chosen))
+    return figure, panels

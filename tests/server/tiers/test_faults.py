@@ -11,7 +11,7 @@ from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
 from tests.support.cache_harness import connect
 from tests.support.quiescence import assert_quiescent
-from tests.support.tier_flows import OBJECT_BYTES, C, Worker, lookup, stats, until
+from tests.support.tier_flows import OBJECT_BYTES, C, Worker, below_l1, lookup, stats, until
 
 
 def prompt(seed: int, chunks: int) -> list[bytes]:
@@ -57,14 +57,7 @@ def test_a_full_disk_tier_fails_writes_with_their_cause_and_the_server_goes_on(
 def test_a_read_error_is_a_miss_with_its_cause(start_server, tmp_path):
     server = start_server(*flags(tmp_path))
     hashes = prompt(1, 2)
-    with (
-        Worker(server) as worker,
-        connect(server, role="scheduler") as scheduler,
-        connect(server, admin=True) as admin,
-    ):
-        worker.store("a", hashes)
-        until(scheduler, lambda s: s.tiers[0].writes == 2)
-        admin.call(p.DropObjects(chunk_hashes=hashes))
+    with below_l1(server, hashes) as (_, scheduler):
         for path in (tmp_path / "l2").glob("*.kv"):
             path.unlink()  # gone behind the server's back
         missed = lookup(scheduler, "r", hashes)
@@ -80,14 +73,7 @@ def test_a_read_error_is_a_miss_with_its_cause(start_server, tmp_path):
 def test_a_slow_disk_past_the_prefetch_timeout_is_a_prefetch_timeout_miss(start_server, tmp_path):
     server = start_server(*flags(tmp_path, "--tier-delay", "1", "--prefetch", "timeout:0.2"))
     hashes = prompt(1, 1)
-    with (
-        Worker(server) as worker,
-        connect(server, role="scheduler") as scheduler,
-        connect(server, admin=True) as admin,
-    ):
-        worker.store("a", hashes)
-        until(scheduler, lambda s: s.tiers[0].writes == 1)
-        admin.call(p.DropObjects(chunk_hashes=hashes))
+    with below_l1(server, hashes) as (_, scheduler):
         late = lookup(scheduler, "r", hashes)
         assert late.hit_chunks == 0 and late.miss_status == "prefetch_timeout"
         assert stats(scheduler).prefetch_timeouts == 1
@@ -99,14 +85,7 @@ def test_a_slow_disk_past_the_prefetch_timeout_is_a_prefetch_timeout_miss(start_
 def test_best_effort_answers_at_once_and_the_chunk_arrives_for_later(start_server, tmp_path):
     server = start_server(*flags(tmp_path, "--tier-delay", "0.5", "--prefetch", "best_effort"))
     hashes = prompt(1, 1)
-    with (
-        Worker(server) as worker,
-        connect(server, role="scheduler") as scheduler,
-        connect(server, admin=True) as admin,
-    ):
-        worker.store("a", hashes)
-        until(scheduler, lambda s: s.tiers[0].writes == 1)
-        admin.call(p.DropObjects(chunk_hashes=hashes))
+    with below_l1(server, hashes) as (_, scheduler):
         first = scheduler.call(
             p.Lookup(session_id="r", model="m", world_size=1, chunk_hashes=hashes)
         )

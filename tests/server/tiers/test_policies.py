@@ -8,9 +8,20 @@ from pathlib import Path
 
 from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
+from testbed.core.rpc import RpcClient
 from tests.support.cache_harness import connect
 from tests.support.quiescence import assert_quiescent
-from tests.support.tier_flows import OBJECT_BYTES, C, Worker, l2, lookup, release, stats, until
+from tests.support.tier_flows import (
+    OBJECT_BYTES,
+    C,
+    Worker,
+    below_l1,
+    l2,
+    lookup,
+    release,
+    stats,
+    until,
+)
 
 L1_CHUNKS = 3
 
@@ -58,6 +69,13 @@ def test_write_back_writes_a_chunk_down_exactly_when_l1_evicts_it(start_server, 
         assert lookup(scheduler, "a-again", a[:1]).hit_chunks_by_tier == {"disk": 1}
 
 
+def store_past_l1(worker: Worker, scheduler: RpcClient, a: list[bytes], b: list[bytes]) -> None:
+    """Stores ``a`` then ``b`` (L1 holds one of them) once all their chunks are written down."""
+    worker.store("a", a)
+    worker.store("b", b)
+    until(scheduler, lambda s: s.tiers[0].writes == 2 * L1_CHUNKS)
+
+
 def test_selective_writes_a_chunk_down_only_after_n_hits(start_server, tmp_path):
     server = tiered(start_server, tmp_path, "--tier-write", "selective:2")
     a = prompt(1)
@@ -74,9 +92,7 @@ def test_promote_none_copies_up_for_one_load_and_retain_keeps_it(start_server, t
         server = tiered(start_server, tmp_path / policy, "--tier-promote", policy)
         a, b = prompt(1), prompt(2)
         with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
-            worker.store("a", a)
-            worker.store("b", b)
-            until(scheduler, lambda s: s.tiers[0].writes == 6)
+            store_past_l1(worker, scheduler, a, b)
             assert lookup(scheduler, "first", a).hit_chunks_by_tier == {"disk": 3}
             if policy == "none":  # gone from L1 once its load's locks went (b's made room)
                 until(scheduler, lambda s: s.num_objects == 0)
@@ -101,14 +117,7 @@ def test_a_locked_chunk_is_not_demoted_away(start_server, tmp_path):
 def test_a_chunk_being_read_from_l2_is_not_evicted_there(start_server, tmp_path):
     server = tiered(start_server, tmp_path, "--tier-delay", "3", l2_chunks=1)
     a, c = prompt(1, chunks=1), prompt(3, chunks=1)
-    with (
-        Worker(server) as worker,
-        connect(server, role="scheduler") as scheduler,
-        connect(server, admin=True) as admin,
-    ):
-        worker.store("a", a)
-        until(scheduler, lambda s: s.tiers[0].writes == 1)
-        admin.call(p.DropObjects(chunk_hashes=a))  # out of L1, still in L2
+    with below_l1(server, a) as (worker, scheduler):  # out of L1, still in L2
         first = scheduler.call(p.Lookup(session_id="r", model="m", world_size=1, chunk_hashes=a))
         assert isinstance(first, p.LookupResult) and first.pending  # its read is slow
         worker.store("c", c)  # write_through wants L2's only slot: a's is being read
@@ -125,9 +134,7 @@ def test_a_promotion_is_a_commit_in_the_chunk_log_naming_its_tier(start_server, 
     server = tiered(start_server, tmp_path, "--run-dir", str(run_dir))
     a, b = prompt(1), prompt(2)
     with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
-        worker.store("a", a)
-        worker.store("b", b)
-        until(scheduler, lambda s: s.tiers[0].writes == 6)
+        store_past_l1(worker, scheduler, a, b)
         assert lookup(scheduler, "again", a).hit_chunks_by_tier == {"disk": 3}
     server.close()
     log = load_chunk_log(run_dir)
@@ -140,9 +147,7 @@ def test_past_the_bound_on_prefetches_the_hit_ends_with_a_prefetch_timeout(start
     server = tiered(start_server, tmp_path, "--max-prefetch-objects", "1")
     a, b = prompt(1), prompt(2)
     with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
-        worker.store("a", a)
-        worker.store("b", b)
-        until(scheduler, lambda s: s.tiers[0].writes == 6)
+        store_past_l1(worker, scheduler, a, b)
         hit = lookup(scheduler, "again", a)
         assert hit.hit_chunks_by_tier == {"disk": 1} and hit.miss_status == "prefetch_timeout"
         assert stats(scheduler).prefetch_timeouts == 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.cache_harness import BLOCK_SIZE, Harness, blocks_equal
+from tests.support.cache_harness import BLOCK_SIZE, Harness, blocks_equal, hit_and_load
 from tests.support.quiescence import assert_quiescent
 from tests.support.tier_flows import until
 
@@ -36,12 +36,8 @@ def test_an_l2_hit_is_prefetched_and_loaded_with_the_bytes_stored(start_server, 
         h.prefill("a", tokens(1), list(range(BLOCKS)))
         h.prefill("b", tokens(2), list(range(20, 20 + BLOCKS)))  # L1 holds 3 chunks: a's go
         until(h.rpc, lambda s: s.tiers[0].writes == 6)
-        loaded = h.matched("a-again", tokens(1))
-        assert loaded == 3 * C
         target = list(range(60, 60 + BLOCKS))
-        outcomes = h.load(h.allocate("a-again", target, loaded))
-        h.side.request_finished("a-again")
-        assert [o.failed_block_ids for o in outcomes] == [set()]
+        assert hit_and_load(h, "a-again", tokens(1), target) == 3 * C
         assert blocks_equal(h.ranks[0].kv, list(range(12)), target[:12])
         tier = h.stats().tiers[0]
         assert tier.promotions == 3 and tier.read_bytes == 3 * OBJECT_BYTES

@@ -6,13 +6,15 @@ redis tier without a URL starts and stops a Redis of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from server.tiers.redis_process import EmbeddedRedis
-from tests.support.cache_harness import BLOCK_SIZE, Harness
+from tests.support.cache_harness import BLOCK_SIZE, Harness, hit_and_load
 from tests.support.embedded_redis import embedded_redis, needs_redis
 from tests.support.quiescence import assert_quiescent
 from tests.support.tier_flows import until
@@ -35,6 +37,21 @@ def tiered(start_server, tier: str):
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def written_through(
+    start_server, tmp_path: Path
+) -> Iterator[tuple[EmbeddedRedis, Harness, Harness]]:
+    """A Redis shared by two servers, a writer and a reader on each, once the writer's prompt
+    (``tokens(1)``) is written through to the store."""
+    with embedded_redis(tmp_path / "redis") as redis:
+        a = tiered(start_server, f"redis:64MiB:{redis.url}")
+        b = tiered(start_server, f"redis:64MiB:{redis.url}")
+        with Harness(a, chunk_size=C, seed=1) as writer, Harness(b, chunk_size=C, seed=2) as reader:
+            writer.prefill("w", tokens(1), list(range(BLOCKS)))
+            until(writer.rpc, lambda s: s.tiers[0].writes == 3)
+            yield redis, writer, reader
+
+
 def same_blocks(writer: Harness, reader: Harness, source: list[int], target: list[int]) -> bool:
     w, r = writer.ranks[0].kv, reader.ranks[0].kv
     return all(
@@ -47,46 +64,32 @@ def same_blocks(writer: Harness, reader: Harness, source: list[int], target: lis
 
 
 def test_what_one_server_writes_through_another_hits(start_server, tmp_path: Path) -> None:
-    with embedded_redis(tmp_path / "redis") as redis:
-        a = tiered(start_server, f"redis:64MiB:{redis.url}")
-        b = tiered(start_server, f"redis:64MiB:{redis.url}")
-        with Harness(a, chunk_size=C, seed=1) as writer, Harness(b, chunk_size=C, seed=2) as reader:
-            writer.prefill("w", tokens(1), list(range(BLOCKS)))
-            until(writer.rpc, lambda s: s.tiers[0].writes == 3)
-            loaded = reader.matched("r", tokens(1))
-            assert loaded == 3 * C
-            target = list(range(60, 60 + BLOCKS))
-            outcomes = reader.load(reader.allocate("r", target, loaded))
-            reader.side.request_finished("r")
-            assert [o.failed_block_ids for o in outcomes] == [set()]
-            assert same_blocks(writer, reader, list(range(STORED)), target[:STORED])
-            tier = reader.stats().tiers[0]
-            assert tier.kind == "remote" and tier.adopted == 3 and tier.promotions == 3
-            assert_quiescent(reader.stats())
+    with written_through(start_server, tmp_path) as (_, writer, reader):
+        target = list(range(60, 60 + BLOCKS))
+        assert hit_and_load(reader, "r", tokens(1), target) == 3 * C
+        assert same_blocks(writer, reader, list(range(STORED)), target[:STORED])
+        tier = reader.stats().tiers[0]
+        assert tier.kind == "remote" and tier.adopted == 3 and tier.promotions == 3
+        assert_quiescent(reader.stats())
 
 
 def test_a_killed_store_is_counted_misses_and_a_restarted_one_hits_again(
     start_server, tmp_path: Path
 ) -> None:
-    with embedded_redis(tmp_path / "redis") as redis:
-        a = tiered(start_server, f"redis:64MiB:{redis.url}")
-        b = tiered(start_server, f"redis:64MiB:{redis.url}")
-        with Harness(a, chunk_size=C, seed=1) as writer, Harness(b, chunk_size=C, seed=2) as reader:
-            writer.prefill("w", tokens(1), list(range(BLOCKS)))
-            until(writer.rpc, lambda s: s.tiers[0].writes == 3)
-            redis.kill()
-            assert reader.matched("r", tokens(1)) == 0  # the store cannot be asked: a miss
-            reader.side.request_finished("r")
-            writer.prefill("w2", tokens(2), list(range(20, 20 + BLOCKS)))
-            until(writer.rpc, lambda s: s.tiers[0].failures >= 3)
-            failed = writer.stats().tiers[0]
-            assert failed.failures_by_cause.get("unavailable", 0) == failed.failures >= 3
-            redis.start()  # empty: what it held died with it
-            seed = store_anew(writer)
-            assert reader.matched("r2", tokens(seed)) == 3 * C
-            reader.side.request_finished("r2")
-            assert_quiescent(reader.stats())
-            assert_quiescent(writer.stats())
+    with written_through(start_server, tmp_path) as (redis, writer, reader):
+        redis.kill()
+        assert reader.matched("r", tokens(1)) == 0  # the store cannot be asked: a miss
+        reader.side.request_finished("r")
+        writer.prefill("w2", tokens(2), list(range(20, 20 + BLOCKS)))
+        until(writer.rpc, lambda s: s.tiers[0].failures >= 3)
+        failed = writer.stats().tiers[0]
+        assert failed.failures_by_cause.get("unavailable", 0) == failed.failures >= 3
+        redis.start()  # empty: what it held died with it
+        seed = store_anew(writer)
+        assert reader.matched("r2", tokens(seed)) == 3 * C
+        reader.side.request_finished("r2")
+        assert_quiescent(reader.stats())
+        assert_quiescent(writer.stats())
 
 
 def store_anew(writer: Harness, timeout_s: float = 30.0) -> int:
