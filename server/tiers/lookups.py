@@ -16,7 +16,7 @@ from server.state import PendingLookup
 from server.tiers import spans
 from server.tiers.base import L1_SOURCE
 from testbed.core.keys import ChunkHash
-from testbed.core.protocol import MissStatus
+from testbed.core.protocol import Lookup, MissStatus
 
 PREFETCH_TIMEOUT: MissStatus = "prefetch_timeout"
 """Miss status: the chunk was on its way up from a lower tier when the lookup was answered."""
@@ -83,6 +83,16 @@ def _refresh_l1_hits(s: Shared, space: Space, chunk_hashes: Sequence[ChunkHash])
             break  # a store in flight or a chunk no tier holds: the hit ends here
     for obj in held:
         s.cache.touch_object(obj)
+
+
+def writing_below(s: Shared, req: Lookup, hit: int) -> bool:
+    """Whether the chunk that ends a hit of ``hit`` chunks is absent from L1 only because a
+    tier below is still writing it (L1 evicted it before its write-through completed): the
+    lookup then waits for it as for a store in flight, and its next poll brings it up."""
+    if not s.tiers.enabled or hit >= len(req.chunk_hashes):
+        return False
+    space = Space(req.model, req.world_size, req.cache_salt)
+    return s.tiers.writing(space.keys(req.chunk_hashes[hit]))
 
 
 def tier_miss_status(
