@@ -56,12 +56,12 @@ def test_a_disk_tier_serves_hits_and_every_token_still_has_one_category(inclusiv
 @needs_traces
 @pytest.mark.xfail(
     reason="not equal yet: the run matches the prediction request by request except two "
-    "requests of 214 chunks (L1 holds 256), whose hit stops early with a capacity miss "
-    "(measured 8704 and 40960 tokens), and L1 serves none of the 18944 tokens predicted for "
-    "one of them: in all, host 9216 vs 28160 predicted, disk 251392 vs 282112; the cause "
-    "in the server's "
-    "prefetch of a long prefix is not found yet (the what-if itself equals a brute-force "
-    "hierarchy, tests/analysis/whatif/test_tiers.py)",
+    "requests of 214 chunks (L1 holds 256): each lookup's prefetch stops early (the server "
+    "counts 2 prefetch timeouts: no room to reserve the next chunk in L1, e.g. after 54 "
+    "chunks, while the disk holds them all), and the run's accounting calls the rest "
+    "capacity misses (8704 and 40960 tokens); in all host 9216 vs 28160 predicted, disk "
+    "251392 vs 282112 (the what-if itself equals a brute-force hierarchy, "
+    "tests/analysis/whatif/test_tiers.py)",
     strict=False,
 )
 def test_an_inclusive_lru_hierarchy_run_equals_the_one_pass_what_if(inclusive_run):
