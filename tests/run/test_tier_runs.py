@@ -58,7 +58,10 @@ def test_a_disk_tier_serves_hits_and_every_token_still_has_one_category(inclusiv
     reason="not equal yet: the run matches the prediction request by request except two "
     "requests of 214 chunks (L1 holds 256): each lookup's prefetch stops early (the server "
     "counts 2 prefetch timeouts: no room to reserve the next chunk in L1, e.g. after 54 "
-    "chunks, while the disk holds them all), and the run's accounting calls the rest "
+    "chunks, while the disk holds them all). Each of those lookups comes before the previous "
+    "request's session has ended (in its chunk log), "
+    "so its chunks still hold L1, which a one-pass stack does not model; the run's accounting "
+    "calls the rest "
     "capacity misses (8704 and 40960 tokens); in all host 9216 vs 28160 predicted, disk "
     "251392 vs 282112 (the what-if itself equals a brute-force hierarchy, "
     "tests/analysis/whatif/test_tiers.py)",
