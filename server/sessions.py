@@ -28,7 +28,7 @@ from server.state import (
     PendingLookup,
     Session,
 )
-from server.tiers.lookups import hit_sources, prefetch, tier_miss_status
+from server.tiers.lookups import hit_sources, prefetch, tier_miss_status, writing_below
 from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
@@ -257,6 +257,8 @@ class Sessions:
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
         hit = _hit(statuses)
         miss_status = _miss_status(statuses, hit)
+        if miss_status == ABSENT and writing_below(s, req, hit):
+            miss_status = IN_FLIGHT  # written below, not yet held: waited for as a store
         copied = 0
         if miss_status == ABSENT:
             copied = yield from self.peering.fill(call, req, hit)

@@ -125,6 +125,15 @@ class Hierarchy:
                 return number
         return None
 
+    def writing(self, keys: Sequence[ObjectKey]) -> bool:
+        """Whether a tier below L1 is still writing every one of ``keys`` (reserved there, not
+        yet committed): a chunk L1 evicted before its write-through completed is on its way
+        into the hierarchy, as a store in flight is into L1."""
+        return any(
+            all((obj := tier.index.get(key)) is not None and not obj.committed for key in keys)
+            for tier in self.tiers
+        )
+
     def _adopt(self, number: int, keys: Sequence[ObjectKey]) -> bool:
         """A shared tier (``store.shared``: a remote store other servers write to) may hold
         objects this index never saw: asked, on the loop, and entered into the index as held

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 
 from server.context import Call, Shared
-from server.objects import Eviction, Space
+from server.objects import CacheObject, Eviction, Space
 from server.state import PendingLookup
 from server.tiers import spans
 from server.tiers.base import L1_SOURCE
 from testbed.core.keys import ChunkHash
-from testbed.core.protocol import MissStatus
+from testbed.core.protocol import Lookup, MissStatus
 
 PREFETCH_TIMEOUT: MissStatus = "prefetch_timeout"
 """Miss status: the chunk was on its way up from a lower tier when the lookup was answered."""
@@ -26,13 +26,15 @@ TIER_READ_FAILED: MissStatus = "tier_read_failed"
 
 def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, None, None]:
     """Sends for the lookup's chunks after its L1 prefix that a lower tier holds, in order,
-    until a chunk no tier holds (or the bound on prefetches, or no room in L1); lowers the
+    until a chunk no tier holds (or the bound on prefetches, or no room in L1), once the
+    chunks of the hit that L1 holds are refreshed (:func:`_refresh_l1_hits`); lowers the
     lookup's deadline to the prefetch policy's wait when it sent for any."""
     req = pending.request
     tiers = s.tiers
     space = Space(req.model, req.world_size, req.cache_salt)
     eviction = Eviction(reason="capacity")
     pending.unsent = None
+    _refresh_l1_hits(s, space, req.chunk_hashes)
     started: dict[str, int] = {}
     nbytes = 0
     for chunk_hash in req.chunk_hashes:
@@ -64,6 +66,33 @@ def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, N
         wait_s = policy.wait_s(s.config.lookup_pending_timeout_s)
         pending.deadline = min(pending.deadline, s.clock() + wait_s)
         spans.prefetch_started(call.traceparent, req.session_id, started, nbytes, str(policy))
+
+
+def _refresh_l1_hits(s: Shared, space: Space, chunk_hashes: Sequence[ChunkHash]) -> None:
+    """Refreshes the chunks of the lookup's hit that L1 already holds, before any prefetch
+    makes room in L1: the room is then taken from objects this lookup does not need, never
+    from its own L1 hits (which nothing locks until the lookup is answered). As the stack
+    sees a lookup: its hit chunks are all referenced at once, before anything is brought in."""
+    held: list[CacheObject] = []
+    for chunk_hash in chunk_hashes:
+        keys = space.keys(chunk_hash)
+        objects = [s.cache.get(key) for key in keys]
+        if all(obj is not None and obj.committed for obj in objects):
+            held.extend(obj for obj in objects if obj is not None)
+        elif any(obj is not None for obj in objects) or s.tiers.holder(keys) is None:
+            break  # a store in flight or a chunk no tier holds: the hit ends here
+    for obj in held:
+        s.cache.touch_object(obj)
+
+
+def writing_below(s: Shared, req: Lookup, hit: int) -> bool:
+    """Whether the chunk that ends a hit of ``hit`` chunks is absent from L1 only because a
+    tier below is still writing it (L1 evicted it before its write-through completed): the
+    lookup then waits for it as for a store in flight, and its next poll brings it up."""
+    if not s.tiers.enabled or hit >= len(req.chunk_hashes):
+        return False
+    space = Space(req.model, req.world_size, req.cache_salt)
+    return s.tiers.writing(space.keys(req.chunk_hashes[hit]))
 
 
 def tier_miss_status(

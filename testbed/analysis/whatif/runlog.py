@@ -9,6 +9,10 @@ As an LRU stack sees them:
 - ``commit`` rows insert and ``touch`` rows refresh: references. Consecutive ones form a step
   of references only. Reservations, aborts, evictions and drops are not references: what a
   cache of another capacity would have evicted is exactly what the curve works out.
+- a ``commit`` a prefetch made (cause ``tier_promote``: a chunk brought up into L1 from a
+  tier below for a lookup) is not a reference: it is logged when its read completes, before
+  the lookup that asked settles, and the lookup's own ``hit`` row is that access. Counted as
+  one, it would put the chunk at the top of the stack just before the query it answers.
 
 Identity is the chunk (namespace, chunk hash): a chunk's TP-rank objects move together under
 LRU. Touch rows carry no position; they take the position the chunk has in lookup and commit
@@ -35,6 +39,8 @@ from testbed.models.access_trace import RUN, AccessTrace
 from testbed.spec.runspec import RunSpec
 
 REFERENCE_EVENTS = ("commit", "touch")
+PROMOTION_CAUSE = "tier_promote"
+"""Chunk log cause of an L1 commit a prefetch made (``server.tiers.hierarchy.TIER_PROMOTE``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +102,8 @@ def run_trace(chunks: pd.DataFrame, requests: pd.DataFrame, chunk_size: int) -> 
     """The access stream of a chunk log (columns of :mod:`testbed.analysis.chunklog`) for the
     ``requests`` (``session_id, group, prompt_tokens, engine_hit_tokens``)."""
     events = chunks["event"].astype(str).to_numpy()
-    rows = chunks[np.isin(events, ("lookup", *REFERENCE_EVENTS))]
+    promoted = (events == "commit") & (chunks["cause"].astype(str).to_numpy() == PROMOTION_CAUSE)
+    rows = chunks[np.isin(events, ("lookup", *REFERENCE_EVENTS)) & ~promoted]
     rows = rows.sort_values(["time_ns", "seq"], kind="stable").reset_index(drop=True)
     is_lookup = (rows["event"].astype(str) == "lookup").to_numpy()
     keys = (

@@ -172,3 +172,24 @@ def _pairs(labels: str) -> str:
     """Two fine chunks as one coarse label (one-to-one: coarse prefixes match fine ones)."""
     return "".join(chr(0x100 + ord(a) * 131 + ord(b)) for a, b in
                    zip(labels[::2], labels[1::2], strict=True))  # fmt: skip
+
+
+def test_a_prefetchs_commits_in_l1_are_not_references_the_lookups_hit_rows_are():
+    # A disk tier's prefetch commits the chunk in L1 (cause tier_promote) when its read
+    # completes, before the lookup that asked settles: the log has those commits just before
+    # the lookup's rows. Counted as references they would make every hit an L1 hit.
+    prompts, engine = _workload(seed=6)
+    run = lru_server_log(prompts, 6, engine, tp=1)
+    lookups = run.chunks[run.chunks["event"] == "lookup"]
+    first = lookups.groupby("span_id")["time_ns"].transform("min")
+    hits = lookups[lookups["status"] == "hit"]
+    promoted = hits.assign(
+        event="commit", status="disk", cause="tier_promote", position=-1,
+        time_ns=first[hits.index] - 1, seq=hits["seq"] + 100_000,
+    )  # fmt: skip
+    chunks = pd.concat([run.chunks, promoted], ignore_index=True)
+    assert len(promoted) > 0
+    trace = run_trace(chunks, run.requests, C)
+    assert request_hit_tokens(trace, stack_distances(trace), 6 * C).tolist() == run.measured
+    plain = run_trace(run.chunks, run.requests, C)
+    assert np.array_equal(trace.ref_keys, plain.ref_keys)

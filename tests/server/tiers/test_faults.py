@@ -94,3 +94,22 @@ def test_best_effort_answers_at_once_and_the_chunk_arrives_for_later(start_serve
         until(scheduler, lambda s: s.tiers[0].promotions == 1)
         assert lookup(scheduler, "r2", hashes).hit_chunks_by_tier == {"host": 1}
         assert_quiescent(stats(scheduler))
+
+
+def test_a_chunk_l1_evicted_before_its_write_through_completed_is_waited_for_not_lost(
+    start_server, tmp_path
+):
+    # A slow disk: L1 (one chunk) evicts a chunk whose disk write is still in flight. The
+    # hierarchy is about to hold it, so a lookup waits for the write (as for a store in
+    # flight) and is served from disk, instead of missing a chunk that write-through keeps.
+    args = flags(tmp_path, "--tier-delay", "0.5", "--tier-promote", "retain")
+    args[args.index("--capacity") + 1] = str(OBJECT_BYTES)
+    server = start_server(*args)
+    first, second = prompt(1, 1), prompt(2, 1)
+    with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
+        worker.store("a", first)
+        worker.store("b", second)  # evicts the first chunk from L1, its write still queued
+        assert stats(scheduler).tiers[0].writes == 0
+        reply = lookup(scheduler, "r", first)
+        assert reply.hit_chunks_by_tier == {"disk": 1}
+        assert_quiescent(stats(scheduler))

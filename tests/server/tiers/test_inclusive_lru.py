@@ -58,3 +58,27 @@ def test_hits_by_tier_equal_the_stack_prediction(start_server, tmp_path):
     expected = predicted(accesses)
     assert seen == expected
     assert {"host", "disk", "miss"} <= set(expected)  # the sequence exercises every outcome
+
+
+def test_a_lookup_keeps_its_own_l1_hits_while_it_brings_the_rest_up(start_server, tmp_path):
+    # L1 holds the last two chunks of a three-chunk prefix, the disk tier all three: the
+    # prefetch of the first one takes its L1 room from another chunk (the least recent one
+    # the lookup does not need), never from the lookup's own L1 hits; as the stack predicts,
+    # two chunks hit L1 and one the disk.
+    server = start_server(
+        "--chunk-size", str(C),
+        "--capacity", str(C1 * OBJECT_BYTES),
+        "--tier", f"disk:{C2 * OBJECT_BYTES}:{tmp_path / 'l2'}",
+        "--tier-promote", "retain",
+        "--lookup-pending-timeout", "30",
+    )  # fmt: skip
+    prefix = chunk_hashes(list(range(3 * C)), C)
+    other = chunk_hashes([10**6 + i for i in range(C)], C)
+    with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
+        for number, (hashes, writes) in enumerate([(prefix, 3), (other, 4)]):
+            assert lookup(scheduler, f"s{number}", hashes).hit_chunks == 0
+            worker.store(f"s{number}", hashes)
+            until(scheduler, lambda s, n=writes: s.tiers[0].writes == n)
+        reply = lookup(scheduler, "again", prefix)
+        assert reply.hit_chunks == 3
+        assert reply.hit_chunks_by_tier == {"host": 2, "disk": 1}
