@@ -423,7 +423,8 @@ class KVTBConnector(KVConnectorBase_V1):
 
     def take_events(self) -> list[KVCacheEvent]:
         """Chunks stored in and removed from the cache server since the last call, as vLLM KV
-        events (medium ``kvtb``) for vLLM's publisher. vLLM calls it once at the end of each
+        events (medium ``kvtb`` for its L1, ``kvtb/disk`` etc. for its lower tiers) for vLLM's
+        publisher. vLLM calls it once at the end of each
         ``update_from_output``: the step's ends of sessions are sent then (one frame)."""
         if self.scheduler_side is not None:
             self.scheduler_side.client.flush()
@@ -434,7 +435,11 @@ class KVTBConnector(KVConnectorBase_V1):
         if lost:
             self.announcer.forget_all()
         self.announcer.evicted(evicted)
-        return [event.payload for event in self.announcer.take()]
+        self.announcer.tier_changed(
+            (c.cache_salt, c.chunk_hash, c.medium, c.stored)
+            for c in self.scheduler_side.client.take_tier_changes()
+        )
+        return [vllm_telemetry.event_of(event) for event in self.announcer.take()]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
