@@ -431,15 +431,7 @@ class KVTBConnector(KVConnectorBase_V1):
         if self.announcer is None:
             return []
         assert self.scheduler_side is not None
-        evicted, lost = self.scheduler_side.client.take_evictions()
-        if lost:
-            self.announcer.forget_all()
-        self.announcer.evicted(evicted)
-        self.announcer.tier_changed(
-            (c.cache_salt, c.chunk_hash, c.medium, c.stored)
-            for c in self.scheduler_side.client.take_tier_changes()
-        )
-        return [vllm_telemetry.event_of(event) for event in self.announcer.take()]
+        return vllm_telemetry.announced(self.announcer, self.scheduler_side.client)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

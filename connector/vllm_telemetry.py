@@ -39,12 +39,14 @@ from vllm.v1.core.kv_cache_utils import (
 
 from connector import stats
 from connector.kv_events import MEDIUM as L1_MEDIUM
-from connector.kv_events import ChunkEvent, ChunkKey, ChunkReport, tier_medium
+from connector.kv_events import ChunkAnnouncer, ChunkEvent, ChunkKey, ChunkReport, tier_medium
 from connector.ops import StoreOp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
+
+    from connector.scheduler_client import SchedulerClient
 
 MEDIUM = L1_MEDIUM
 """The ``medium`` of the connector's KV events about the cache server's L1 (a tier below it:
@@ -160,6 +162,19 @@ class KVTBWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, KVTBWorkerMetadata)
         self.reports += other.reports
         return self
+
+
+def announced(announcer: ChunkAnnouncer[Any], client: SchedulerClient) -> list[Any]:
+    """The KV events since the last call: the removals and tier changes the client's lookups
+    learned, applied to ``announcer``, then its events as vLLM's."""
+    evicted, lost = client.take_evictions()
+    if lost:
+        announcer.forget_all()
+    announcer.evicted(evicted)
+    announcer.tier_changed(
+        (c.cache_salt, c.chunk_hash, c.medium, c.stored) for c in client.take_tier_changes()
+    )
+    return [event_of(event) for event in announcer.take()]
 
 
 def event_of(event: ChunkEvent[Any]) -> Any:
