@@ -21,6 +21,13 @@ The flow, with every process doing what it can see:
   after its commit is announced removed (:meth:`ChunkAnnouncer.evicted`); all of them when
   the server lost track (restart) (:meth:`ChunkAnnouncer.forget_all`).
 
+The tiers below the server's L1 (a disk, a remote store) are announced under a medium of their
+own (:func:`tier_medium`: ``kvtb/disk``, ``kvtb/remote``; L1 keeps ``kvtb``), from the tier
+changes the same lookup replies carry (:meth:`ChunkAnnouncer.tier_changed`): a chunk this
+engine planned a store of is announced stored in a tier once the tier committed it, and
+removed when the tier removed it (or the server lost track), whatever L1 does meanwhile (a
+``write_back`` tier receives a chunk exactly when L1 evicts it).
+
 Removal numbers order the two streams, whichever reaches the scheduler first: a removal
 numbered at or below a commit's number concerns an earlier copy of the chunk and is ignored;
 one above it means the copy is gone (for a rank still to report, the chunk is not announced).
@@ -44,6 +51,23 @@ ChunkKey = tuple[str, ChunkHash]
 """``(cache salt, chunk hash)``: what names a chunk within one model and world size."""
 
 DEFAULT_MAX_CHUNKS = 1 << 16
+MEDIUM = "kvtb"
+"""The ``medium`` of the events about the cache server's L1 (its shared-memory pool)."""
+
+
+def tier_medium(tier: str) -> str:
+    """The ``medium`` of the events about a tier (its hit-source name; ``""``: L1)."""
+    return f"{MEDIUM}/{tier}" if tier else MEDIUM
+
+
+def medium_tier(medium: str | None) -> str | None:
+    """The tier a ``medium`` names (``""``: L1), or ``None`` for one not the server's."""
+    if medium == MEDIUM:
+        return ""
+    prefix = f"{MEDIUM}/"
+    if medium is not None and medium.startswith(prefix) and len(medium) > len(prefix):
+        return medium[len(prefix) :]
+    return None
 
 
 class ChunkReport(NamedTuple):
@@ -80,6 +104,8 @@ class ChunkEvent(Generic[Payload]):
     stored: bool
     """True: the chunk is now in the cache; False: it no longer is."""
     payload: Payload
+    tier: str = ""
+    """The tier the event is about (its hit-source name; ``""``: L1); see :func:`tier_medium`."""
 
 
 @dataclass
@@ -102,6 +128,10 @@ class ChunkAnnouncer(Generic[Payload]):
         self._pending: OrderedDict[ChunkKey, _Pending[Payload]] = OrderedDict()
         self._announced: OrderedDict[ChunkKey, tuple[Payload, int]] = OrderedDict()
         self._removed_at: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._known: OrderedDict[ChunkKey, tuple[Payload, Payload]] = OrderedDict()
+        """The payloads of chunks this engine planned stores of (for the tiers' events)."""
+        self._in_tier: OrderedDict[tuple[ChunkKey, str], Payload] = OrderedDict()
+        """Chunks announced stored in a tier below L1, with their removed payload."""
         self._events: list[ChunkEvent[Payload]] = []
 
     def __len__(self) -> int:
@@ -110,6 +140,9 @@ class ChunkAnnouncer(Generic[Payload]):
 
     def planned(self, key: ChunkKey, stored: Payload, removed: Payload) -> None:
         """A store of the chunk was planned; ``stored`` / ``removed`` are its events' payloads."""
+        self._known[key] = (stored, removed)
+        self._known.move_to_end(key)
+        _bound(self._known, self.max_chunks)
         if key in self._announced or key in self._pending:
             return
         self._pending[key] = _Pending(stored, removed)
@@ -145,11 +178,32 @@ class ChunkAnnouncer(Generic[Payload]):
             if pending is not None and any(seq > commit for commit in pending.seqs.values()):
                 del self._pending[key]
 
+    def tier_changed(self, changes: Iterable[tuple[str, ChunkHash, str, bool]]) -> None:
+        """The tiers below L1 committed (``stored``) or removed these chunks ``(cache salt,
+        chunk hash, tier, stored)``, in order: announced for chunks this engine planned."""
+        for salt, chunk_hash, tier, stored in changes:
+            key = (salt, chunk_hash)
+            held = self._in_tier.pop((key, tier), None)
+            if held is not None and not stored:
+                self._events.append(ChunkEvent(False, held, tier))
+            elif held is not None:
+                self._in_tier[(key, tier)] = held  # stored again: already announced
+            elif stored and key in self._known:
+                payloads = self._known[key]
+                self._in_tier[(key, tier)] = payloads[1]
+                self._events.append(ChunkEvent(True, payloads[0], tier))
+                if len(self._in_tier) > self.max_chunks:
+                    (_, oldest_tier), oldest = self._in_tier.popitem(last=False)
+                    self._events.append(ChunkEvent(False, oldest, oldest_tier))
+
     def forget_all(self) -> None:
         """The server lost track of its removals (it restarted): every announced chunk may be
-        gone, so all are announced removed; numbers start again."""
+        gone, so all are announced removed (in every tier); numbers start again."""
         for removed, _ in self._announced.values():
             self._events.append(ChunkEvent(False, removed))
+        for (_, tier), removed in self._in_tier.items():
+            self._events.append(ChunkEvent(False, removed, tier))
+        self._in_tier.clear()
         self._announced.clear()
         self._pending.clear()
         self._removed_at.clear()

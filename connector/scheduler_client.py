@@ -103,6 +103,7 @@ class SchedulerClient:
         self._lookups: dict[str, _Lookup] = {}
         self._eviction_epoch = 0
         self._evicted: list[tuple[str, ChunkHash, int]] = []
+        self._tier_changes: list[p.TierChange] = []
         self._evictions_lost = False
 
     def submit_lookup(
@@ -139,6 +140,7 @@ class SchedulerClient:
                     num_readers=self.num_readers,
                     traceparent=telemetry.traceparent_of(span),
                     evictions_after=self.eviction_seq if self.track_evictions else None,
+                    tier_events=self.track_evictions,
                 )
             )
         self._lookups[session_id] = _Lookup(
@@ -257,7 +259,9 @@ class SchedulerClient:
         if reply.evictions_lost or restarted:
             self._evictions_lost = True
             self._evicted = []
+            self._tier_changes = []
         self._evicted += [(c.cache_salt, c.chunk_hash, c.seq) for c in reply.evicted]
+        self._tier_changes += reply.tier_changes
         if reply.evictions_lost or restarted or reply.eviction_seq > self.eviction_seq:
             self.eviction_seq = reply.eviction_seq
 
@@ -268,6 +272,12 @@ class SchedulerClient:
         evicted, lost = self._evicted, self._evictions_lost
         self._evicted, self._evictions_lost = [], False
         return evicted, lost
+
+    def take_tier_changes(self) -> list[p.TierChange]:
+        """Chunks committed in or removed from the tiers below L1, as the lookups answered
+        since the last call learned (oldest first; emptied when removals were lost)."""
+        changes, self._tier_changes = self._tier_changes, []
+        return changes
 
     def forget_lookup(self, session_id: str) -> None:
         lookup = self._lookups.pop(session_id, None)

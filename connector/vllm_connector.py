@@ -423,18 +423,15 @@ class KVTBConnector(KVConnectorBase_V1):
 
     def take_events(self) -> list[KVCacheEvent]:
         """Chunks stored in and removed from the cache server since the last call, as vLLM KV
-        events (medium ``kvtb``) for vLLM's publisher. vLLM calls it once at the end of each
+        events (medium ``kvtb`` for its L1, ``kvtb/disk`` etc. for its lower tiers) for vLLM's
+        publisher. vLLM calls it once at the end of each
         ``update_from_output``: the step's ends of sessions are sent then (one frame)."""
         if self.scheduler_side is not None:
             self.scheduler_side.client.flush()
         if self.announcer is None:
             return []
         assert self.scheduler_side is not None
-        evicted, lost = self.scheduler_side.client.take_evictions()
-        if lost:
-            self.announcer.forget_all()
-        self.announcer.evicted(evicted)
-        return [event.payload for event in self.announcer.take()]
+        return vllm_telemetry.announced(self.announcer, self.scheduler_side.client)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -13,7 +13,8 @@ API server process, where vLLM builds the Prometheus metrics from this module.
 - :class:`KVTBWorkerMetadata`: the workers' per-chunk store reports, to the scheduler side.
 - :func:`chunk_events`: a planned store's chunks as vLLM's ``BlockStored`` /
   ``BlockRemoved`` events under vLLM's own block hashes of the chunk's blocks, with
-  :data:`MEDIUM` naming the external cache.
+  :data:`MEDIUM` naming the external cache's L1 (:func:`event_of`: a tier below it under its
+  own medium, ``kvtb/disk``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -36,15 +38,19 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from connector import stats
-from connector.kv_events import ChunkKey, ChunkReport
+from connector.kv_events import MEDIUM as L1_MEDIUM
+from connector.kv_events import ChunkAnnouncer, ChunkEvent, ChunkKey, ChunkReport, tier_medium
 from connector.ops import StoreOp
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
-MEDIUM = "kvtb"
-"""The ``medium`` of the connector's KV events: the kvtestbed cache server."""
+    from connector.scheduler_client import SchedulerClient
+
+MEDIUM = L1_MEDIUM
+"""The ``medium`` of the connector's KV events about the cache server's L1 (a tier below it:
+``connector.kv_events.tier_medium``)."""
 
 METRIC_PREFIX = "vllm:kvtb_"
 
@@ -156,6 +162,26 @@ class KVTBWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, KVTBWorkerMetadata)
         self.reports += other.reports
         return self
+
+
+def announced(announcer: ChunkAnnouncer[Any], client: SchedulerClient) -> list[Any]:
+    """The KV events since the last call: the removals and tier changes the client's lookups
+    learned, applied to ``announcer``, then its events as vLLM's."""
+    evicted, lost = client.take_evictions()
+    if lost:
+        announcer.forget_all()
+    announcer.evicted(evicted)
+    announcer.tier_changed(
+        (c.cache_salt, c.chunk_hash, c.medium, c.stored) for c in client.take_tier_changes()
+    )
+    return [event_of(event) for event in announcer.take()]
+
+
+def event_of(event: ChunkEvent[Any]) -> Any:
+    """The vLLM event of an announcement: its payload, under the medium of its tier."""
+    if not event.tier:
+        return event.payload
+    return msgspec.structs.replace(event.payload, medium=tier_medium(event.tier))
 
 
 def chunk_events(

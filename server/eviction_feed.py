@@ -8,6 +8,12 @@ administrative drop) is appended here with the next number, and a lookup that as
 last saw, in its reply (a client starts at the number ``GetConfig`` tells it, having announced
 nothing before). The feed keeps the latest ``max_entries`` removals; a client further behind
 is told its knowledge is lost (and so is one ahead of it: the server restarted).
+
+The tiers below L1 (``server.tiers.hierarchy``) record their own changes in the same numbered
+stream, under the tier's hit-source name (``disk``, ``remote``): a chunk committed in the tier
+(stored) and one it removed (evicted, or forgotten as unreadable). They reach only a lookup
+that asks for them (``Lookup.tier_events``), as ``LookupResult.tier_changes``; a client that
+does not ask sees the L1 removals alone, as before.
 """
 
 from __future__ import annotations
@@ -22,14 +28,21 @@ from testbed.core.keys import ChunkHash
 DEFAULT_MAX_ENTRIES = 1 << 16
 
 
+L1 = ""
+"""The medium of an entry about L1 (the shared-memory pool); a tier below it: its kind."""
+
+
 @dataclass(frozen=True)
 class FeedSlice:
-    """Removals after a client's number: ``(number, cache salt, chunk hash)`` oldest first, the
-    number of the last one covered, and whether removals the client asked for are unknown."""
+    """Removals from L1 after a client's number: ``(number, cache salt, chunk hash)`` oldest
+    first, the number of the last entry covered, and whether entries the client asked for are
+    unknown; when asked, the changes of the tiers below L1 too, as ``(number, cache salt,
+    chunk hash, medium, stored)``."""
 
     chunks: list[tuple[int, str, ChunkHash]]
     seq: int
     lost: bool
+    tier_changes: list[tuple[int, str, ChunkHash, str, bool]] = field(default_factory=list)
 
 
 @dataclass
@@ -37,11 +50,12 @@ class EvictionFeed:
     max_entries: int = DEFAULT_MAX_ENTRIES
     seq: int = 0
     """The number of the latest removal (0: none yet)."""
-    _entries: deque[tuple[int, str, int, str, ChunkHash]] = field(default_factory=deque)
+    _entries: deque[tuple[int, str, int, str, ChunkHash, str, bool]] = field(default_factory=deque)
 
-    def record(self, keys: Iterable[ObjectKey]) -> None:
-        """Appends the chunks of ``keys`` removed together (one entry per chunk and namespace,
-        whatever the number of its ranks)."""
+    def record(self, keys: Iterable[ObjectKey], medium: str = L1, stored: bool = False) -> None:
+        """Appends the chunks of ``keys`` removed together from ``medium`` (or, ``stored``,
+        committed in a tier below L1), one entry per chunk and namespace, whatever the number
+        of its ranks."""
         seen: set[tuple[str, int, str, ChunkHash]] = set()
         for key in keys:
             chunk = (key.model, key.world_size, key.cache_salt, key.chunk_hash)
@@ -49,12 +63,15 @@ class EvictionFeed:
                 continue
             seen.add(chunk)
             self.seq += 1
-            self._entries.append((self.seq, *chunk))
+            self._entries.append((self.seq, *chunk, medium, stored))
             if len(self._entries) > self.max_entries:
                 self._entries.popleft()
 
-    def since(self, after: int, model: str, world_size: int, limit: int) -> FeedSlice:
-        """Up to ``limit`` removals of ``(model, world_size)`` numbered above ``after``."""
+    def since(
+        self, after: int, model: str, world_size: int, limit: int, tiers: bool = False
+    ) -> FeedSlice:
+        """Up to ``limit`` entries of ``(model, world_size)`` numbered above ``after``: L1's
+        removals, and the tiers' changes when ``tiers``."""
         first = self._entries[0][0] if self._entries else self.seq + 1
         if after > self.seq or after < first - 1:
             return FeedSlice([], self.seq, lost=True)
@@ -64,11 +81,16 @@ class EvictionFeed:
                 break
             newer.append(entry)
         chunks: list[tuple[int, str, ChunkHash]] = []
+        changes: list[tuple[int, str, ChunkHash, str, bool]] = []
         last = self.seq
-        for seq, entry_model, entry_world, salt, chunk_hash in reversed(newer):
-            if entry_model == model and entry_world == world_size:
-                if len(chunks) == limit:
-                    last = seq - 1
-                    break
+        for seq, entry_model, entry_world, salt, chunk_hash, medium, stored in reversed(newer):
+            if entry_model != model or entry_world != world_size or (medium and not tiers):
+                continue
+            if len(chunks) + len(changes) == limit:
+                last = seq - 1
+                break
+            if medium:
+                changes.append((seq, salt, chunk_hash, medium, stored))
+            else:
                 chunks.append((seq, salt, chunk_hash))
-        return FeedSlice(chunks, last, lost=False)
+        return FeedSlice(chunks, last, lost=False, tier_changes=changes)

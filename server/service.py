@@ -107,6 +107,7 @@ class CacheService:
             self.shared.tiers = make_hierarchy(
                 config, cache, None if pool is None else pool.array, clock
             )
+            self.shared.tiers.feed = self.shared.evictions
         except BaseException:
             if pool is not None:
                 pool.close()

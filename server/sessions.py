@@ -337,10 +337,18 @@ class Sessions:
         )
         if req.evictions_after is not None:
             removed = s.evictions.since(
-                req.evictions_after, req.model, req.world_size, p.MAX_EVICTIONS_PER_REPLY
+                req.evictions_after,
+                req.model,
+                req.world_size,
+                p.MAX_EVICTIONS_PER_REPLY,
+                tiers=req.tier_events,
             )
             reply.evicted = [
                 p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.chunks
+            ]
+            reply.tier_changes = [
+                p.TierChange(salt, chunk, seq, medium, stored)
+                for seq, salt, chunk, medium, stored in removed.tier_changes
             ]
             reply.eviction_seq = removed.seq
             reply.evictions_lost = removed.lost

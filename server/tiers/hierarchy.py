@@ -21,6 +21,9 @@ Contracts:
   holds it, so with ``write_through`` + ``retain`` + ``lru`` everywhere L1 is a subset of L2
   and Mattson's stack inclusion holds (the one-pass what-if relies on it).
 - Nothing here raises for a tier's failure: it is counted with its cause (``TierStats``).
+- Every commit in a tier and every removal from one is recorded in the server's eviction feed
+  (``server.eviction_feed``) under the tier's kind, for the clients that announce what each
+  tier holds (vLLM KV events with a medium per tier).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from server.cache import KVCache
+from server.eviction_feed import EvictionFeed
 from server.objects import CacheObject, Eviction, ObjectKey
 from server.tiers import spans
 from server.tiers.framing import HEADER_BYTES, frame, store_key, unframe
@@ -102,6 +106,8 @@ class Hierarchy:
     promoted: list[tuple[CacheObject, str]] = field(default_factory=list)
     """Objects committed in L1 from a tier (with its hit-source name) since :meth:`pump`
     last returned them (the server logs them as commits)."""
+    feed: EvictionFeed | None = None
+    """Where the tiers' commits and removals are recorded (the server's eviction feed)."""
 
     @property
     def enabled(self) -> bool:
@@ -152,6 +158,7 @@ class Hierarchy:
             tier.index.commit(lower)
             adopted.append(lower)
         self._tier_evicted(number, eviction, "")
+        self._changed(number, [obj.key for obj in adopted], stored=True)
         tier.stats.adopted += len(adopted)
         return len(adopted) == len(keys)
 
@@ -326,6 +333,10 @@ class Hierarchy:
             queued.append(number)
         return queued
 
+    def _changed(self, number: int, keys: Iterable[ObjectKey], *, stored: bool) -> None:
+        if self.feed is not None:
+            self.feed.record(keys, self.tiers[number].kind, stored)
+
     def _tier_evicted(self, number: int, eviction: Eviction, parent: str) -> None:
         if not eviction.objects:
             return
@@ -333,6 +344,7 @@ class Hierarchy:
         tier.stats.evictions += len(eviction.objects)
         for victim in eviction.objects:
             self.io.submit(TierJob("remove", number, store_key(victim.key)))
+        self._changed(number, eviction.keys, stored=False)
         spans.tier_evicted(tier_name(number), tier, eviction, parent)
 
     def _write_done(self, job: TierJob) -> None:
@@ -344,6 +356,7 @@ class Hierarchy:
             return
         if job.ok:
             tier.index.commit(lower)
+            self._changed(job.tier, [key], stored=True)
             tier.stats.writes += 1
             tier.stats.written_bytes += lower.nbytes
             if reason == "write_back":
@@ -374,6 +387,7 @@ class Hierarchy:
             lower = tier.index.get(key)
             if lower is not None and lower.committed and lower.pins == 0:
                 tier.index.remove(lower)  # unreadable: forget it, so no lookup matches it again
+                self._changed(job.tier, [key], stored=False)
                 self.io.submit(TierJob("remove", job.tier, job.key))
             return
         assert self.pool is not None and obj.offset is not None

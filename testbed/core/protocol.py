@@ -246,6 +246,9 @@ class Lookup(_Request, tag="lookup", kw_only=True):
     """Asks for the chunks of this model and world size removed from the cache (evicted or
     dropped) after removal number ``evictions_after`` (a client starts at
     ``ServerConfigInfo.eviction_seq``); ``None``: not asked. See :class:`LookupResult`."""
+    tier_events: bool = False
+    """With ``evictions_after``: asks for the changes of the tiers below L1 too (chunks
+    committed in and removed from each), numbered in the same stream (``tier_changes``)."""
 
 
 class LookupPoll(_Request, tag="lookup_poll", kw_only=True):
@@ -602,6 +605,18 @@ class EvictedChunk(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     seq: Count
 
 
+class TierChange(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A chunk committed in (``stored``) or removed from a tier below L1, named by its
+    hit-source name ``medium`` (``disk``, ``remote``), as the server's entry number ``seq``
+    (the numbers of :class:`EvictedChunk`)."""
+
+    cache_salt: str
+    chunk_hash: ChunkHash
+    seq: Count
+    medium: str
+    stored: bool
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -628,6 +643,9 @@ class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     evictions_lost: bool = False
     """Removals after ``evictions_after`` are no longer known (the server forgot the oldest,
     or restarted): whatever the client believed stored may be gone."""
+    tier_changes: list[TierChange] = []
+    """When the lookup asked (``tier_events``): the tiers' changes in the entries ``evicted``
+    covers, oldest first (together with ``evicted`` at most :data:`MAX_EVICTIONS_PER_REPLY`)."""
     hit_chunks_by_tier: dict[str, int] = {}
     """Where the hit's chunks were matched, at match time: hit-source name (``host`` for L1,
     ``disk``, ``remote``, ``p2p``) -> chunks; sums to ``hit_chunks`` (empty on a miss). A

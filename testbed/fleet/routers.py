@@ -13,12 +13,19 @@ The prefix-aware cost (``kv_precise`` and ``prefix_approx``) follows Dynamo's KV
 (``cost = overlap_score_weight x prefill_blocks + decode_blocks``), with the cached prefix
 credited per tier as llm-d's precise prefix-cache scorer weighs device and offloaded tiers::
 
-    new_i  = blocks(P) - e_i - external_credit x max(0, x_i - e_i)
+    new_i  = blocks(P) - e_i - sum over sources s of credit_s x (blocks s adds beyond e_i)
     cost_i = prefill_weight x (queued_i + new_i) + running_i
 
 in blocks of ``block_size`` tokens: ``e_i`` the request's leading blocks in instance ``i``'s
-prefix cache, ``x_i`` those in the cache server it uses, ``queued_i`` / ``running_i`` the
-router's book. docs/fleet.md discusses the choices.
+prefix cache; the sources of the cache server it uses are its L1 (``host``), its tiers below
+(``disk``, ``remote``) and, with ``peers``, the L1 of another server (``p2p``), each block
+credited by the cheapest source that holds it; ``credit_host = external_credit`` and a lower
+source is credited by the time its load takes (``testbed.models.links``, profile
+``tier_profile``, a block of ``block_bytes``)::
+
+    credit_s = external_credit x load_time(host) / load_time(s)
+
+``queued_i`` / ``running_i`` the router's book. docs/fleet.md discusses the choices.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
 
 from testbed.fleet.block_index import BlockLocations
-from testbed.fleet.kv_index import KVEventIndex
+from testbed.fleet.kv_index import KVEventIndex, PrefixView
 from testbed.fleet.load import LoadBook
+from testbed.models.links import LOWER_ROUTES, tier_profile
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,14 @@ class PrefixCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     capacity_blocks: int | None = None
     """``prefix_approx`` only: blocks the router remembers per instance (``None``: the
     instance's KV pool, ``engine_blocks``)."""
+    tier_profile: str = "gen4"
+    """``kv_precise``: the hardware profile whose links price a load from each tier
+    (``testbed.models.links.TIER_PROFILES``)."""
+    block_bytes: int = 1 << 20
+    """``kv_precise``: the KV bytes of one block (all layers), for the links' times."""
+    peers: bool = False
+    """``kv_precise``: the servers load from each other (``--p2p``): a block another server's
+    L1 holds is credited as a peer load."""
 
     def __post_init__(self) -> None:
         if self.prefill_weight < 0 or not 0 <= self.external_credit <= 1:
@@ -93,6 +110,9 @@ class PrefixCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {self.capacity_blocks}")
+        if self.block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {self.block_bytes}")
+        tier_profile(self.tier_profile)  # unknown: ValueError naming the profiles
 
 
 class Router:
@@ -167,20 +187,58 @@ class Session(Router):
             self._home.setdefault(request.group, instance)
 
 
+def source_credits(params: PrefixCostParams) -> dict[str, float]:
+    """Per hit source (``host``, ``disk``, ``remote``, ``p2p``), the share of a block it is
+    credited: ``external_credit`` for L1, less by the ratio of load times below it."""
+    profile = tier_profile(params.tier_profile)
+    block = np.array([float(params.block_bytes)])
+    host_s = float(profile.load_s({"host": block})[0])
+    credits = {"host": params.external_credit}
+    for source in LOWER_ROUTES:
+        source_s = float(profile.load_s({source: block})[0])
+        credits[source] = params.external_credit * host_s / source_s
+    return credits
+
+
+def credited_blocks(engine: int, held: Sequence[tuple[float, int]]) -> float:
+    """The credit of the blocks beyond ``engine`` that sources hold, ``held`` as ``(credit,
+    leading blocks)`` per source: each block by the best credited source holding it."""
+    covered, total = engine, 0.0
+    for credit, blocks in sorted(held, key=lambda item: -item[0]):
+        if blocks > covered:
+            total += credit * (blocks - covered)
+            covered = blocks
+    return total
+
+
+def tier_credits(view: PrefixView, credits: dict[str, float], peers: bool) -> list[float]:
+    """Per instance, the credited blocks of its server's tiers (and peers) beyond its prefix
+    cache (an unknown tier is credited as the slowest source)."""
+    lowest = min(credits.values())
+    result = []
+    for i, engine in enumerate(view.engine):
+        held = [(credits["host"], view.external[i])]
+        held += [(credits.get(tier, lowest), blocks[i]) for tier, blocks in view.lower.items()]
+        if peers and view.peer:
+            held.append((credits["p2p"], view.peer[i]))
+        result.append(credited_blocks(engine, held))
+    return result
+
+
 def prefix_costs(
     request: RouteRequest,
     fleet: FleetView,
     engine: Sequence[int],
-    external: Sequence[int],
+    credited: Sequence[float],
     params: PrefixCostParams,
 ) -> list[float]:
-    """The prefix-aware cost of each instance (module docstring), in blocks."""
+    """The prefix-aware cost of each instance (module docstring), in blocks; ``credited``:
+    per instance, the credited blocks beyond its prefix cache."""
     size = fleet.block_size
     blocks = -(-request.prompt_tokens // size)
     costs = []
     for i in range(fleet.num_instances):
-        extra = max(0, external[i] - engine[i])
-        new = blocks - engine[i] - params.external_credit * extra
+        new = blocks - engine[i] - credited[i]
         queued = fleet.load.queued_tokens[i] / size
         running = fleet.load.running_tokens[i] / size
         costs.append(params.prefill_weight * (queued + new) + running)
@@ -200,16 +258,22 @@ def pick(
 
 
 class KVPrecise(Router):
-    """Scores from the KV events of every instance: its prefix cache and its cache server."""
+    """Scores from the KV events of every instance: its prefix cache and its cache server's
+    tiers (and, with ``peers``, the other servers), each block credited by its load time."""
 
     name = "kv_precise"
     needs_kv_events = True
     params_type = PrefixCostParams
 
+    def __init__(self, params: Any, num_instances: int, seed: int) -> None:
+        super().__init__(params, num_instances, seed)
+        self.credits = source_credits(params)
+
     def choose(self, request: RouteRequest, fleet: FleetView) -> Choice:
         assert fleet.kv is not None, "kv_precise needs the KV event index"
         held = fleet.kv.prefix(request.block_hashes)
-        costs = prefix_costs(request, fleet, held.engine, held.external, self.params)
+        credited = tier_credits(held, self.credits, self.params.peers)
+        costs = prefix_costs(request, fleet, held.engine, credited, self.params)
         load = fleet.load.load_tokens()
         return Choice(pick(costs, load, self.params.temperature, self.rng), tuple(costs))
 
@@ -233,7 +297,7 @@ class PrefixApprox(Router):
 
     def choose(self, request: RouteRequest, fleet: FleetView) -> Choice:
         held = self._index(fleet).prefix_blocks(request.block_hashes)
-        costs = prefix_costs(request, fleet, held, held, self.params)
+        costs = prefix_costs(request, fleet, held, [0.0] * len(held), self.params)
         load = fleet.load.load_tokens()
         return Choice(pick(costs, load, self.params.temperature, self.rng), tuple(costs))
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from connector.kv_events import ChunkAnnouncer, ChunkReport, store_reports
+from connector.kv_events import (
+    ChunkAnnouncer,
+    ChunkReport,
+    medium_tier,
+    store_reports,
+    tier_medium,
+)
 from connector.ops import StoreOp
 
 A, B = ("", b"a" * 16), ("", b"b" * 16)
@@ -80,3 +86,29 @@ def test_store_reports_say_which_chunks_a_store_wrote():
         ChunkReport(1, "s", B[1], False, 3),  # already there, or no room: not this store's
     ]
     assert [r.written for r in store_reports(1, [op], None, seq=3)] == [False, False]
+
+
+def test_a_tiers_changes_are_announced_under_the_tier_whatever_l1_does():
+    chunks = announcer()
+    chunks.reported([written(A, 0, seq=1)])
+    chunks.tier_changed([("", A[1], "disk", True), ("", b"c" * 16, "disk", True)])
+    taken = chunks.take()  # c was never planned here: not announced
+    assert [(e.stored, e.payload, e.tier) for e in taken] == [
+        (True, "stored a", ""),
+        (True, "stored a", "disk"),
+    ]
+    chunks.evicted([("", A[1], 2)])  # L1 evicts a: the disk still holds it
+    chunks.tier_changed([("", A[1], "disk", True)])  # stored again: not twice
+    assert [(e.stored, e.tier) for e in chunks.take()] == [(False, "")]
+    chunks.tier_changed([("", A[1], "disk", False), ("", A[1], "disk", False)])
+    assert [(e.stored, e.payload, e.tier) for e in chunks.take()] == [(False, "removed a", "disk")]
+    chunks.tier_changed([("", B[1], "remote", True)])  # planned, not yet stored in L1
+    chunks.forget_all()
+    assert [(e.stored, e.tier) for e in chunks.take()] == [(True, "remote"), (False, "remote")]
+
+
+def test_media_name_each_tier_and_only_the_servers():
+    assert tier_medium("") == "kvtb" and tier_medium("disk") == "kvtb/disk"
+    assert [medium_tier(m) for m in ("kvtb", "kvtb/disk", "kvtb/", "GPU", None)] == [
+        "", "disk", None, None, None,
+    ]  # fmt: skip

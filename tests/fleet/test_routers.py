@@ -192,3 +192,30 @@ def test_the_command_line_takes_fleet_keys_and_router_params():
                              "--router-param", "tempreature=1"])  # fmt: skip
     with pytest.raises(ValueError, match="tempreature"):
         spec_from_args(bad)
+
+
+def test_kv_precise_credits_a_block_by_the_tier_that_holds_it_by_its_load_time():
+    index = KVEventIndex([0, 1, 2])  # one cache server per instance
+    blocks = ["a", "b", "c", "d", "e", "f"]
+    index.stored(0, "kvtb", blocks)  # instance 0's server: the prefix in L1
+    index.stored(1, "kvtb/disk", blocks)  # instance 1's server: on its disk only
+    req = request("r", [*blocks, "g", "h"])
+    precise = make_router("kv_precise", {}, 3, 0)
+    costs = precise.choose(req, view(3, kv=index)).costs
+    assert costs[0] < costs[1] < costs[2]
+    credits = precise.credits  # type: ignore[attr-defined]
+    assert credits["host"] == 0.8 and 0 < credits["disk"] < credits["host"]
+    assert costs[1] == pytest.approx(costs[2] - 6 * credits["disk"])
+    # A block both in L1 and on disk is credited once, as the cheaper load.
+    index.stored(0, "kvtb/disk", blocks[:4])
+    assert precise.choose(req, view(3, kv=index)).costs[0] == pytest.approx(costs[0])
+    # Beyond L1's four blocks, the disk's two more are credited as disk loads.
+    index.removed(0, "kvtb", blocks[4:])
+    index.stored(0, "kvtb/disk", blocks)
+    expected = costs[2] - 4 * credits["host"] - 2 * credits["disk"]
+    assert precise.choose(req, view(3, kv=index)).costs[0] == pytest.approx(expected)
+    # Peers (another server's L1) are credited only when asked.
+    peers = make_router("kv_precise", {"peers": True}, 3, 0)
+    assert peers.choose(req, view(3, kv=index)).costs[2] < costs[2]
+    with pytest.raises(ValueError, match="unknown tier profile"):
+        make_router("kv_precise", {"tier_profile": "floppy"}, 3, 0)
