@@ -22,6 +22,7 @@ from testbed.chaos import (
     client_faults,
     crowds,
     exhaustion,
+    remote_faults,
     server_faults,
     sharing,
     tier_faults,
@@ -76,6 +77,7 @@ SCENARIOS: dict[str, Scenario] = {
     "tier_disk_full": Scenario(tier_faults.tier_disk_full, engines=_never),
     "tier_read_error": Scenario(tier_faults.tier_read_error, engines=_never),
     "tier_slow_disk": Scenario(tier_faults.tier_slow_disk, engines=_never),
+    "redis_restart": Scenario(remote_faults.redis_restart, engines=_always),
 }
 
 
