@@ -80,6 +80,7 @@ SCENARIOS: dict[str, Scenario] = {
     "tier_slow_disk": Scenario(tier_faults.tier_slow_disk, engines=_never),
     "redis_restart": Scenario(remote_faults.redis_restart, engines=_always),
     "peer_kill": Scenario(peer_faults.peer_kill, engines=_always),
+    "redis_slow_network": Scenario(remote_faults.redis_slow_network, engines=_never),
 }
 
 

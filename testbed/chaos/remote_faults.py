@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import subprocess
+import sys
 import time
 
 from server.launch import ServerProcess
 from server.tiers.redis_process import EmbeddedRedis, redis_server_path
+from testbed.chaos import mounts, netem_run
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.probes import ProbeClient, chunk_hashes
 from testbed.chaos.report import ScenarioResult
@@ -148,3 +152,44 @@ def _settled_past(count: int, tier: p.TierStats) -> bool:
 def _tier(url: str, token: str) -> p.TierStats:
     with ProbeClient(url, token) as probe:
         return probe.stats().tiers[0]
+
+
+def redis_slow_network(lab: Lab) -> ScenarioResult:
+    chunks = 8 if lab.config.quick else 32
+    result = lab.result(
+        f"a server whose redis tier is over TCP on a slowed loopback (private network "
+        f"namespace; {chunks} chunks, prefetch timeout 10 ms): the first lookup misses with "
+        "cause prefetch_timeout, counted, the chunks that arrive later hit with every byte "
+        "right, and the server stops cleanly",
+    )
+    reason = redis_unavailable()
+    shaped = netem_run.shape()
+    if reason is not None or isinstance(shaped, str):
+        result.skipped = reason or str(shaped)
+        return result
+    what, script = shaped
+    done = subprocess.run(
+        [*netem_run.wrapper(script), sys.executable, "-m", "testbed.chaos.netem_run",
+         "--chunks", str(chunks)],
+        capture_output=True, text=True, timeout=_RUN_TIMEOUT_S, cwd=mounts.REPO,
+    )  # fmt: skip
+    (lab.dir / "netem_run.log").write_text(done.stdout + done.stderr)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        result.error = f"netem_run exited {done.returncode}: {done.stderr.strip()[-500:]}"
+        return result
+    run = json.loads(lines[-1])
+    result.add(
+        requests_total=chunks,
+        requests_completed=chunks,
+        integrity_errors=int(run["integrity_errors"]),
+    )
+    result.set(leaked_locks=run["leaked_locks"], leaked_pins=run["leaked_pins"])
+    result.checks["every chunk written through over the slow link"] = run["writes"] == chunks
+    result.checks["the first lookup missed with cause prefetch_timeout, counted"] = (
+        run["first_miss_status"] == "prefetch_timeout" and run["prefetch_timeouts"] >= 1
+    )
+    result.checks["the chunks that arrived later hit"] = run["later_hit_chunks"] == chunks
+    result.checks["the server stopped cleanly (exit 0)"] = run["server_exit"] == 0
+    result.details.update(shape=what, **run)
+    return result

@@ -105,7 +105,7 @@ def tier_slow_disk(lab: Lab) -> ScenarioResult:
     server = _server(lab, tier_dir, chunks, "--tier-delay", "0.05", "--prefetch", "timeout:0.01")
     with ProbeClient(server.url, server.token, timeout_s=10.0) as probe:
         hashes = store_below(lab, server, probe, chunks)
-        late = _settled(probe, "late", hashes)
+        late = settled(probe, "late", hashes)
         probe.free_locks("late")
         probe.end_session("late")
         tier_after(probe, lambda t: t.promotions >= 1)
@@ -161,14 +161,14 @@ def tier_after(probe: ProbeClient, done: Callable[[p.TierStats], bool]) -> p.Tie
 
 def read_back(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> tuple[int, int]:
     """A lookup polled to its end, then a retrieve of its hit: (chunks hit, wrong bytes)."""
-    found = _settled(probe, session, hashes)
+    found = settled(probe, session, hashes)
     errors = probe.retrieve(session, found.handle, hashes[: found.hit_chunks])
     probe.free_locks(session)
     probe.end_session(session)
     return found.hit_chunks, errors
 
 
-def _settled(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> p.LookupResult:
+def settled(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> p.LookupResult:
     """A lookup polled until it is no longer pending."""
     found = probe.lookup(session, hashes)
     deadline = time.monotonic() + _WAIT_S
