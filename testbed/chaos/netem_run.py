@@ -5,11 +5,12 @@ private network namespace.
 (``unshare --net``, made by :func:`wrapper`, whose loopback is up and slowed by
 :data:`SHAPES`' first that this kernel has: a ``tc netem`` delay, else a ``tbf`` rate limit):
 it starts ``redis-server`` on a loopback TCP port, a cache server whose only tier below L1 is
-that Redis (``--tier redis:CAP:redis://127.0.0.1:PORT``, prefetch timeout 10 ms), stores
-``N`` chunks through a probe (``testbed.chaos.probes``), drops them from L1, looks them up
-(they cannot arrive in time: a miss with cause ``prefetch_timeout``), waits for the
-prefetch's promotions, and reads back what then hits, byte for byte. It prints one JSON line:
-the first lookup's outcome, the hits, wrong bytes, the server's counts and exit code.
+that Redis (``--tier redis:CAP:redis://127.0.0.1:PORT``, prefetch timeout
+:data:`PREFETCH_TIMEOUT_S`), stores ``N`` chunks through a probe (``testbed.chaos.probes``),
+drops them from L1, looks them up (they cannot arrive in time: a miss with cause
+``prefetch_timeout``), waits until every one is promoted, and reads back what then hits, byte
+for byte. It prints one JSON line: the first lookup's outcome, the hits, wrong bytes, the
+server's counts and exit code, the loopback's qdisc.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ SHAPES: tuple[tuple[str, str], ...] = (
     ),
 )
 """How the loopback is slowed: (what, shell), the first this kernel has."""
+PREFETCH_TIMEOUT_S = 0.03
+"""Below the least time a read of the chunks takes on the slowed loopback (netem: a round trip
+is at least 40 ms; tbf: 8 KiB objects at 1 Mbit/s, 65 ms each past its 1,600-byte burst),
+so that the first lookup cannot be answered whole in time whatever the machine's load; an
+unslowed loopback reads them in far less."""
 _READY_S = 30.0
 
 
@@ -133,7 +139,14 @@ def _probe_run(port: int, chunks: int) -> dict[str, Any]:
         "leaked_locks": stats.num_locks,
         "leaked_pins": stats.num_pins,
         "server_exit": code,
+        "qdisc": _qdisc(),
     }
+
+
+def _qdisc() -> str:
+    """The loopback's queueing discipline as ``tc`` shows it (the slowing in effect)."""
+    done = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+    return done.stdout.strip()
 
 
 def _free_port() -> int:

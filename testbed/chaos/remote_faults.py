@@ -156,11 +156,12 @@ def _tier(url: str, token: str) -> p.TierStats:
 
 def redis_slow_network(lab: Lab) -> ScenarioResult:
     chunks = 8 if lab.config.quick else 32
+    timeout_ms = netem_run.PREFETCH_TIMEOUT_S * 1e3
     result = lab.result(
         f"a server whose redis tier is over TCP on a slowed loopback (private network "
-        f"namespace; {chunks} chunks, prefetch timeout 10 ms): the first lookup misses with "
-        "cause prefetch_timeout, counted, the chunks that arrive later hit with every byte "
-        "right, and the server stops cleanly",
+        f"namespace; {chunks} chunks, prefetch timeout {timeout_ms:.0f} ms): the first lookup "
+        "misses with cause prefetch_timeout, counted, the chunks that arrive later hit with "
+        "every byte right, and the server stops cleanly",
     )
     reason = redis_unavailable()
     shaped = netem_run.shape()
@@ -185,6 +186,7 @@ def redis_slow_network(lab: Lab) -> ScenarioResult:
         integrity_errors=int(run["integrity_errors"]),
     )
     result.set(leaked_locks=run["leaked_locks"], leaked_pins=run["leaked_pins"])
+    result.checks["the loopback slowed (tc shows the qdisc)"] = what.split()[0] in run["qdisc"]
     result.checks["every chunk written through over the slow link"] = run["writes"] == chunks
     result.checks["the first lookup missed with cause prefetch_timeout, counted"] = (
         run["first_miss_status"] == "prefetch_timeout" and run["prefetch_timeouts"] >= 1
