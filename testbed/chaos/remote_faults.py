@@ -35,7 +35,10 @@ _DOWN_S = 0.3
 _WORKLOAD = "docqa"
 _WRITE_S = 30.0
 STORE_BYTES = 64 << 20
-MISSING = "needs redis-server (`apt-get install redis-server`) and the redis client"
+MISSING = (
+    "needs redis-server (`apt-get install redis-server`) and the redis client "
+    "(`pip install 'kvtestbed[redis]'`)"
+)
 
 
 def redis_unavailable() -> str | None:
