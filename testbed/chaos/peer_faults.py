@@ -19,7 +19,6 @@ from testbed.chaos.probes import ProbeClient
 from testbed.chaos.report import ScenarioResult
 from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
-from testbed.run.servers import set_peers
 
 _RUN_TIMEOUT_S = 300.0
 _WORKLOAD = "docqa"
@@ -33,6 +32,8 @@ def peer_kill(lab: Lab) -> ScenarioResult:
         "stuck, and the live servers stop cleanly",
     )
     a, b, c = (lab.server("--chunk-size", str(CHUNK_SIZE), "--capacity", "64MiB") for _ in "abc")
+    from testbed.run.servers import set_peers  # the run package is heavy (kvtb's start)
+
     set_peers([ServerEndpoint(s.url, s.token, s.admin_token) for s in (a, b, c)])
     n = lab.config.run_requests
     spec = lab.spec(_WORKLOAD, n)
