@@ -1,4 +1,5 @@
-"""Connector configuration, read from vLLM's ``kv_connector_extra_config``.
+"""Connector configuration, read from vLLM's ``kv_connector_extra_config``, and the cache
+server's own (:func:`server_config`, asked at start).
 
 Every key is namespaced ``kvtb.``; an unknown ``kvtb.`` key or a bad value is an error that
 names the key and the valid ones (a typo must not silently fall back to a default). The
@@ -8,12 +9,17 @@ fields below document each key (``kvtb.<field name>``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from testbed.core import protocol as p
 from testbed.core.bounds import Bound, bound_problems, field_bounds
+from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
 from testbed.core.typed_values import convert, hints
+
+log = logging.getLogger(__name__)
 
 PREFIX = "kvtb."
 _HOUR_S = 3600.0
@@ -155,3 +161,21 @@ class ConnectorConfig:
 BOUNDS: dict[str, Bound] = field_bounds(ConnectorConfig)
 """The numeric keys' declared ranges (RELIABILITY.md lists them): timeouts finite (``nan``
 and ``inf`` refused)."""
+
+
+def server_config(rpc: RpcClient, config: ConnectorConfig) -> p.ServerConfigInfo | None:
+    """The cache server's configuration (its chunk size, whether its lookups fill L1, ...);
+    ``None`` with a warning when it does not answer (the connector assumes its own chunk size
+    and misses until the server is up)."""
+    try:
+        info = rpc.call(p.GetConfig())
+    except (ServerUnavailable, RemoteError) as exc:
+        log.warning(
+            "cache server at %s not reachable (%s); assuming chunk size %d, misses until it is",
+            config.server_url,
+            exc,
+            config.chunk_size,
+        )
+        return None
+    assert isinstance(info, p.ServerConfigInfo)
+    return info

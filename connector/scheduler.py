@@ -6,10 +6,14 @@ hook contracts follow ``KVConnectorBase_V1``:
 
 - :meth:`SchedulerSide.get_num_new_matched_tokens` submits one lookup per request and returns
   ``(None, False)`` until its answer is in; apart from submitting the lookup it has no side
-  effects, so the scheduler may call it repeatedly. vLLM asks again for a request it already
-  allocated only when it starts that request over (a preemption, or a load that failed at its
-  first block): then the tracker starts over too, with a new lookup, since the cache's
-  contents may have changed;
+  effects, so the scheduler may call it repeatedly. Against a server whose lookups fill L1
+  (``lookups_fill_l1``, a server with tiers) a lookup asked after a load was admitted in the
+  same scheduler step is not submitted yet: it answers ``(None, False)`` and vLLM asks again
+  next step. The admitted load's chunks still hold L1 (locked) until the load is done, and a
+  lookup that brings its hits up from a lower tier needs that room. vLLM asks again for a
+  request it already allocated only when it starts that request over (a preemption, or a
+  load that failed at its first block): then the tracker starts over too, with a new lookup,
+  since the cache's contents may have changed;
 - :meth:`SchedulerSide.update_state_after_alloc` decides retrieve or not and frees the locks of
   chunks the engine's own prefix cache holds;
 - :meth:`SchedulerSide.build_plan` emits the step's retrieves and the stores of newly
@@ -88,6 +92,10 @@ class SchedulerSide:
     ``lookup_wait_s``, or the request deferred to the next step at once."""
     store_decode_tokens: bool = False
     tp_size: int = 1
+    lookups_fill_l1: bool = False
+    """The server answers a lookup only once it brought the hit's chunks from its lower tiers
+    into L1 (``ServerConfigInfo.lookups_fill_l1``): a lookup asked after a load was admitted in
+    the same step waits for the next step, when that load's chunks no longer take L1's room."""
 
     def __post_init__(self) -> None:
         self.trackers: dict[str, RequestTracker] = {}
@@ -95,6 +103,10 @@ class SchedulerSide:
         self._delayed: list[str] = []
         self._finishing: list[RequestTracker] = []
         """Finished requests whose deferred stores go into the next plan."""
+        self._load_admitted = False
+        """A load was admitted in this scheduler step (until its plan is built)."""
+        self.lookups_after_loads = 0
+        """Lookups held back to the next step because a load was admitted before them."""
 
     def session_id(self, request_id: str) -> str:
         return f"{self.engine_id}:{request_id}"
@@ -110,6 +122,9 @@ class SchedulerSide:
                 tracker.hit_tokens = 0  # shorter than a chunk: never stored, never hit
             else:
                 if not tracker.lookup_submitted:
+                    if self.lookups_fill_l1 and self._load_admitted:
+                        self.lookups_after_loads += 1
+                        return None, False  # vLLM asks again next step
                     self.client.submit_lookup(
                         tracker.session_id,
                         tracker.chunk_hashes,
@@ -153,6 +168,7 @@ class SchedulerSide:
                 lookup_status=_status(tracker),
                 hit_tokens_by_source=dict(tracker.hit_tokens_by_source),
             )
+        self._load_admitted |= num_external_tokens > 0
         release = lock_release_after_alloc(tracker, num_external_tokens, self.geometry)
         self.client.forget_lookup(tracker.session_id)
         if release is not None:
@@ -179,6 +195,7 @@ class SchedulerSide:
     ) -> StepPlan:
         plan = StepPlan(delayed_request_ids=self._delayed)
         self._delayed = []
+        self._load_admitted = False  # the scheduler's step ends with its plan
         for request_id in preempted_ids:
             tracker = self.trackers.get(request_id)
             if tracker is not None:

@@ -56,7 +56,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from connector import tracing, vllm_telemetry
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, server_config
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
 from connector.kv_events import ChunkAnnouncer
@@ -152,7 +152,7 @@ class KVTBConnector(KVConnectorBase_V1):
             heartbeat_interval_s=config.heartbeat_interval_s,
             curve=self._curve,
         )
-        server = self._server_config()
+        server = server_config(self.rpc, config)
         chunk_size = server.chunk_size if server is not None else config.chunk_size
         self.scheduler_side: SchedulerSide | None = None
         self.worker: WorkerClient | None = None
@@ -166,13 +166,14 @@ class KVTBConnector(KVConnectorBase_V1):
         self._delayed: dict[str, None] = {}
         if scheduler:
             engine_id = config.engine_id or transfer.engine_id or "engine"
-            eviction_seq = server.eviction_seq if server is not None else 0
-            self.scheduler_side = self._scheduler_side(chunk_size, engine_id, eviction_seq)
+            self.scheduler_side = self._scheduler_side(chunk_size, engine_id, server)
         else:
             Geometry(chunk_size, self.block_size)  # validates the block size early
             self.worker = self._worker_client()
 
-    def _scheduler_side(self, chunk_size: int, engine_id: str, eviction_seq: int) -> SchedulerSide:
+    def _scheduler_side(
+        self, chunk_size: int, engine_id: str, server: p.ServerConfigInfo | None
+    ) -> SchedulerSide:
         config = self.config
         world_size = kv_world_size(self.tp_size, self.mla)
         client = SchedulerClient(
@@ -182,7 +183,7 @@ class KVTBConnector(KVConnectorBase_V1):
             num_readers=readers_per_object(self.tp_size, self.mla),
             chunk_size=chunk_size,
             track_evictions=self._kv_events,
-            eviction_seq=eviction_seq,
+            eviction_seq=server.eviction_seq if server is not None else 0,
             defer_releases=True,
         )
         if self._kv_events:
@@ -199,6 +200,7 @@ class KVTBConnector(KVConnectorBase_V1):
             wait_pending=config.store_wait_s > 0,
             store_decode_tokens=config.store_decode_tokens,
             tp_size=self.tp_size,
+            lookups_fill_l1=server is not None and server.lookups_fill_l1,
         )
 
     def _worker_client(self) -> WorkerClient:
@@ -210,20 +212,6 @@ class KVTBConnector(KVConnectorBase_V1):
         worker = WorkerClient(self.rpc, identity, faults)
         worker.report_chunks = self._kv_events
         return worker
-
-    def _server_config(self) -> p.ServerConfigInfo | None:
-        try:
-            info = self.rpc.call(p.GetConfig())
-        except (ServerUnavailable, RemoteError) as exc:
-            log.warning(
-                "cache server at %s not reachable (%s); assuming chunk size %d, misses until it is",
-                self.config.server_url,
-                exc,
-                self.config.chunk_size,
-            )
-            return None
-        assert isinstance(info, p.ServerConfigInfo)
-        return info
 
     @property
     def requires_kv_delivery(self) -> bool:

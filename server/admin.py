@@ -50,6 +50,7 @@ class Admin:
             min_object_bytes=c.min_object_bytes,
             eviction_seq=self.s.evictions.seq,
             pool_medium=None if self.s.pool is None else self.s.pool.medium,
+            lookups_fill_l1=self.s.tiers.enabled,
         )
 
     def get_stats(self, call: Call, req: p.GetStats) -> p.Reply:

@@ -28,7 +28,13 @@ from server.state import (
     PendingLookup,
     Session,
 )
-from server.tiers.lookups import hit_sources, prefetch, tier_miss_status, writing_below
+from server.tiers.lookups import (
+    hit_sources,
+    logged_statuses,
+    prefetch,
+    tier_miss_status,
+    writing_below,
+)
 from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
@@ -318,7 +324,7 @@ class Sessions:
         s.counters.lookup_hit_chunks += hit
         s.counters.lookup_miss_chunks += len(req.chunk_hashes) - hit
         if s.chunk_log.enabled:
-            _log_lookup(s, call, req, statuses)
+            _log_lookup(s, call, req, logged_statuses(s, pending, space, statuses, miss_status))
         call.span.set_attributes(
             {
                 a.LOOKUP_PENDING: False,

@@ -131,6 +131,13 @@ class Hierarchy:
                 return number
         return None
 
+    def held_below(self, keys: Sequence[ObjectKey]) -> bool:
+        """Whether a tier below L1 holds every one of ``keys`` committed, by this server's own
+        index (no store is asked)."""
+        return any(
+            all(tier.index.committed(key) is not None for key in keys) for tier in self.tiers
+        )
+
     def writing(self, keys: Sequence[ObjectKey]) -> bool:
         """Whether a tier below L1 is still writing every one of ``keys`` (reserved there, not
         yet committed): a chunk L1 evicted before its write-through completed is on its way

@@ -22,6 +22,8 @@ PREFETCH_TIMEOUT: MissStatus = "prefetch_timeout"
 """Miss status: the chunk was on its way up from a lower tier when the lookup was answered."""
 TIER_READ_FAILED: MissStatus = "tier_read_failed"
 """Miss status: the chunk's read from a lower tier failed (or did not verify)."""
+LOGGED_STATUSES = frozenset({PREFETCH_TIMEOUT, TIER_READ_FAILED})
+"""Miss statuses the chunk log's lookup rows carry (the run's token causes read them)."""
 
 
 def prefetch(s: Shared, call: Call, pending: PendingLookup) -> Generator[None, None, None]:
@@ -110,6 +112,36 @@ def tier_miss_status(
         s.counters.tier_read_failures += 1
         return TIER_READ_FAILED
     return status
+
+
+def logged_statuses(
+    s: Shared, pending: PendingLookup, space: Space, statuses: list[str], miss_status: str
+) -> list[str]:
+    """The lookup rows' statuses with the tiers' losses named: the chunk that ended the hit
+    takes ``miss_status`` when it is one of :data:`LOGGED_STATUSES`, and so does each chunk
+    after it that was matched below L1 and not brought in (on its way up, or not sent for:
+    no room in L1, the bound on prefetches), up to the first chunk that is neither."""
+    if miss_status not in LOGGED_STATUSES:
+        return statuses
+    hashes = pending.request.chunk_hashes
+    hit = next(i for i, status in enumerate(statuses) if status != "hit")
+    logged = list(statuses)
+    logged[hit] = miss_status
+    unsent = hashes[hit] == pending.unsent
+    for position in range(hit + 1, len(hashes)):
+        keys = space.keys(hashes[position])
+        unsent = unsent or hashes[position] == pending.unsent
+        if logged[position] == "hit":
+            continue
+        if any(s.tiers.is_prefetching(key) for key in keys):
+            logged[position] = PREFETCH_TIMEOUT
+        elif any(key in s.tiers.read_failed for key in keys):
+            logged[position] = TIER_READ_FAILED
+        elif unsent and s.tiers.held_below(keys):
+            logged[position] = PREFETCH_TIMEOUT
+        else:
+            break
+    return logged
 
 
 def hit_sources(pending: PendingLookup, hashes: Sequence[ChunkHash]) -> dict[str, int]:

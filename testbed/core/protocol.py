@@ -457,6 +457,10 @@ class ServerConfigInfo(_Reply, tag="config", kw_only=True):
     """The number of the latest removal from the cache (``Lookup.evictions_after``)."""
     pool_medium: PoolMedium | None = None
     """Where the pool lives (``None``: no pool, metadata only)."""
+    lookups_fill_l1: bool = False
+    """The server has tiers below L1: a lookup brings its hits from below into L1 before it is
+    answered (a prefetch), so it needs room in L1 that chunks other lookups still lock cannot
+    give (the connector holds back a lookup asked in the step that admitted a load)."""
 
 
 class TierStats(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

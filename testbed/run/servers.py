@@ -104,7 +104,9 @@ def set_peers(endpoints: Sequence[ServerEndpoint]) -> None:
 
 def tier_arguments(spec: RunSpec, tiers: Sequence[str] | None = None) -> list[str]:
     """The server flags of the spec's tiers (or of ``tiers``, the same with the run's own
-    Redis named) and their policies (none without tiers)."""
+    Redis named) and their policies (none without tiers). A lookup may stay pending on its
+    prefetch as long as the engine waits for it (the spec's server timeout), so under the
+    ``wait`` policy a busy machine does not cut a prefetch short."""
     tiers = spec.tiers if tiers is None else tiers
     if not tiers:
         return []
@@ -113,6 +115,7 @@ def tier_arguments(spec: RunSpec, tiers: Sequence[str] | None = None) -> list[st
         "--tier-write", spec.tier_write,
         "--tier-promote", spec.tier_promote,
         "--prefetch", spec.prefetch,
+        "--lookup-pending-timeout", str(spec.server_timeout_s),
     ]  # fmt: skip
 
 

@@ -22,6 +22,7 @@ def test_one_tier_may_be_a_string_and_the_server_gets_its_flags() -> None:
         "--tier-write", "selective:2",
         "--tier-promote", "none",
         "--prefetch", "wait",
+        "--lookup-pending-timeout", "30.0",
     ]  # fmt: skip
     assert tier_arguments(RunSpec()) == []
 
