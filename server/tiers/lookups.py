@@ -74,14 +74,19 @@ def _refresh_l1_hits(s: Shared, space: Space, chunk_hashes: Sequence[ChunkHash])
     """Refreshes the chunks of the lookup's hit that L1 already holds, before any prefetch
     makes room in L1: the room is then taken from objects this lookup does not need, never
     from its own L1 hits (which nothing locks until the lookup is answered). As the stack
-    sees a lookup: its hit chunks are all referenced at once, before anything is brought in."""
+    sees a lookup: its hit chunks are all referenced at once, before anything is brought in.
+    A chunk a lower tier is still writing (L1 evicted it before its write-through completed)
+    does not end the refresh: the lookup waits for it (:func:`writing_below`) and brings it
+    up on a later poll, and meanwhile its prefetches must not evict the L1 hits after it."""
     held: list[CacheObject] = []
     for chunk_hash in chunk_hashes:
         keys = space.keys(chunk_hash)
         objects = [s.cache.get(key) for key in keys]
         if all(obj is not None and obj.committed for obj in objects):
             held.extend(obj for obj in objects if obj is not None)
-        elif any(obj is not None for obj in objects) or s.tiers.holder(keys) is None:
+        elif any(obj is not None for obj in objects) or (
+            s.tiers.holder(keys) is None and not s.tiers.writing(keys)
+        ):
             break  # a store in flight or a chunk no tier holds: the hit ends here
     for obj in held:
         s.cache.touch_object(obj)

@@ -31,9 +31,11 @@ INCLUSIVE = dict(
     tier_promote="retain", policy="lru",
 )  # fmt: skip
 WORKLOADS = {
-    # Sessions longer than L1's share of them: L1 and the disk both serve.
+    # Sessions longer than L1's share of them: L1 and the disk both serve. Some chunks a
+    # lookup needs are still being written to the disk when it comes (L1 evicted them first):
+    # it waits for them, and its prefetches meanwhile never evict its own L1 hits.
     "agentic": dict(
-        workload=f"agentic:{AGENTIC}", requests=40, engine_blocks=1024, capacity_tokens=131_072
+        workload=f"agentic:{AGENTIC}", requests=40, engine_blocks=1024, capacity_tokens=98_304
     ),
     # An L1 of 256 chunks, two sessions of 214: L1 holds one request's hit at a time, so a
     # lookup asked while the previous request's load still locks L1 finds no room for its
