@@ -144,10 +144,21 @@ def test_a_promotion_is_a_commit_in_the_chunk_log_naming_its_tier(start_server, 
 
 
 def test_past_the_bound_on_prefetches_the_hit_ends_with_a_prefetch_timeout(start_server, tmp_path):
-    server = tiered(start_server, tmp_path, "--max-prefetch-objects", "1")
+    from testbed.analysis.chunklog import load_chunk_log
+
+    run_dir = tmp_path / "run"
+    flags = ("--max-prefetch-objects", "1", "--run-dir", str(run_dir))
+    server = tiered(start_server, tmp_path, *flags)
     a, b = prompt(1), prompt(2)
     with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
         store_past_l1(worker, scheduler, a, b)
         hit = lookup(scheduler, "again", a)
         assert hit.hit_chunks_by_tier == {"disk": 1} and hit.miss_status == "prefetch_timeout"
         assert stats(scheduler).prefetch_timeouts == 1
+    server.close()
+    # The chunk log says so too, for every chunk the disk held and no prefetch brought in (the
+    # run's token causes read it: prefetch_timeout, not capacity).
+    log = load_chunk_log(run_dir)
+    rows = log[(log["event"] == "lookup") & log["session_id"].astype(str).str.endswith("again")]
+    statuses = rows.sort_values("position")["status"].astype(str).tolist()
+    assert statuses == ["hit", "prefetch_timeout", "prefetch_timeout"]
