@@ -63,6 +63,7 @@ SECTIONS: dict[str, Section] = {
             "hit_1k_vs_recompute",
             "hit_4k_vs_recompute",
             "hit_16k_vs_recompute",
+            "hit_1k_over_prefix_cache_ms",
         ),
     ),
     "peer_servers": Section(

