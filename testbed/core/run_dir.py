@@ -95,6 +95,13 @@ class RunDir:
         """The log of the vLLM server the run started (of a fleet's ``instance``)."""
         return self.path / ("vllm.log" if instance is None else f"vllm-{instance}.log")
 
+    def vllm_metrics(self, instance: int | None = None) -> Path:
+        """vLLM's ``/metrics`` as the run's vLLM server (a fleet's ``instance``) answered it
+        once the workload was done (Prometheus text)."""
+        return self.path / (
+            "vllm-metrics.prom" if instance is None else f"vllm-metrics-{instance}.prom"
+        )
+
     def is_complete(self) -> bool:
         """Whether the run finished (``summary.json`` is written last)."""
         return self.summary.is_file()

@@ -326,6 +326,15 @@ ROUTERS: dict[str, type[Router]] = {
 """Router name -> class (its docstring says what it does; ``params_type`` its parameters)."""
 
 
+def with_peers(name: str, params: dict[str, Any], p2p: bool) -> dict[str, Any]:
+    """Router ``name``'s ``params`` for a run whose servers are peered (``p2p``): ``peers`` on
+    where the router prices peer loads (``kv_precise``), unless the run's params set it."""
+    cls = ROUTERS.get(name)
+    if not p2p or cls is None or "peers" not in cls.params_type.__struct_fields__:
+        return dict(params)
+    return {"peers": True, **params}
+
+
 def make_router(name: str, params: dict[str, Any], num_instances: int, seed: int) -> Router:
     """The router ``name`` with ``params``; unknown names, keys or values raise ValueError."""
     cls = ROUTERS.get(name)

@@ -14,11 +14,12 @@ def run(job: EngineRun) -> EngineResult:
     (one shared, or one per instance)."""
     from testbed.engine.fleet import FleetEngine
     from testbed.engine.replay_spec import ReplaySpec
-    from testbed.fleet.routers import make_router
+    from testbed.fleet.routers import make_router, with_peers
 
     spec = job.spec
     replay = engine_spec(ReplaySpec, spec, job.plan.requests)
-    router = make_router(spec.router, spec.router_params, spec.instances, spec.seed)
+    params = with_peers(spec.router, spec.router_params, spec.p2p)
+    router = make_router(spec.router, params, spec.instances, spec.seed)
     servers = list(job.endpoints)
     with FleetEngine(replay, router, servers, spec.instances, work_dir=job.run_dir) as fleet:
         return fleet.run(job.plan.arrivals(), on_finish=job.progress.finished)

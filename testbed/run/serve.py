@@ -4,11 +4,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from testbed.core.run_dir import RunDir
 from testbed.core.telemetry import sampling
 from testbed.engine.results import EngineResult
 from testbed.run import vllm
@@ -48,6 +51,11 @@ def check(spec: RunSpec, options: RunOptions) -> None:
         from testbed.core.extras import require_engines
 
         require_engines(["vllm"])
+    if spec.servers == "per-instance" and not options.launch:
+        raise ValueError(
+            "servers 'per-instance' starts a cache server for each vLLM server the run "
+            "launches: give --launch (servers named by --endpoints have their own already)"
+        )
     if options.launch:
         if options.server is not None:
             raise ValueError(
@@ -76,14 +84,14 @@ def _check_answering(urls: list[str]) -> None:
 
 def launch_spec(job: EngineRun, instance: int) -> LaunchSpec:
     """vLLM's server for instance ``instance`` of the run, its connector pointed at the run's
-    cache server (reading the credential from the server's token file) and writing its spans
-    into the run directory."""
+    cache server (the instance's own with servers 'per-instance'; reading the credential from
+    the server's token file) and writing its spans into the run directory."""
     from testbed.engine.engine_spec import connector_config
     from testbed.engine.fleet import instance_engine_id
     from testbed.engine.serve_launch import LaunchSpec
 
     spec = job.spec
-    server = job.started[0]
+    server = job.started[instance if spec.servers == "per-instance" else 0]
     connector = connector_config(
         spec,
         server.endpoint,
@@ -128,6 +136,34 @@ def _launch(job: EngineRun, stack: ExitStack, events: ZmqEventStream | None) -> 
     return urls
 
 
+def record_vllm_metrics(urls: Sequence[str], run_dir: RunDir, within_s: float = 30.0) -> None:
+    """Writes each launched vLLM server's ``/metrics`` into the run directory
+    (:meth:`RunDir.vllm_metrics`) once the workload is done: vLLM's own view of the run
+    (``vllm:prompt_tokens_cached_by_source`` per hit source, its prefix cache), read before
+    the servers stop. A server's counters may still move while its last stores commit, so each
+    is read until two reads a second apart agree on every ``vllm:`` sample (the process's own
+    samples always move), or ``within_s`` passes: the last read is kept, and the file says it
+    had not settled."""
+    import urllib.request
+
+    for k, url in enumerate(urls):
+        instance = k if len(urls) > 1 else None
+        deadline = time.monotonic() + within_s
+        previous = None
+        while True:
+            with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+                text = response.read().decode()
+            samples = [line for line in text.splitlines() if line.startswith("vllm:")]
+            if samples == previous:
+                break
+            if time.monotonic() > deadline:
+                text = f"# kvtb: not settled within {within_s:.0f} s\n" + text
+                break
+            previous = samples
+            time.sleep(1.0)
+        run_dir.vllm_metrics(instance).write_text(text)
+
+
 def run(job: EngineRun) -> EngineResult:
     """The workload to the servers; several are routed by the spec's router."""
     from testbed.engine.serve import ServeEngine, ServeSpec
@@ -153,6 +189,8 @@ def run(job: EngineRun) -> EngineResult:
         )
         with ServeEngine(serve, routing) as engine:
             result = engine.run(job.plan.requests, on_finish=job.progress.finished)
+        if options.launch:
+            record_vllm_metrics(urls, RunDir(job.run_dir))
         result.effective["launched"] = options.launch
         return result
 

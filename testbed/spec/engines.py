@@ -49,7 +49,7 @@ ENGINE_RULES: dict[EngineName, EngineRules] = {
     "replay": EngineRules(),
     "fleet": EngineRules(routed=True, per_instance_servers=True),
     "vllm": EngineRules(model=True, closed_loop=False),
-    "serve": EngineRules(model=True, routed=True, closed_loop=False),
+    "serve": EngineRules(model=True, routed=True, per_instance_servers=True, closed_loop=False),
     "oracle": EngineRules(policies=ORACLE_POLICIES, cache_server=False),
 }
 """Every engine's rules (the module docstring): replay (vLLM's scheduler, no model), fleet

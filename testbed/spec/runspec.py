@@ -181,10 +181,11 @@ class RunSpec:
     """The router's parameters (kv_precise, prefix_approx: prefill_weight, external_credit,
     temperature; prefix_approx: capacity_blocks)."""
     servers: FleetServers = "shared"
-    """fleet: one cache server for every instance (shared) or one each (per-instance)."""
+    """fleet, and serve with --launch: one cache server for every instance (shared) or one
+    each (per-instance)."""
     p2p: bool = False
-    """fleet with servers 'per-instance': a lookup that misses on an instance's server asks
-    the other instances' servers, and a peer's hit is copied into it (hit source ``p2p``)."""
+    """servers 'per-instance': a lookup that misses on an instance's server asks the other
+    instances' servers, and a peer's hit is copied into it (hit source ``p2p``)."""
     tiers: list[str] = field(default_factory=list)
     """Tiers below the cache server's L1, in order, each ``KIND[@POLICY]:CAPACITY[:WHERE]``
     (``disk:8GiB:/data/kv``; without WHERE a disk tier uses a directory of the run's own,

@@ -148,7 +148,12 @@ def launch_spec(server: ServerProcess, run_dir, port: int) -> LaunchSpec:
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
+        return samples_of(response.read().decode())
+
+
+def samples_of(text: str) -> dict[tuple[str, str], float]:
+    """Prometheus text as (sample name, its ``source`` label) → the value, summed over the
+    other labels."""
     samples: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -129,3 +129,7 @@ def test_a_fleet_of_servers_is_checked_before_any_work():
         )
     with pytest.raises(ValueError, match="one of --endpoint URL"):
         prepare_run(RunSpec(engine="serve", instances=2), RunOptions(endpoints=urls, launch=True))
+    # Per-instance cache servers (and peers between them) are the run's own: --launch only.
+    own = RunSpec(engine="serve", instances=2, servers="per-instance", p2p=True)
+    with pytest.raises(ValueError, match="servers 'per-instance' starts a cache server"):
+        prepare_run(own, RunOptions(endpoints=urls))

@@ -7,7 +7,7 @@ import pytest
 from testbed.fleet.block_index import BlockLocations
 from testbed.fleet.kv_index import KVEventIndex
 from testbed.fleet.load import LoadBook
-from testbed.fleet.routers import ROUTERS, FleetView, RouteRequest, make_router
+from testbed.fleet.routers import ROUTERS, FleetView, RouteRequest, make_router, with_peers
 from testbed.spec.runspec import RunSpec
 
 BLOCK = 16
@@ -217,5 +217,10 @@ def test_kv_precise_credits_a_block_by_the_tier_that_holds_it_by_its_load_time()
     # Peers (another server's L1) are credited only when asked.
     peers = make_router("kv_precise", {"peers": True}, 3, 0)
     assert peers.choose(req, view(3, kv=index)).costs[2] < costs[2]
+    # A run with --p2p asks for them, unless its params say otherwise.
+    assert with_peers("kv_precise", {}, p2p=True) == {"peers": True}
+    assert with_peers("kv_precise", {"peers": False}, p2p=True) == {"peers": False}
+    assert with_peers("kv_precise", {}, p2p=False) == {}
+    assert with_peers("round_robin", {}, p2p=True) == {}
     with pytest.raises(ValueError, match="unknown tier profile"):
         make_router("kv_precise", {"tier_profile": "floppy"}, 3, 0)
