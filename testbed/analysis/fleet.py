@@ -35,7 +35,10 @@ ROUTER_COLUMNS = (
     "token_hit_rate",
     "engine_hit_rate",
     "external_hit_rate",
+    "p2p_hit_rate",
+    "remote_hit_rate",
     "routing_loss_rate",
+    "routing_won_back_rate",
     "load_imbalance",
     "queueing_p99_ms",
     "ttft_p50_ms",
@@ -149,13 +152,15 @@ def run_fleet_table(run: Run | Path | str) -> pd.DataFrame:
 def router_table(runs: Mapping[str, Path | str]) -> pd.DataFrame:
     """One row per run (``label`` → run directory): :data:`ROUTER_COLUMNS`, from the run's
     spec, summary and :func:`fleet_summary` (a run that routed nothing: router ``-``, one
-    instance). Engine and external hit rates are shares of the prompt tokens."""
+    instance). Engine, external, ``p2p`` (a peer's copies) and ``remote`` (the remote tier's)
+    hit rates and the routing loss won back by peers are shares of the prompt tokens."""
     rows = []
     for label, path in runs.items():
         run = Run(Path(path))
         summary, spec = run.summary, run.spec
         figures = fleet_summary(run_fleet_table(run))
         prompt = summary.get("prompt_tokens") or 0
+        tokens = summary.get("tokens") or {}
         routed = spec.get("engine") == "fleet" or spec.get("instances", 1) > 1
         rows.append(
             {
@@ -167,7 +172,10 @@ def router_table(runs: Mapping[str, Path | str]) -> pd.DataFrame:
                 "token_hit_rate": summary.get("token_hit_rate"),
                 "engine_hit_rate": _share(summary.get("engine_hit_tokens"), prompt),
                 "external_hit_rate": _share(summary.get("external_hit_tokens"), prompt),
+                "p2p_hit_rate": _share(tokens.get("external_p2p"), prompt),
+                "remote_hit_rate": _share(tokens.get("external_remote"), prompt),
                 "routing_loss_rate": figures["routing_loss_rate"],
+                "routing_won_back_rate": _share(figures["routing_won_back_tokens"], prompt),
                 "load_imbalance": figures["load_imbalance"],
                 "queueing_p99_ms": figures["queueing_p99_ms"],
                 "ttft_p50_ms": summary.get("ttft_p50_ms"),

@@ -13,8 +13,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from testbed.analysis import load_spans  # noqa: E402
 from testbed.analysis.explain import explain  # noqa: E402
-from testbed.analysis.fleet import run_fleet_table  # noqa: E402
+from testbed.analysis.fleet import router_table, run_fleet_table  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
+from testbed.report.sweep_report import write_report  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from testbed.spec.runspec import RunSpec  # noqa: E402
 
@@ -67,3 +68,17 @@ def test_peers_win_back_what_round_robin_sends_elsewhere(tmp_path):
     story = explain(tmp_path / p2p_spec.run_id, str(served["workload_request_id"]))
     assert story.peer_copies and story.peer_copies[0].peer.startswith("instance ")
     assert f"copied from {story.peer_copies[0].peer}" in str(story)
+    # The report's router table says what the peers bought: their share of the prompt and
+    # the routing loss they won back, beside the runs without them.
+    runs = {"shared": shared, "alone": alone, "p2p": p2p}
+    table = router_table({k: tmp_path / s["run_id"] for k, s in runs.items()}).set_index("label")
+    for label, summary in runs.items():
+        prompt = summary["prompt_tokens"]
+        assert table.loc[label, "p2p_hit_rate"] == summary["tokens"]["external_p2p"] / prompt
+        assert table.loc[label, "routing_won_back_rate"] == (
+            summary["routing_won_back_tokens"] / prompt
+        )
+    assert table.loc["p2p", "p2p_hit_rate"] > 0 == table.loc["alone", "p2p_hit_rate"]
+    routers = write_report(tmp_path).read_text().split("## Routers")[1]
+    assert "won back by peers" in routers and "of it p2p / remote" in routers
+    assert f"{table.loc['p2p', 'routing_won_back_rate']:.2%}" in routers
