@@ -36,7 +36,7 @@ demo: setup
 	$(BIN)/kvtb demo
 
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 lint: setup
 	$(BIN)/ruff check testbed connector server tests

@@ -22,18 +22,12 @@ from testbed.analysis.tables import load_run  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from tests.support.leaks import CaseWatch  # noqa: E402
-from tests.support.serve_runs import serve_spec  # noqa: E402
+from tests.support.serve_runs import CROSSED_TURNS, serve_spec  # noqa: E402
 
 
 def test_second_turns_go_to_the_server_holding_their_prefix_and_hit_there(tmp_path, monkeypatch):
-    lines = [  # conversations a and b; b's second turn first (round robin: both misplaced)
-        {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [1, 2]},
-        {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
-        {"timestamp": 8000, "input_length": 1400, "output_length": 4, "hash_ids": [7, 8, 9]},
-        {"timestamp": 8500, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, 3]},
-    ]
-    spec = serve_spec(
-        tmp_path / "trace.jsonl", lines, max_num_seqs=2, instances=2, router="kv_precise"
+    spec = serve_spec(  # round robin would misplace both second turns
+        tmp_path / "trace.jsonl", CROSSED_TURNS, max_num_seqs=2, instances=2, router="kv_precise"
     )
     watch = CaseWatch()  # what the run starts, the engine cores included
     for name, value in watch.env.items():

@@ -18,20 +18,14 @@ from testbed.core.run_dir import RunDir  # noqa: E402
 from testbed.core.telemetry import attributes as a  # noqa: E402
 from testbed.run import RunOptions, execute_run  # noqa: E402
 from tests.engine.test_serve_telemetry import samples_of  # noqa: E402
-from tests.support.serve_runs import serve_spec  # noqa: E402
+from tests.support.serve_runs import CROSSED_TURNS, serve_spec  # noqa: E402
 
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 
 
 def test_vllm_counts_the_peers_hits_under_p2p_as_the_runs_spans_credit_them(tmp_path):
-    lines = [  # conversations a and b; b's second turn first (round robin: both elsewhere)
-        {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [1, 2]},
-        {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
-        {"timestamp": 8000, "input_length": 1400, "output_length": 4, "hash_ids": [7, 8, 9]},
-        {"timestamp": 8500, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, 3]},
-    ]
     spec = serve_spec(
-        tmp_path / "trace.jsonl", lines, max_num_seqs=2, instances=2,
+        tmp_path / "trace.jsonl", CROSSED_TURNS, max_num_seqs=2, instances=2,
         router="round_robin", servers="per-instance", p2p=True,
     )  # fmt: skip
     summary = execute_run(spec, tmp_path / "runs", RunOptions(launch=True, progress=False))

@@ -8,6 +8,16 @@ from typing import Any
 
 from testbed.spec.runspec import RunSpec
 
+CROSSED_TURNS: list[dict[str, Any]] = [
+    {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [1, 2]},
+    {"timestamp": 0, "input_length": 1000, "output_length": 4, "hash_ids": [7, 8]},
+    {"timestamp": 8000, "input_length": 1400, "output_length": 4, "hash_ids": [7, 8, 9]},
+    {"timestamp": 8500, "input_length": 1400, "output_length": 4, "hash_ids": [1, 2, 3]},
+]
+"""Two conversations a and b, two turns each (the second shares the first's 1,000 tokens), b's
+second turn first: round robin over two servers sends both second turns to the server their
+first turn did not go to."""
+
 
 def serve_spec(trace: Path, lines: list[dict[str, Any]], **spec: Any) -> RunSpec:
     """A serve run of ``lines`` (trace records, written to ``trace``) on launched vLLM servers
