@@ -34,7 +34,6 @@ LONG_FUNCTIONS = {
     "testbed/bench/gpu_data_path.py::main": "a child process's script, run alone",
     "testbed/bench/vllm_e2e.py::child": "a child process's script, run alone",
     "testbed/bench/command.py::run_bench": "the benchmark's sections in order",
-    "testbed/chaos/client_faults.py::lost_replies": "one scenario's steps in order",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
 
