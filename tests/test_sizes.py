@@ -33,7 +33,6 @@ LONG_FUNCTIONS = {
     "testbed/bench/whatif.py::print_comparison": "one printed table",
     "testbed/bench/gpu_data_path.py::main": "a child process's script, run alone",
     "testbed/bench/vllm_e2e.py::child": "a child process's script, run alone",
-    "testbed/bench/command.py::run_bench": "the benchmark's sections in order",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
 
