@@ -30,7 +30,6 @@ LONG_FUNCTIONS = {
     "testbed/bench/peer/lmcache_alone.py::main": "a child process's script, run alone",
     "testbed/bench/peer/alone.py::section": "one benchmark section",
     "testbed/bench/gpu_data_path.py::main": "a child process's script, run alone",
-    "testbed/bench/vllm_e2e.py::child": "a child process's script, run alone",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
 
