@@ -29,7 +29,6 @@ LONG_FUNCTIONS = {
     "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
     "testbed/bench/peer/lmcache_alone.py::main": "a child process's script, run alone",
     "testbed/bench/peer/alone.py::section": "one benchmark section",
-    "testbed/bench/gpu_data_path.py::main": "a child process's script, run alone",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
 
