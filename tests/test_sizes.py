@@ -27,7 +27,6 @@ LONG_FUNCTIONS = {
     "testbed/report/jaeger.py::to_jaeger": "one trace's conversion to Jaeger's JSON",
     "testbed/sweep/spec.py::expand_sweep": "grid, excludes and includes in order",
     "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
-    "testbed/bench/peer/lmcache_alone.py::main": "a child process's script, run alone",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
 
