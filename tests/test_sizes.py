@@ -25,7 +25,6 @@ LONG_FUNCTIONS = {
     "testbed/analysis/attribution.py::attribute": "the attribution's join, column by column",
     "testbed/analysis/compare.py::sweep_figure": "one figure's layout",
     "testbed/report/jaeger.py::to_jaeger": "one trace's conversion to Jaeger's JSON",
-    "testbed/sweep/spec.py::expand_sweep": "grid, excludes and includes in order",
     "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
