@@ -24,7 +24,6 @@ LONG_FUNCTIONS = {
     "testbed/analysis/whatif/analyze.py::analyze": "the what-if's stages in order",
     "testbed/analysis/attribution.py::attribute": "the attribution's join, column by column",
     "testbed/analysis/compare.py::sweep_figure": "one figure's layout",
-    "testbed/report/jaeger.py::to_jaeger": "one trace's conversion to Jaeger's JSON",
     "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
