@@ -21,7 +21,6 @@ LONG_FUNCTIONS = {
     "server/sessions.py::_settle": "a lookup's settling, step by step; the server is being split",
     "connector/vllm_connector.py::__init__": "the connector's wiring of vLLM's roles; in change",
     # Lab functions still to split (each one job, written as one sequence).
-    "testbed/analysis/whatif/analyze.py::analyze": "the what-if's stages in order",
     "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
