@@ -103,6 +103,18 @@ class KVTBConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+def _refuse_pipeline_parallelism(pipeline_parallel_size: int) -> None:
+    """``ValueError`` for more than one pipeline stage (the cache keys do not tell the stages'
+    layers apart)."""
+    if pipeline_parallel_size > 1:
+        raise ValueError(
+            f"KVTBConnector does not support pipeline parallelism (pipeline_parallel_size="
+            f"{pipeline_parallel_size}): each pipeline stage holds other layers' "
+            "KV under the same cache keys. Start vLLM with --pipeline-parallel-size 1 "
+            "(tensor parallelism, --tensor-parallel-size, is supported)."
+        )
+
+
 class KVTBConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST  # a request without a per-tier split
 
@@ -118,13 +130,7 @@ class KVTBConnector(KVConnectorBase_V1):
         self.config = config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"KVTBConnector does not support pipeline parallelism (pipeline_parallel_size="
-                f"{parallel.pipeline_parallel_size}): each pipeline stage holds other layers' "
-                "KV under the same cache keys. Start vLLM with --pipeline-parallel-size 1 "
-                "(tensor parallelism, --tensor-parallel-size, is supported)."
-            )
+        _refuse_pipeline_parallelism(parallel.pipeline_parallel_size)
         events = vllm_config.kv_events_config
         self._kv_events = events is not None and events.enable_kv_cache_events
         hash_block = kv_cache_config.hash_block_size if kv_cache_config is not None else None

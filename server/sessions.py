@@ -258,22 +258,7 @@ class Sessions:
         s = self.s
         req = pending.request
         chunk_size = s.config.chunk_size
-        if s.tiers.enabled:
-            yield from prefetch(s, call, pending)
-        statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
-        hit = _hit(statuses)
-        miss_status = _miss_status(statuses, hit)
-        if miss_status == ABSENT and writing_below(s, req, hit):
-            miss_status = IN_FLIGHT  # written below, not yet held: waited for as a store
-        copied = 0
-        if miss_status == ABSENT:
-            copied = yield from self.peering.fill(call, req, hit)
-        if copied:
-            for chunk_hash in req.chunk_hashes[hit : hit + copied]:
-                pending.from_tier.setdefault(chunk_hash, P2P_SOURCE)
-            statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
-            hit = _hit(statuses)
-            miss_status = _miss_status(statuses, hit)
+        statuses, objects, hit, miss_status = yield from self._find(call, pending)
         call.span.set_attributes(
             {
                 a.SESSION_ID: req.session_id,
@@ -295,23 +280,12 @@ class Sessions:
         space = Space(req.model, req.world_size, req.cache_salt)
         if s.tiers.enabled and miss_status:
             miss_status = tier_miss_status(s, pending, space, req.chunk_hashes[hit], miss_status)
-        hashes = req.chunk_hashes[:hit]
-        self.track(session, ChunkRun(space, hashes, tuple(range(req.world_size))), lookup=True)
+        run = ChunkRun(space, req.chunk_hashes[:hit], tuple(range(req.world_size)))
+        self.track(session, run, lookup=True)
         handle = secrets.token_bytes(16)
-        num_locks = 0
         hit_objects = objects[: hit * req.world_size]
-        if hashes:
-            # Locked first: a locked object's recency refresh needs no eviction-heap entry.
-            owner = call.client.client_id
-            s.cache.lock_group(
-                handle, req.session_id, owner, space, hashes, req.num_readers, hit_objects
-            )
-            num_locks = len(hashes) * req.world_size * req.num_readers
-        for index, obj in enumerate(hit_objects):
-            s.cache.touch_object(obj, hit=True)
-            if index % 256 == 255:
-                yield
-        by_tier = hit_sources(pending, hashes)
+        num_locks = yield from self._lock_hit(call, req, handle, run, hit_objects)
+        by_tier = hit_sources(pending, run.hashes)
         if s.tiers.enabled:
             s.tiers.claimed(hit_objects)
             s.tiers.release_session(req.session_id)
@@ -334,31 +308,89 @@ class Sessions:
                 a.MISS_STATUS: miss_status,
             }
         )
-        reply = p.LookupResult(
-            hit_chunks=hit,
-            num_locks=num_locks,
-            handle=handle,
-            miss_status=miss_status,
-            hit_chunks_by_tier=by_tier,
-        )
-        if req.evictions_after is not None:
-            removed = s.evictions.since(
-                req.evictions_after,
-                req.model,
-                req.world_size,
-                p.MAX_EVICTIONS_PER_REPLY,
-                tiers=req.tier_events,
+        return _result(s, req, hit, num_locks, handle, miss_status, by_tier)
+
+    def _find(
+        self, call: Call, pending: PendingLookup
+    ) -> Generator[None, None, tuple[list[str], list[CacheObject], int, p.MissStatus]]:
+        """The lookup's chunk statuses (:func:`_statuses`), its hit prefix's objects, its hit
+        and why the chunk after the hit is not one, once the tiers below have sent for what
+        they hold and peers have filled an absent chunk and what follows it (noted as theirs)."""
+        s, req = self.s, pending.request
+        if s.tiers.enabled:
+            yield from prefetch(s, call, pending)
+        statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
+        hit = _hit(statuses)
+        miss_status = _miss_status(statuses, hit)
+        if miss_status == ABSENT and writing_below(s, req, hit):
+            miss_status = IN_FLIGHT  # written below, not yet held: waited for as a store
+        copied = 0
+        if miss_status == ABSENT:
+            copied = yield from self.peering.fill(call, req, hit)
+        if copied:
+            for chunk_hash in req.chunk_hashes[hit : hit + copied]:
+                pending.from_tier.setdefault(chunk_hash, P2P_SOURCE)
+            statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
+            hit = _hit(statuses)
+            miss_status = _miss_status(statuses, hit)
+        return statuses, objects, hit, miss_status
+
+    def _lock_hit(
+        self, call: Call, req: p.Lookup, handle: bytes, run: ChunkRun, objects: list[CacheObject]
+    ) -> Generator[None, None, int]:
+        """Locks the hit ``run`` (its ``objects``, chunk then rank) as group ``handle``, one
+        unit per reader, and refreshes their recency; returns the number of locks taken."""
+        s = self.s
+        space, hashes = run.space, run.hashes
+        num_locks = 0
+        if hashes:
+            # Locked first: a locked object's recency refresh needs no eviction-heap entry.
+            owner = call.client.client_id
+            s.cache.lock_group(
+                handle, req.session_id, owner, space, hashes, req.num_readers, objects
             )
-            reply.evicted = [
-                p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.chunks
-            ]
-            reply.tier_changes = [
-                p.TierChange(salt, chunk, seq, medium, stored)
-                for seq, salt, chunk, medium, stored in removed.tier_changes
-            ]
-            reply.eviction_seq = removed.seq
-            reply.evictions_lost = removed.lost
-        return reply
+            num_locks = len(hashes) * req.world_size * req.num_readers
+        for index, obj in enumerate(objects):
+            s.cache.touch_object(obj, hit=True)
+            if index % 256 == 255:
+                yield
+        return num_locks
+
+
+def _result(
+    s: Shared,
+    req: p.Lookup,
+    hit: int,
+    num_locks: int,
+    handle: bytes,
+    miss_status: p.MissStatus,
+    by_tier: dict[str, int],
+) -> p.LookupResult:
+    """A settled lookup's reply; with the removals since ``req.evictions_after`` (and the
+    tiers' changes if it asks) when it names a number."""
+    reply = p.LookupResult(
+        hit_chunks=hit,
+        num_locks=num_locks,
+        handle=handle,
+        miss_status=miss_status,
+        hit_chunks_by_tier=by_tier,
+    )
+    if req.evictions_after is not None:
+        removed = s.evictions.since(
+            req.evictions_after,
+            req.model,
+            req.world_size,
+            p.MAX_EVICTIONS_PER_REPLY,
+            tiers=req.tier_events,
+        )
+        reply.evicted = [p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.chunks]
+        reply.tier_changes = [
+            p.TierChange(salt, chunk, seq, medium, stored)
+            for seq, salt, chunk, medium, stored in removed.tier_changes
+        ]
+        reply.eviction_seq = removed.seq
+        reply.evictions_lost = removed.lost
+    return reply
 
 
 def _miss_status(statuses: list[str], hit: int) -> p.MissStatus:

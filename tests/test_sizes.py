@@ -18,24 +18,8 @@ LONG_MODULES = {
 }
 LONG_FUNCTIONS = {
     # Modules other changes are reorganising now; split with them.
-    "server/sessions.py::_settle": "a lookup's settling, step by step; the server is being split",
-    "connector/vllm_connector.py::__init__": "the connector's wiring of vLLM's roles; in change",
-    # Lab functions still to split (each one job, written as one sequence).
-    "testbed/analysis/whatif/analyze.py::analyze": "the what-if's stages in order",
-    "testbed/analysis/attribution.py::attribute": "the attribution's join, column by column",
-    "testbed/analysis/compare.py::sweep_figure": "one figure's layout",
-    "testbed/report/jaeger.py::to_jaeger": "one trace's conversion to Jaeger's JSON",
-    "testbed/sweep/spec.py::expand_sweep": "grid, excludes and includes in order",
     "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
-    "testbed/bench/peer/lmcache_alone.py::main": "a child process's script, run alone",
-    "testbed/bench/ops.py::store_retrieve": "one benchmark's timed loop",
-    "testbed/bench/peer/alone.py::section": "one benchmark section",
-    "testbed/bench/whatif.py::print_comparison": "one printed table",
-    "testbed/bench/gpu_data_path.py::main": "a child process's script, run alone",
-    "testbed/bench/vllm_e2e.py::child": "a child process's script, run alone",
-    "testbed/bench/command.py::run_bench": "the benchmark's sections in order",
-    "testbed/chaos/attacks.py::unauthenticated": "one scenario's steps in order",
-    "testbed/chaos/client_faults.py::lost_replies": "one scenario's steps in order",
+    # Kept whole.
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }
 

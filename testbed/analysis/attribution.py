@@ -222,6 +222,32 @@ def attribute(
     P = requests["prompt_tokens"].to_numpy(dtype=np.int64)
     C = requests["chunk_size"].to_numpy(dtype=np.int64)
     last = np.maximum(P - 1, 0)
+    E, L, clamped = _clamped_hits(requests, last)
+    X = loaded_tokens(requests, E, L, retrieve_items(spans, events))
+    status = requests["lookup_status"].astype(str).to_numpy()
+    H = pd.to_numeric(requests["server_hit_tokens"]).fillna(0).to_numpy(dtype=np.int64)
+    workload_ids = requests.get("workload_request_id", pd.Series(None, index=requests.index))
+    routing = routing_region(workload_ids, E + L, last, route_table(spans))
+    regions = _regions(P, C, E, L, H, status, routing)
+    out = _token_columns(requests, P, C, E, L, X, status)
+    out["routing"] = routing[1] - routing[0]
+    for name in ("partial_chunk", "unavailable", "refused", "engine_only"):
+        out[name] = regions[name]
+    for name, tokens in external_by_source(requests, E, X, H).items():
+        out[name] = tokens
+    causes, resolved = chunk_causes(requests, regions, chunks)
+    for name in CHUNK_CAUSES:
+        out[name] = causes[name]
+    out["causes_resolved"] = resolved
+    out = out[list(COLUMNS)]
+    out.attrs["chunk_log"] = chunks is not None
+    out.attrs["clamped_requests"] = clamped
+    return out
+
+
+def _clamped_hits(requests: pd.DataFrame, last: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """``E`` (the engine's hit) within ``[0, last]`` and ``L`` (the tokens promised) within
+    ``[0, last - E]``, and how many requests either had to be clamped in."""
     E = np.clip(requests["engine_hit_tokens"].to_numpy(dtype=np.int64), 0, last)
     L = np.clip(requests["promised_tokens"].to_numpy(dtype=np.int64), 0, last - E)
     clamped = int(
@@ -230,14 +256,21 @@ def attribute(
             | (requests["promised_tokens"].to_numpy() != L)
         ).sum()
     )
-    X = loaded_tokens(requests, E, L, retrieve_items(spans, events))
-    status = requests["lookup_status"].astype(str).to_numpy()
-    H = pd.to_numeric(requests["server_hit_tokens"]).fillna(0).to_numpy(dtype=np.int64)
-    workload_ids = requests.get("workload_request_id", pd.Series(None, index=requests.index))
-    routing = routing_region(workload_ids, E + L, last, route_table(spans))
-    regions = _regions(P, C, E, L, H, status, routing)
+    return E, L, clamped
 
-    out = pd.DataFrame(
+
+def _token_columns(
+    requests: pd.DataFrame,
+    P: np.ndarray,
+    C: np.ndarray,
+    E: np.ndarray,
+    L: np.ndarray,
+    X: np.ndarray,
+    status: np.ndarray,
+) -> pd.DataFrame:
+    """Per request: its ids, its token counts and the regions ``engine``, ``external``,
+    ``last_token`` and ``load_failed`` (the other regions are the caller's)."""
+    return pd.DataFrame(
         {
             "request_id": requests["request_id"],
             "workload_request_id": requests.get("workload_request_id"),
@@ -257,25 +290,10 @@ def attribute(
             "tp_size": requests["tp_size"].to_numpy(dtype=np.int64),
             "engine": E,
             "external": X,
-            "partial_chunk": regions["partial_chunk"],
             "last_token": (P > 0).astype(np.int64),
             "load_failed": L - X,
-            "unavailable": regions["unavailable"],
-            "refused": regions["refused"],
-            "engine_only": regions["engine_only"],
-            "routing": routing[1] - routing[0],
         }
     )
-    for name, tokens in external_by_source(requests, E, X, H).items():
-        out[name] = tokens
-    causes, resolved = chunk_causes(requests, regions, chunks)
-    for name in CHUNK_CAUSES:
-        out[name] = causes[name]
-    out["causes_resolved"] = resolved
-    out = out[list(COLUMNS)]
-    out.attrs["chunk_log"] = chunks is not None
-    out.attrs["clamped_requests"] = clamped
-    return out
 
 
 def external_by_source(

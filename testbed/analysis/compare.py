@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 import pandas as pd
 from matplotlib import pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from testbed.analysis import metrics, plots
@@ -82,38 +83,57 @@ def sweep_figure(
             _line(panel, members, x, column, scale, positions, f"oracle{name}", None)
         if column == "ttft_p50_ms":
             ylabel = ylabel.replace("(ms)", f"(ms, {ttft_clock(_measured(runs)['engine'])})")
-        panel.set_ylabel(textwrap.fill(ylabel, 40))
-        panel.set_xlabel(axis_label(x))
-        panel.grid(True, alpha=0.3)
-        if ticks is not None:
-            panel.set_xticks(range(len(ticks)), ticks, rotation=20, ha="right")
-        else:
-            xs = sorted(set(positions.values()))
-            if x in ("chunk_size", "capacity_tokens", "capacity_bytes") and len(xs) > 2:
-                panel.set_xscale("log", base=2)
-            panel.set_xticks(xs, [f"{v:g}" for v in xs])
-            panel.minorticks_off()
-        if column.endswith("_rate"):
-            panel.set_ylim(0, 100)
-        else:
-            panel.set_ylim(bottom=0)
+        _format_panel(panel, x, column, ylabel, positions, ticks)
     for panel in list(grid.flat)[len(shown) :]:
         panel.axis("off")
+    _legend_or_notice(figure, grid.flat[0], shown)
+    return figure
+
+
+def _format_panel(
+    panel: Axes,
+    x: str,
+    column: str,
+    ylabel: str,
+    positions: Mapping[str, float],
+    ticks: list[str] | None,
+) -> None:
+    """Labels, grid, x ticks (``ticks`` as labels, else the positions, logarithmic for sizes
+    of more than two values) and the y range (0-100 for a rate, from 0 otherwise)."""
+    panel.set_ylabel(textwrap.fill(ylabel, 40))
+    panel.set_xlabel(axis_label(x))
+    panel.grid(True, alpha=0.3)
+    if ticks is not None:
+        panel.set_xticks(range(len(ticks)), ticks, rotation=20, ha="right")
+    else:
+        xs = sorted(set(positions.values()))
+        if x in ("chunk_size", "capacity_tokens", "capacity_bytes") and len(xs) > 2:
+            panel.set_xscale("log", base=2)
+        panel.set_xticks(xs, [f"{v:g}" for v in xs])
+        panel.minorticks_off()
+    if column.endswith("_rate"):
+        panel.set_ylim(0, 100)
+    else:
+        panel.set_ylim(bottom=0)
+
+
+def _legend_or_notice(figure: Figure, first: Axes, shown: Sequence[str]) -> None:
+    """The figure's legend from its ``first`` panel's lines, or, when no panel is ``shown``,
+    a notice in that panel that no measured run is there to compare."""
     if not shown:
-        grid.flat[0].text(
+        first.text(
             0.5,
             0.5,
             "no measured run to compare",
             ha="center",
             va="center",
-            transform=grid.flat[0].transAxes,
+            transform=first.transAxes,
         )
     else:
-        handles, labels = grid.flat[0].get_legend_handles_labels()
+        handles, labels = first.get_legend_handles_labels()
         figure.legend(
             handles, labels, loc="outside lower center", ncols=min(4, len(labels)), fontsize="small"
         )
-    return figure
 
 
 RUN_COLUMNS: dict[str, str] = {

@@ -123,16 +123,7 @@ def add_bench_parser(commands: Any) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    if args.replay_requests is not None and args.replay_requests < 0:
-        raise ValueError(f"--replay-requests must be 0 (all) or more, got {args.replay_requests}")
-    config = BenchConfig(
-        args.out,
-        quick=args.quick,
-        peer=args.peer,
-        trace=args.trace,
-        replay_requests=args.replay_requests,
-        peer_env=args.peer_env,
-    )
+    config = _config(args)
     names = [name for name in picked(SECTIONS, args.only) if SECTIONS[name].wanted(config)]
     from testbed.core.extras import require_engines
 
@@ -140,13 +131,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if {"replay", "others", "scale"} & set(names):
         find_trace(config)
     started = time.perf_counter()
-    run: dict[str, Any] = {
-        "command": "kvtb bench " + shlex.join(sys.argv[2:])
-        if sys.argv[1:2] == ["bench"]
-        else "kvtb bench",
-        "quick": config.quick,
-        "peer": config.peer,
-    }
+    run = _run_record(config)
     with LoadWatch() as whole:
         if config.peer:
             from testbed.bench.peer.env import PeerEnvError
@@ -161,11 +146,7 @@ def run_bench(args: argparse.Namespace) -> int:
     run["finished"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     from testbed.bench import report
 
-    found = versions()
-    if config.peer:
-        from testbed.bench.peer.env import PeerEnv, default_root, peer_versions
-
-        found["peer environment"] = peer_versions(PeerEnv(config.peer_env or default_root()))
+    found = _versions(config)
     doc = report.document(
         [f for r in results for f in r.figures],
         [t for r in results for t in r.tables],
@@ -176,10 +157,54 @@ def run_bench(args: argparse.Namespace) -> int:
         sections=sections,
     )
     report.write(config.out_dir, doc)
+    return _print_outcome(config.out_dir / report.RESULTS, run["wall_s"], names, sections)
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    """The bench's settings from its command line; ``ValueError`` for a negative
+    ``--replay-requests``."""
+    if args.replay_requests is not None and args.replay_requests < 0:
+        raise ValueError(f"--replay-requests must be 0 (all) or more, got {args.replay_requests}")
+    return BenchConfig(
+        args.out,
+        quick=args.quick,
+        peer=args.peer,
+        trace=args.trace,
+        replay_requests=args.replay_requests,
+        peer_env=args.peer_env,
+    )
+
+
+def _run_record(config: BenchConfig) -> dict[str, Any]:
+    """The report's ``run`` record as it starts: the command as typed, ``quick`` and ``peer``."""
+    return {
+        "command": "kvtb bench " + shlex.join(sys.argv[2:])
+        if sys.argv[1:2] == ["bench"]
+        else "kvtb bench",
+        "quick": config.quick,
+        "peer": config.peer,
+    }
+
+
+def _versions(config: BenchConfig) -> dict[str, str | None]:
+    """The packages' versions, and with ``--peer`` the peer environment's."""
+    found = versions()
+    if config.peer:
+        from testbed.bench.peer.env import PeerEnv, default_root, peer_versions
+
+        found["peer environment"] = peer_versions(PeerEnv(config.peer_env or default_root()))
+    return found
+
+
+def _print_outcome(
+    results_path: Path, wall_s: float, names: list[str], sections: dict[str, Any]
+) -> int:
+    """Prints how many sections ran (on stdout) and each failure (on stderr); the exit
+    status: 1 if a section failed, else 0."""
     failed = [name for name, s in sections.items() if s.get("error")]
     print(
         f"kvtb bench: {len(names) - len(failed)}/{len(names)} sections in "
-        f"{run['wall_s'] / 60:.1f} min → {config.out_dir / report.RESULTS}"
+        f"{wall_s / 60:.1f} min → {results_path}"
     )
     for name in failed:
         print(f"  {name} failed: {sections[name]['error']}", file=sys.stderr)

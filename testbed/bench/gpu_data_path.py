@@ -44,7 +44,7 @@ from testbed.bench.tables import table
 from testbed.core import protocol as p
 from testbed.core.block_runs import ChunkCopy
 from testbed.models.calibration import calibrate, calibration_toml
-from testbed.models.hardware import HARDWARE
+from testbed.models.hardware import HARDWARE, Hardware
 from testbed.models.profiles import get_profile
 
 CHUNK_TOKENS = 256
@@ -134,16 +134,37 @@ def load_ms(
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    results = _measure_pools(args.chunks, args.rounds, args.lengths)
+    model = RandomLlama(torch.device("cuda", 0), num_layers=args.model_layers)
+    results["prefill_ms"] = prefill_ms(model, args.lengths)
+    results["model_layers_run"] = args.model_layers
+    del model
+    measured = _calibrate_h200(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    (args.out / "h200_calibration.toml").write_text(calibration_toml(measured))
+    _print(results)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m testbed.bench.gpu_data_path")
     parser.add_argument("--out", type=Path, required=True, help="directory for the results")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per operation")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     parser.add_argument("--model-layers", type=int, default=32, help="layers run (scaled to 32)")
-    args = parser.parse_args(argv)
-    longest = max(args.lengths)
-    num_blocks = 2 * max(longest, args.chunks * CHUNK_TOKENS) // BLOCK_SIZE
-    capacity = max(longest, args.chunks * CHUNK_TOKENS) * get_profile("llama3-8b").bytes_per_token()
+    return parser
+
+
+def _measure_pools(chunks: int, rounds: int, lengths: list[int]) -> dict[str, Any]:
+    """Per pool, :func:`bandwidth` and :func:`load_ms` against KV exported by a worker process
+    of its own (blocks and pool capacity for the longest of ``lengths`` or ``chunks`` chunks,
+    whichever is larger); with the device's name and torch's version."""
+    longest = max(lengths)
+    num_blocks = 2 * max(longest, chunks * CHUNK_TOKENS) // BLOCK_SIZE
+    capacity = max(longest, chunks * CHUNK_TOKENS) * get_profile("llama3-8b").bytes_per_token()
     command = ["-m", "testbed.engine.cuda_worker", "export", "--num-blocks", str(num_blocks)]
     worker = subprocess.Popen(
         [sys.executable, *command],
@@ -159,18 +180,18 @@ def main(argv: list[str] | None = None) -> int:
             "loads_ms": {},
         }
         for kind in ("pinned-host", "gpu"):
-            results["bandwidth"].append(
-                bandwidth(description, kind, args.chunks, args.rounds, capacity)
-            )
-            results["loads_ms"][kind] = load_ms(description, kind, args.lengths, capacity)
+            results["bandwidth"].append(bandwidth(description, kind, chunks, rounds, capacity))
+            results["loads_ms"][kind] = load_ms(description, kind, lengths, capacity)
     finally:
         if worker.stdin is not None:
             worker.stdin.close()
         worker.wait(timeout=60)
-    model = RandomLlama(torch.device("cuda", 0), num_layers=args.model_layers)
-    results["prefill_ms"] = prefill_ms(model, args.lengths)
-    results["model_layers_run"] = args.model_layers
-    del model
+    return results
+
+
+def _calibrate_h200(results: dict[str, Any]) -> Hardware:
+    """The H200 profile fitted to ``results``' prefill times and pinned-host loads; adds its
+    measured figures to ``results`` as ``h200_measured``."""
     source = (
         f"{results['device']}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}: "
         "python -m testbed.bench.gpu_data_path"
@@ -192,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         }
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
-    (args.out / "h200_calibration.toml").write_text(calibration_toml(measured))
-    _print(results)
-    return 0
+    return measured
 
 
 def _print(results: dict) -> None:

@@ -20,6 +20,8 @@ locks are released, retrieve.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -27,6 +29,9 @@ from testbed.bench.cache_driver import CacheDriver, OpTimes
 from testbed.bench.config import BenchConfig, SectionResult, Table
 from testbed.bench.figures import Figure
 from testbed.bench.stats import Ratio, Spread
+
+if TYPE_CHECKING:
+    from testbed.models.profiles import KVProfile
 
 CHUNK_TOKENS = 256
 SAME_BUFFERS = ("memcpy in, same buffers", "memcpy out, same buffers")
@@ -40,12 +45,24 @@ def section(config: BenchConfig) -> SectionResult:
 
 
 def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
-    from server.launch import ServerProcess
     from testbed.models.profiles import get_profile
 
-    rounds = config.rounds
     profile = get_profile("llama3-8b")
     object_bytes = profile.bytes_per_token() * CHUNK_TOKENS
+    samples = _time_store_retrieve(profile, object_bytes, config.rounds)
+    size = f"{object_bytes / 2**20:.0f} MiB ({CHUNK_TOKENS} tokens of llama3-8b)"
+    figures = _store_retrieve_figures(samples, size, config.rounds)
+    return figures, _store_retrieve_table(samples, size, object_bytes)
+
+
+def _time_store_retrieve(
+    profile: KVProfile, object_bytes: int, rounds: int
+) -> dict[str, list[float]]:
+    """Seconds of each of ``rounds`` interleaved rounds (after one to warm up) of memcpy in,
+    store, retrieve, memcpy out and the two same-buffer copies, one chunk of ``object_bytes``
+    each, against a server of its own; by name in that order."""
+    from server.launch import ServerProcess
+
     capacity = (rounds + 4) * object_bytes
     args = ["--chunk-size", str(CHUNK_TOKENS), "--capacity", str(capacity)]
     env = {"OTEL_SDK_DISABLED": "true"}
@@ -70,9 +87,15 @@ def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
             if index:
                 for key, value in zip(samples, times, strict=True):
                     samples[key].append(value)
+    return samples
+
+
+def _store_retrieve_figures(
+    samples: dict[str, list[float]], size: str, rounds: int
+) -> list[Figure]:
+    """``store_vs_memcpy`` and ``retrieve_vs_memcpy``: memcpy's time over the operation's."""
     store = Ratio.of(samples["memcpy in"], samples["store"])
     retrieve = Ratio.of(samples["memcpy out"], samples["retrieve"])
-    size = f"{object_bytes / 2**20:.0f} MiB ({CHUNK_TOKENS} tokens of llama3-8b)"
     what = (
         "memcpy's time over a whole {op} of one {size} chunk by our worker client against a "
         "real server (round trips, copy and bookkeeping), {rounds} interleaved rounds; memcpy "
@@ -82,7 +105,7 @@ def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
         "store": "from the KV into a new region of prefaulted shared memory each round",
         "retrieve": "from that region into other KV blocks",
     }
-    figures = [
+    return [
         Figure(
             "store_vs_memcpy",
             store.value,
@@ -96,6 +119,10 @@ def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
             ratio=retrieve,
         ),
     ]
+
+
+def _store_retrieve_table(samples: dict[str, list[float]], size: str, object_bytes: int) -> Table:
+    """Every timed move's min, median and max and its median speed."""
     rows = [
         (
             name,
@@ -104,7 +131,7 @@ def store_retrieve(config: BenchConfig) -> tuple[list[Figure], Table]:
         )
         for name, s in ((n, Spread.of(v)) for n, v in samples.items())
     ]
-    return figures, Table(
+    return Table(
         f"Whole operations on a {size} chunk",
         ("operation", "min ms", "median ms", "max ms", "GB/s"),
         rows,

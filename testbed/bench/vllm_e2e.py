@@ -55,6 +55,7 @@ def series(answers: Answers, length: int, engine: str, pass_: str, field: str) -
 
 if TYPE_CHECKING:
     from server.launch import ServerProcess
+    from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
 CHILD_CONFIGS = ("no cache", "worker", "server", "vllm prefix cache")
 NATIVE = "vllm prefix cache"
@@ -71,21 +72,8 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
     from testbed.core.credentials import ServerEndpoint
     from testbed.core.telemetry.setup import TracingConfig, configure_tracing
     from testbed.engine.model_dir import TinyModel
-    from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
-    from testbed.workloads import WorkloadRequest
+    from testbed.engine.vllm_engine import VllmEngine
 
-    spec = VllmEngineSpec.of(
-        chunk_size=CHUNK,
-        block_size=BLOCK,
-        engine_blocks=max_len // BLOCK + 16,
-        max_num_seqs=4,
-        max_num_batched_tokens=max_len,
-        max_model_len=max_len + BLOCK,
-        prefix_caching=config == NATIVE,
-        deterministic=False,  # vLLM's own cadence: lookups and loads polled by steps
-        transfer_mode="server" if config == "server" else "worker",
-        engine_id=f"e2e-{config.replace(' ', '-')}",
-    )
     endpoint = None if config in WITHOUT_CONNECTOR else ServerEndpoint(url, token)
     tracing = configure_tracing(TracingConfig("kvtb-engine", run_dir=Path(run_dir)))
     vocab = TinyModel().vocab_size
@@ -97,35 +85,60 @@ def child(config: str, url: str, token: str, max_len: int, run_dir: str) -> None
 
         timer.install(getattr(importlib.import_module(CONNECTOR_MODULE), CONNECTOR_CLASS))
     try:
-        with VllmEngine(spec, endpoint, work_dir=Path(run_dir)) as engine:
-
-            def one(request_id: str, tokens: list[int]) -> dict[str, Any]:
-                request = WorkloadRequest(
-                    request_id, np.array(tokens, dtype=np.int32), OUTPUT_TOKENS, 0.0
-                )
-                started = time.perf_counter()
-                result = engine.run([request])
-                engine.drain()
-                done_s = time.perf_counter() - started
-                record = result.records[0]
-                return {
-                    "ttft_s": record.first_token_s,
-                    "done_s": done_s,
-                    **timer.take(),
-                    "output": result.output_token_ids[request_id],
-                }
-
+        with VllmEngine(_engine_spec(config, max_len), endpoint, work_dir=Path(run_dir)) as engine:
             warm = prompt(10**6, 4 * CHUNK, vocab)
-            one("warm-a", warm), one("warm-b", warm)  # first-use costs out of the samples
+            for request_id in ("warm-a", "warm-b"):  # first-use costs out of the samples
+                _timed_pass(engine, timer, request_id, warm)
             answer({"ready": True})
             for line in sys.stdin:
                 length, seed = (int(x) for x in line.split())
                 tokens = prompt(seed, length, vocab)
-                first = one(f"{seed}-first", tokens)
-                answer({"first": first, "second": one(f"{seed}-second", tokens)})
+                first = _timed_pass(engine, timer, f"{seed}-first", tokens)
+                second = _timed_pass(engine, timer, f"{seed}-second", tokens)
+                answer({"first": first, "second": second})
     finally:
         if tracing is not None:
             tracing.shutdown()
+
+
+def _engine_spec(config: str, max_len: int) -> VllmEngineSpec:
+    """The engine of configuration ``config`` (one of :data:`CHILD_CONFIGS`) for prompts of up
+    to ``max_len`` tokens."""
+    from testbed.engine.vllm_engine import VllmEngineSpec
+
+    return VllmEngineSpec.of(
+        chunk_size=CHUNK,
+        block_size=BLOCK,
+        engine_blocks=max_len // BLOCK + 16,
+        max_num_seqs=4,
+        max_num_batched_tokens=max_len,
+        max_model_len=max_len + BLOCK,
+        prefix_caching=config == NATIVE,
+        deterministic=False,  # vLLM's own cadence: lookups and loads polled by steps
+        transfer_mode="server" if config == "server" else "worker",
+        engine_id=f"e2e-{config.replace(' ', '-')}",
+    )
+
+
+def _timed_pass(
+    engine: VllmEngine, timer: LookupTimer, request_id: str, tokens: list[int]
+) -> dict[str, Any]:
+    """One request of ``tokens`` run to its end and drained: its time to first token, its
+    wall time to done, its lookup's (:meth:`LookupTimer.take`) and its output tokens."""
+    from testbed.workloads import WorkloadRequest
+
+    request = WorkloadRequest(request_id, np.array(tokens, dtype=np.int32), OUTPUT_TOKENS, 0.0)
+    started = time.perf_counter()
+    result = engine.run([request])
+    engine.drain()
+    done_s = time.perf_counter() - started
+    record = result.records[0]
+    return {
+        "ttft_s": record.first_token_s,
+        "done_s": done_s,
+        **timer.take(),
+        "output": result.output_token_ids[request_id],
+    }
 
 
 class EngineChild:

@@ -144,15 +144,28 @@ def oracle_baseline(spec_values: dict[str, Any], sizes: list[int], child: dict) 
 
 def print_comparison(child: dict, baseline: OracleBaseline, sizes: list[int], rate: float) -> None:
     """The what-if against the oracle: in total, then per chunk size."""
-    runs_s, keyed_s = baseline.runs_s, baseline.keyed_s
-    whatif_s = statistics.median(child["samples_s"])
-    oracle_s = sum(s for samples in runs_s.values() for s in samples)
-    keyed_total_s, num_runs = sum(keyed_s.values()), baseline.num_runs
     print(
         f"{child['requests']} requests, {child['prompt_tokens'] / 1e6:.1f}M prompt tokens; "
         f"chunk sizes {sizes}; capacities {CAPACITIES[0]:,}..{CAPACITIES[-1]:,} tokens "
         f"({len(CAPACITIES)}); oracle requests synthesised once in {baseline.synthesis_s:.1f} s"
     )
+    _print_totals(child, baseline, sizes, rate)
+    print()
+    _print_per_size(child, baseline, sizes)
+    print(f"what-if rounds (s): {', '.join(f'{s:.2f}' for s in child['samples_s'])}")
+    print(
+        f"oracle points that differ from the curve: {baseline.mismatches} of "
+        f"{baseline.num_runs + len(sizes)}"
+    )
+
+
+def _print_totals(child: dict, baseline: OracleBaseline, sizes: list[int], rate: float) -> None:
+    """The what-if's median time and peak memory beside both oracles' total times (and the
+    sampled what-if's, when it ran), then the time ratios."""
+    runs_s, keyed_s = baseline.runs_s, baseline.keyed_s
+    whatif_s = statistics.median(child["samples_s"])
+    oracle_s = sum(s for samples in runs_s.values() for s in samples)
+    keyed_total_s, num_runs = sum(keyed_s.values()), baseline.num_runs
     rss = f"{child['peak_rss_bytes'] / 2**30:.2f}"
     rows = [
         (f"what-if: {len(sizes)} exact LRU curves, every capacity", f"{whatif_s:.2f}", "1", rss),
@@ -176,14 +189,18 @@ def print_comparison(child: dict, baseline: OracleBaseline, sizes: list[int], ra
         f"what-if time / {num_runs} oracle runs: {whatif_s / oracle_s:.4f} "
         f"(/ keyed oracle: {whatif_s / keyed_total_s:.4f})"
     )
-    print()
+
+
+def _print_per_size(child: dict, baseline: OracleBaseline, sizes: list[int]) -> None:
+    """Per chunk size: its lookups, distinct chunks, both oracles' times and the sampled
+    what-if's largest error (blank when it did not run)."""
     per_size = [
         (
             str(size),
             f"{child['chunks'][size]:,}",
             f"{child['distinct'][size]:,}",
-            f"{statistics.median(runs_s[size]):.2f}",
-            f"{keyed_s[size]:.2f}",
+            f"{statistics.median(baseline.runs_s[size]):.2f}",
+            f"{baseline.keyed_s[size]:.2f}",
             f"{child['sampled_error'][size]:.4f}" if "sampled_error" in child else "",
         )
         for size in sizes
@@ -200,11 +217,6 @@ def print_comparison(child: dict, baseline: OracleBaseline, sizes: list[int], ra
                 "sampled max error",
             ),
         )  # fmt: skip
-    )
-    print(f"what-if rounds (s): {', '.join(f'{s:.2f}' for s in child['samples_s'])}")
-    print(
-        f"oracle points that differ from the curve: {baseline.mismatches} of "
-        f"{num_runs + len(sizes)}"
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import zmq
 
 from testbed.chaos.bystander import OpenOperations
-from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzContext
+from testbed.chaos.frames import REQUEST_OPS, FrameFuzzer, FuzzCase, FuzzContext
 from testbed.chaos.fuzz import FuzzSetup, fuzz_server, send_cases
 from testbed.chaos.lab import CHUNK_SIZE, Lab
 from testbed.chaos.probes import ProbeClient, chunk_hashes
@@ -82,42 +82,19 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
         owner_ops = OpenOperations.open(
             owner, "owner", data, fresh, pinned=1, retrieve_op=501, store_op=500
         )
-        context = FuzzContext(
-            token=server.token,
-            epoch=owner.epoch,
-            foreign_sessions=owner_ops.sessions,
-            foreign_op_ids=(500, 501),
-            chunk_hashes=tuple(data + fresh),
-            models=("owner",),
-        )
-        fuzzer = FrameFuzzer(lab.config.seed, context)
-        cases = [
-            fuzzer.case(index, kind="bad_auth", op=op)
-            for index, op in enumerate(op for op in REQUEST_OPS for _ in range(_CASES_PER_OP))
-        ]
+        cases = _bad_auth_cases(lab.config.seed, server.token, owner_ops, data + fresh)
         stats = send_cases(server.url, cases, alive=lambda: server.process.poll() is None)  # type: ignore[union-attr]
-        accepted = stats.unauthorized_accepted
-        sent, answered = stats.frames, stats.answered
-        with RpcClient(server.url, role="intruder", token=server.token) as intruder:
-            attempts = _admin_attempts(data) + _ownership_attempts(data)
-            for request in attempts:
-                reply = intruder.submit(request).result()
-                answered += 1
-                accepted += _accepted(reply)
-            sent += len(attempts)
-        impostor = _own_routing_id_refused(server.url, server.token)
-        sent, answered = sent + 1, answered + 1
-        accepted += 0 if impostor else 1
+        sent, accepted = _intrude(server.url, server.token, data)
         problems = list(owner_ops.finish())
         held = wait_quiescent(owner.rpc, 2.0)
         if held is not None:
             result.set(**held.leaks())
-    with RpcClient(server.url, role="admin", token=server.admin_token) as admin:
-        dropped = admin.call(p.DropObjects(chunk_hashes=fresh))
-        assert isinstance(dropped, p.Dropped)
-        refused = admin.call(p.GetStats())
-        assert isinstance(refused, p.ServerStats)
-    result.set(requests_total=sent, requests_completed=answered, unauthorized_accepted=accepted)
+    dropped, refused = _admin_drop(server.url, server.admin_token, fresh)
+    result.set(
+        requests_total=stats.frames + sent,
+        requests_completed=stats.answered + sent,
+        unauthorized_accepted=stats.unauthorized_accepted + accepted,
+    )
     result.checks["the other client's state intact"] = not problems
     result.checks["the admin token can drop"] = dropped.num_objects == len(fresh)
     result.checks["the server counted the refusals"] = refused.unauthorized >= len(cases) - (
@@ -130,6 +107,50 @@ def unauthenticated(lab: Lab) -> ScenarioResult:
         examples=stats.examples,
     )
     return result
+
+
+def _bad_auth_cases(
+    seed: int, token: str, owner_ops: OpenOperations, chunks: list[ChunkHash]
+) -> list[FuzzCase]:
+    """:data:`_CASES_PER_OP` frames of every request type with a missing or wrong credential,
+    naming the owner's sessions, its operations 500 and 501 and ``chunks``."""
+    context = FuzzContext(
+        token=token,
+        epoch=owner_ops.client.epoch,
+        foreign_sessions=owner_ops.sessions,
+        foreign_op_ids=(500, 501),
+        chunk_hashes=tuple(chunks),
+        models=("owner",),
+    )
+    fuzzer = FrameFuzzer(seed, context)
+    return [
+        fuzzer.case(index, kind="bad_auth", op=op)
+        for index, op in enumerate(op for op in REQUEST_OPS for _ in range(_CASES_PER_OP))
+    ]
+
+
+def _intrude(url: str, token: str, data: list[ChunkHash]) -> tuple[int, int]:
+    """With the client token: the administration and ownership attempts, then a self-chosen
+    routing id. Every one is answered; returns how many were sent and how many accepted."""
+    accepted = 0
+    with RpcClient(url, role="intruder", token=token) as intruder:
+        attempts = _admin_attempts(data) + _ownership_attempts(data)
+        for request in attempts:
+            accepted += _accepted(intruder.submit(request).result())
+    impostor_refused = _own_routing_id_refused(url, token)
+    return len(attempts) + 1, accepted + (0 if impostor_refused else 1)
+
+
+def _admin_drop(
+    url: str, admin_token: str, chunks: list[ChunkHash]
+) -> tuple[p.Dropped, p.ServerStats]:
+    """With the admin token: drops ``chunks``, then reads the server's stats."""
+    with RpcClient(url, role="admin", token=admin_token) as admin:
+        dropped = admin.call(p.DropObjects(chunk_hashes=chunks))
+        assert isinstance(dropped, p.Dropped)
+        stats = admin.call(p.GetStats())
+        assert isinstance(stats, p.ServerStats)
+    return dropped, stats
 
 
 def _admin_attempts(data: list[ChunkHash]) -> list[p.Request]:

@@ -155,42 +155,64 @@ def lost_replies(lab: Lab) -> ScenarioResult:
     ):
         base.register()
         base.store("lossy:base", stored)
-        lossy.send(_register("lossy"))
-        for i, hashes in enumerate(abandoned):
-            item = p.OpItem(session_id=f"lossy:{i}", chunk_hashes=hashes)
-            lossy.send(p.StoreBegin(op_id=100 + i, epoch=base.epoch, items=[item]))
-            pins = p.OpItem(session_id=f"lossy:{i}", chunk_hashes=stored)
-            lossy.send(p.RetrieveBegin(op_id=200 + i, epoch=base.epoch, items=[pins]))
-            lossy.send(_lookup(f"lossy:{i}", stored))  # locks
-            lossy.send(_lookup(f"lossy:pending-{i}", stored + hashes))  # pending on the store
-        lossy.receive(timeout_s=0.0)  # the zero timeout: every reply is given up on
-        lossy.send(p.Abort(op_ids=[op for i in range(0, num_ops, 2) for op in (100 + i, 200 + i)]))
+        _abandon(lossy, base.epoch, stored, abandoned)
         before = _wait_held(base, lossy)
         result.checks["the client held pins, reservations, locks and pending lookups"] = bool(
             before.num_pins and before.num_inflight_stores and before.num_locks
         ) and bool(before.num_pending_lookups)
         result.details["held_before"] = Held.of(before).record()
-        deadline = time.monotonic() + max(op_ttl_s, lock_ttl_s) + 3.0
-        while True:
-            lossy.send(p.Heartbeat())
-            lossy.receive(timeout_s=0.0)
-            after = base.stats()
-            if Held.of(after).quiescent or time.monotonic() >= deadline:
-                break
-            time.sleep(0.2)
+        after = _heartbeat_until_quiescent(base, lossy, max(op_ttl_s, lock_ttl_s) + 3.0)
         _record_held(result, Held.of(after))
         result.details.update(expired_ops=after.expired_ops, aborted_ops=after.aborted_ops)
         result.details["expired_locks"] = after.expired_locks
         result.checks["the client stayed connected (not reaped)"] = after.num_clients >= 2
-        again = base.lookup("lossy:again", abandoned[0])
-        committed = base.store("lossy:again", abandoned[1])
-        base.end_session("lossy:again")
-        result.checks["abandoned chunks are storable again"] = (
-            not again.pending and again.miss_status == "absent" and committed == 2
-        )
+        result.checks["abandoned chunks are storable again"] = _storable_again(base, abandoned)
         lossy.receive(timeout_s=5.0, until_all=True)
         result.set(requests_total=lossy.sent, requests_completed=lossy.received)
     return result
+
+
+def _abandon(
+    lossy: _Forgetful, epoch: int, stored: list[ChunkHash], abandoned: list[list[ChunkHash]]
+) -> None:
+    """Per ``abandoned[i]``: a store of it (op ``100 + i``), a retrieve pinning ``stored`` (op
+    ``200 + i``), a lookup locking ``stored`` and one pending on the store; every reply given
+    up on at once, then the even ``i``'s two operations aborted."""
+    lossy.send(_register("lossy"))
+    for i, hashes in enumerate(abandoned):
+        item = p.OpItem(session_id=f"lossy:{i}", chunk_hashes=hashes)
+        lossy.send(p.StoreBegin(op_id=100 + i, epoch=epoch, items=[item]))
+        pins = p.OpItem(session_id=f"lossy:{i}", chunk_hashes=stored)
+        lossy.send(p.RetrieveBegin(op_id=200 + i, epoch=epoch, items=[pins]))
+        lossy.send(_lookup(f"lossy:{i}", stored))  # locks
+        lossy.send(_lookup(f"lossy:pending-{i}", stored + hashes))  # pending on the store
+    lossy.receive(timeout_s=0.0)  # the zero timeout: every reply is given up on
+    num_ops = len(abandoned)
+    lossy.send(p.Abort(op_ids=[op for i in range(0, num_ops, 2) for op in (100 + i, 200 + i)]))
+
+
+def _heartbeat_until_quiescent(
+    base: ProbeClient, lossy: _Forgetful, timeout_s: float
+) -> p.ServerStats:
+    """The lossy client heartbeats (dropping its replies) until the server holds nothing or
+    ``timeout_s`` has passed; the server's stats at that point."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lossy.send(p.Heartbeat())
+        lossy.receive(timeout_s=0.0)
+        stats = base.stats()
+        if Held.of(stats).quiescent or time.monotonic() >= deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def _storable_again(base: ProbeClient, abandoned: list[list[ChunkHash]]) -> bool:
+    """Whether the first abandoned store's chunks are absent (nothing pending) and the
+    second's can be stored whole."""
+    again = base.lookup("lossy:again", abandoned[0])
+    committed = base.store("lossy:again", abandoned[1])
+    base.end_session("lossy:again")
+    return not again.pending and again.miss_status == "absent" and committed == 2
 
 
 def _record_held(result: ScenarioResult, held: Held | None) -> None:

@@ -70,58 +70,27 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
     attribute_columns = [
         c for c in spans.columns if c not in BASE_COLUMNS and not c.startswith(_RESOURCE)
     ]
-    resource_columns = [c for c in spans.columns if c.startswith(_RESOURCE)]
+    processes = _Processes([c for c in spans.columns if c.startswith(_RESOURCE)])
     logs = _logs(events)
     traces: dict[str, dict[str, Any]] = {}
-    process_tags: dict[tuple[Any, ...], tuple[str, list[dict[str, Any]]]] = {}
-    process_ids: dict[tuple[str, tuple[Any, ...]], str] = {}
     dropped = 0
     for row in spans.to_dict("records"):
         trace_id = row["trace_id"]
         trace = traces.setdefault(trace_id, {"traceID": trace_id, "spans": [], "processes": {}})
-        key = _process_key(row)
-        if key not in process_tags:
-            process_tags[key] = _process(row, resource_columns)
-        process_id = process_ids.get((trace_id, key))
-        if process_id is None:
-            process_id = f"p{len(trace['processes']) + 1}"
-            process_ids[(trace_id, key)] = process_id
-            service, tags = process_tags[key]
-            trace["processes"][process_id] = {"serviceName": service, "tags": tags}
-        references = []
+        process_id = processes.id_in(trace, row)
+        references, num_dropped = _references(row, known)
+        dropped += num_dropped
         parent = row["parent_span_id"]
-        if parent and parent in known:
-            references.append({"refType": "CHILD_OF", "traceID": trace_id, "spanID": parent})
-        elif parent:
-            dropped += 1
-        for link in row["links"] or []:
-            link_trace, link_span = link.split(":")
-            if link_span in known:
-                references.append(
-                    {"refType": "FOLLOWS_FROM", "traceID": link_trace, "spanID": link_span}
-                )
-            else:
-                dropped += 1
-        is_root = not (parent and parent in known)
-        tags = [tag(c, _plain(row[c])) for c in attribute_columns if _present(row[c])]
-        if row["kind"] in _KIND_TAG:
-            tags.append(tag("span.kind", _KIND_TAG[row["kind"]]))
-        if row["status"] != "UNSET":
-            tags.append(tag("otel.status_code", row["status"]))
-        if row["status"] == "ERROR":
-            tags.append(tag("error", True))
-            if row["status_message"]:
-                tags.append(tag("otel.status_description", row["status_message"]))
         start_us = int(row["start_time"].value // 1000)
         trace["spans"].append(
             {
                 "traceID": trace_id,
                 "spanID": row["span_id"],
-                "operationName": _title(row) if is_root else row["name"],
+                "operationName": row["name"] if parent and parent in known else _title(row),
                 "references": references,
                 "startTime": start_us,
                 "duration": max(0, int(row["end_time"].value // 1000) - start_us),
-                "tags": tags,
+                "tags": _span_tags(row, attribute_columns),
                 "logs": logs.get(row["span_id"], []),
                 "processID": process_id,
                 "warnings": None,
@@ -136,6 +105,67 @@ def to_jaeger(spans: pd.DataFrame, events: pd.DataFrame | None = None) -> dict[s
         "offset": 0,
         "errors": None,
     }
+
+
+class _Processes:
+    """The processes of one export: each process (:func:`_process_key`) made once
+    (:func:`_process`), and named ``p1``, ``p2``, ... in each trace in the order its spans
+    first come from it."""
+
+    def __init__(self, resource_columns: Sequence[str]) -> None:
+        self._resource_columns = resource_columns
+        self._made: dict[tuple[Any, ...], tuple[str, list[dict[str, Any]]]] = {}
+        self._ids: dict[tuple[str, tuple[Any, ...]], str] = {}
+
+    def id_in(self, trace: dict[str, Any], row: dict[str, Any]) -> str:
+        """The id in ``trace`` of the process of span ``row``; a process new to the trace is
+        added to its ``processes``."""
+        key = _process_key(row)
+        if key not in self._made:
+            self._made[key] = _process(row, self._resource_columns)
+        process_id = self._ids.get((trace["traceID"], key))
+        if process_id is None:
+            process_id = f"p{len(trace['processes']) + 1}"
+            self._ids[(trace["traceID"], key)] = process_id
+            service, tags = self._made[key]
+            trace["processes"][process_id] = {"serviceName": service, "tags": tags}
+        return process_id
+
+
+def _references(row: dict[str, Any], known: set[str]) -> tuple[list[dict[str, Any]], int]:
+    """Span ``row``'s references to spans in ``known``: ``CHILD_OF`` its parent first, then
+    ``FOLLOWS_FROM`` each link; and how many it had to spans not in ``known`` (dropped)."""
+    references = []
+    dropped = 0
+    parent = row["parent_span_id"]
+    if parent and parent in known:
+        references.append({"refType": "CHILD_OF", "traceID": row["trace_id"], "spanID": parent})
+    elif parent:
+        dropped += 1
+    for link in row["links"] or []:
+        link_trace, link_span = link.split(":")
+        if link_span in known:
+            references.append(
+                {"refType": "FOLLOWS_FROM", "traceID": link_trace, "spanID": link_span}
+            )
+        else:
+            dropped += 1
+    return references, dropped
+
+
+def _span_tags(row: dict[str, Any], attribute_columns: Sequence[str]) -> list[dict[str, Any]]:
+    """Span ``row``'s attributes that have a value, then its kind and its status (an error
+    also as ``error``, with its description where it has one)."""
+    tags = [tag(c, _plain(row[c])) for c in attribute_columns if _present(row[c])]
+    if row["kind"] in _KIND_TAG:
+        tags.append(tag("span.kind", _KIND_TAG[row["kind"]]))
+    if row["status"] != "UNSET":
+        tags.append(tag("otel.status_code", row["status"]))
+    if row["status"] == "ERROR":
+        tags.append(tag("error", True))
+        if row["status_message"]:
+            tags.append(tag("otel.status_description", row["status_message"]))
+    return tags
 
 
 def _title(row: dict[str, Any]) -> str:

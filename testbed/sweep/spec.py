@@ -127,6 +127,38 @@ def expand_sweep(
     """Expands a parsed sweep document (see the module docstring) into its runs; relative
     paths in it are relative to ``base_dir`` (default: the working directory); ``overrides``
     are set in every run (relative paths in them: to the working directory)."""
+    name, description = _name_and_description(document, source, default_name)
+    base = _table(document.get("base", {}), f"{source} [base]")
+    grid = _grid(document.get("grid", {}), f"{source} [grid]")
+    excludes = _tables(document.get("exclude", []), source, "exclude")
+    includes = _tables(document.get("include", []), source, "include")
+    combinations = _grid_combinations(base, grid, excludes, source)
+    for number, include in enumerate(includes, start=1):
+        combinations.append((f"{source} [[include]] #{number}", _merge(base, include)))
+    extra = _table(dict(overrides or {}), "--set")
+    if extra:
+        combinations = [
+            (f"{where} with --set", _merge(mapping, extra)) for where, mapping in combinations
+        ]
+    root = Path.cwd() if base_dir is None else base_dir
+    ordered = _run_specs(combinations, root, data)
+    try:
+        return SweepSpec(
+            name=name,
+            description=description,
+            runs=ordered,
+            swept=_swept(ordered, _grid_keys(grid)),
+            source_text=source_text,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def _name_and_description(
+    document: Mapping[str, Any], source: str, default_name: str
+) -> tuple[str, str]:
+    """The sweep's name (``default_name`` when it has none) and description (``""``);
+    ``ValueError`` for an unknown top-level key or a name or description not a string."""
     unknown = sorted(set(document) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise ValueError(
@@ -138,11 +170,17 @@ def expand_sweep(
     for key, value in (("name", name), ("description", description)):
         if not isinstance(value, str):
             raise ValueError(f"{source}: {key} must be a string, got {value!r}")
-    base = _table(document.get("base", {}), f"{source} [base]")
-    grid = _grid(document.get("grid", {}), f"{source} [grid]")
-    excludes = _tables(document.get("exclude", []), source, "exclude")
-    includes = _tables(document.get("include", []), source, "include")
+    return name, description
 
+
+def _grid_combinations(
+    base: Mapping[str, Any],
+    grid: Mapping[str, list[Any]],
+    excludes: list[dict[str, Any]],
+    source: str,
+) -> list[tuple[str, dict[str, Any]]]:
+    """Every grid point merged over ``base``, in the grid's order, but those an exclude matches,
+    each with where it came from; ``ValueError`` for an exclude that matches none."""
     combinations: list[tuple[str, dict[str, Any]]] = []
     matched = [False] * len(excludes)
     for point_values in itertools.product(*grid.values()):
@@ -157,32 +195,21 @@ def expand_sweep(
             raise ValueError(
                 f"{source} [[exclude]] #{number}: {_describe(exclude)} matches no grid combination"
             )
-    for number, include in enumerate(includes, start=1):
-        combinations.append((f"{source} [[include]] #{number}", _merge(base, include)))
+    return combinations
 
+
+def _run_specs(
+    combinations: list[tuple[str, dict[str, Any]]], root: Path, data: DataDir | None
+) -> tuple[RunSpec, ...]:
+    """Each combination's run (inputs resolved against ``root``), in order, each distinct run
+    once (the first of those with the same run id)."""
     runs: dict[str, RunSpec] = {}
-    root = Path.cwd() if base_dir is None else base_dir
-    extra = _table(dict(overrides or {}), "--set")
-    if extra:
-        combinations = [
-            (f"{where} with --set", _merge(mapping, extra)) for where, mapping in combinations
-        ]
     for where, mapping in combinations:
         context = InputContext(root, where) if data is None else InputContext(root, where, data)
         values = with_sampling_from_environment(resolve_values(mapping, context))
         spec = RunSpec.from_mapping(values, source=where)
         runs.setdefault(spec.run_id, spec)
-    ordered = tuple(runs.values())
-    try:
-        return SweepSpec(
-            name=name,
-            description=description,
-            runs=ordered,
-            swept=_swept(ordered, _grid_keys(grid)),
-            source_text=source_text,
-        )
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from None
+    return tuple(runs.values())
 
 
 def _table(value: Any, where: str) -> dict[str, Any]:

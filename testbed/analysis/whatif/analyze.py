@@ -8,7 +8,7 @@ with :func:`~.results.write_whatif`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,85 +130,134 @@ def analyze(
 ) -> WhatIf:
     """Curves, policy points, minimum capacities and reuse distributions of ``traces``."""
     bytes_per_token = spec.kv_profile.stored_bytes_per_token(spec.tp)
-    points, breakpoints, gauges, reuse = [], [], [], []
-    timings: list[dict[str, Any]] = []
-    break_even: list[dict[str, Any]] = []
-    curves: dict[int, c.LRUCurve] = {}
-    tier_tables: list[pd.DataFrame] = []
-    errors: dict[str, float] = {}
+    parts = _Parts()
     for size, trace in sorted(traces.items()):
-        stack = stack_distances(trace, options.sample_rate, options.sample_seed)
-        curve = c.lru_curve(trace, stack)
-        curves[size] = curve
-        grid = c.capacity_grid(curve, options.grid_points, options.at_tokens)
-        exact = options.sample_rate >= 1.0
-        points += [_row(size, "lru", p, exact) for p in curve.points(grid)]
-        breakpoints.append(curve.breakpoints())
-        points += _policy_rows(trace, curve, options)
-        for fraction in options.fractions:
-            tokens = curve.min_capacity_tokens(fraction)
-            gauges.append(
-                {
-                    "chunk_size": size,
-                    "fraction": fraction,
-                    "capacity_tokens": tokens,
-                    "capacity_bytes": tokens * bytes_per_token,
-                    "token_hit_rate": curve.at(tokens).token_hit_rate,
-                }
-            )
-        reuse.append(reuse_quantiles(trace, stack, bytes_per_token))
-        if options.tiers is not None:
-            tiers = default_tier_grid(options.tiers, stack, size)
-            tier_tables.append(
-                tier_table(trace, stack, tiers, _tier_time(tiers, spec, size, options))
-            )
-        if options.time_profiles:
-            models = time_models(
-                options.time_profiles,
-                spec.kv_profile,
-                tp=spec.tp,
-                chunk_size=size,
-                hardware=options.hardware,
-            )
-            timings += time_rows(trace, stack, models, [*sorted(set(options.at_tokens)), None])
-            break_even += break_even_rows(models, size)
-        if not exact:
-            errors[str(size)] = c.estimated_sampling_error(curve, grid)
-    reuse_table = pd.concat(reuse, ignore_index=True)
-    first = next(iter(curves.values()))
-    meta: dict[str, Any] = {
+        _add_chunk_size(parts, size, trace, options, spec, bytes_per_token)
+    reuse_table = pd.concat(parts.reuse, ignore_index=True)
+    table = pd.DataFrame(parts.points)
+    table["capacity_tokens"] = table["capacity_tokens"].astype("Int64")
+    return WhatIf(
+        meta=_meta(parts, reuse_table, options, spec, source, bytes_per_token),
+        points=table,
+        curves=pd.concat(parts.breakpoints, ignore_index=True),
+        min_capacity=pd.DataFrame(parts.gauges),
+        reuse=reuse_table,
+        tiers=pd.concat(parts.tier_tables, ignore_index=True) if parts.tier_tables else None,
+        lru=parts.curves,
+    )
+
+
+@dataclass
+class _Parts:
+    """What :func:`analyze` gathers, one chunk size after the other."""
+
+    points: list[dict[str, Any]] = field(default_factory=list)
+    """LRU and policy points (rows of ``WhatIf.points``)."""
+    breakpoints: list[pd.DataFrame] = field(default_factory=list)
+    gauges: list[dict[str, Any]] = field(default_factory=list)
+    """Minimum capacities (rows of ``WhatIf.min_capacity``)."""
+    reuse: list[pd.DataFrame] = field(default_factory=list)
+    timings: list[dict[str, Any]] = field(default_factory=list)
+    break_even: list[dict[str, Any]] = field(default_factory=list)
+    curves: dict[int, c.LRUCurve] = field(default_factory=dict)
+    tier_tables: list[pd.DataFrame] = field(default_factory=list)
+    errors: dict[str, float] = field(default_factory=dict)
+    """Per chunk size (as a string), the sampled curve's estimated error (sampled runs only)."""
+
+
+def _add_chunk_size(
+    parts: _Parts,
+    size: int,
+    trace: AccessTrace,
+    options: WhatIfOptions,
+    spec: RunSpec,
+    bytes_per_token: int,
+) -> None:
+    """Adds to ``parts`` what ``trace`` (at chunk size ``size``) gives."""
+    stack = stack_distances(trace, options.sample_rate, options.sample_seed)
+    curve = c.lru_curve(trace, stack)
+    parts.curves[size] = curve
+    grid = c.capacity_grid(curve, options.grid_points, options.at_tokens)
+    exact = options.sample_rate >= 1.0
+    parts.points += [_row(size, "lru", p, exact) for p in curve.points(grid)]
+    parts.breakpoints.append(curve.breakpoints())
+    parts.points += _policy_rows(trace, curve, options)
+    parts.gauges += _gauges(size, curve, options.fractions, bytes_per_token)
+    parts.reuse.append(reuse_quantiles(trace, stack, bytes_per_token))
+    if options.tiers is not None:
+        tiers = default_tier_grid(options.tiers, stack, size)
+        parts.tier_tables.append(
+            tier_table(trace, stack, tiers, _tier_time(tiers, spec, size, options))
+        )
+    if options.time_profiles:
+        models = time_models(
+            options.time_profiles,
+            spec.kv_profile,
+            tp=spec.tp,
+            chunk_size=size,
+            hardware=options.hardware,
+        )
+        parts.timings += time_rows(trace, stack, models, [*sorted(set(options.at_tokens)), None])
+        parts.break_even += break_even_rows(models, size)
+    if not exact:
+        parts.errors[str(size)] = c.estimated_sampling_error(curve, grid)
+
+
+def _gauges(
+    size: int, curve: c.LRUCurve, fractions: tuple[float, ...], bytes_per_token: int
+) -> list[dict[str, Any]]:
+    """Per fraction, the least capacity at which ``curve`` (chunk size ``size``) has that
+    share of the infinite cache's hits, in tokens and bytes, and the hit rate there."""
+    rows = []
+    for fraction in fractions:
+        tokens = curve.min_capacity_tokens(fraction)
+        rows.append(
+            {
+                "chunk_size": size,
+                "fraction": fraction,
+                "capacity_tokens": tokens,
+                "capacity_bytes": tokens * bytes_per_token,
+                "token_hit_rate": curve.at(tokens).token_hit_rate,
+            }
+        )
+    return rows
+
+
+def _meta(
+    parts: _Parts,
+    reuse_table: pd.DataFrame,
+    options: WhatIfOptions,
+    spec: RunSpec,
+    source: dict[str, Any],
+    bytes_per_token: int,
+) -> dict[str, Any]:
+    """``whatif.json``'s metadata: the source, the KV, the requests, the options, the reuse
+    summary and the projected times (``run``: ``None``, a run's residual is added later)."""
+    first = next(iter(parts.curves.values()))
+    return {
         "source": source,
         "profile": spec.kv_profile.name,
         "tp": spec.tp,
         "stored_bytes_per_token": bytes_per_token,
         "num_requests": first.num_requests,
         "prompt_tokens": first.prompt_tokens,
-        "chunk_sizes": sorted(curves),
+        "chunk_sizes": sorted(parts.curves),
         "policies": list(options.policies),
         "sample_rate": options.sample_rate,
         "sampling": None
         if options.sample_rate >= 1.0
         else {
             "seed": options.sample_seed,
-            "estimated_max_error": errors,
+            "estimated_max_error": parts.errors,
             "method": "SHARDS-style spatial sampling of the LRU stack; estimated_max_error is "
             "the largest 1-sigma token_hit_rate error over the grid (METRICS.md, what-if)",
         },
         "reuse": reuse_summary(reuse_table),
-        "time": {"ttft": timings, "break_even": break_even} if options.time_profiles else None,
+        "time": {"ttft": parts.timings, "break_even": parts.break_even}
+        if options.time_profiles
+        else None,
         "run": None,
     }
-    table = pd.DataFrame(points)
-    table["capacity_tokens"] = table["capacity_tokens"].astype("Int64")
-    return WhatIf(
-        meta=meta,
-        points=table,
-        curves=pd.concat(breakpoints, ignore_index=True),
-        min_capacity=pd.DataFrame(gauges),
-        reuse=reuse_table,
-        tiers=pd.concat(tier_tables, ignore_index=True) if tier_tables else None,
-        lru=curves,
-    )
 
 
 def _tier_time(

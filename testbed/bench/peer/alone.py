@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from testbed.bench.cache_driver import BLOCK_SIZE, CacheDriver
 from testbed.bench.config import BenchConfig, SectionResult
@@ -22,6 +24,9 @@ from testbed.bench.processes import BenchProcesses
 from testbed.bench.stats import Ratio
 from testbed.bench.vllm_e2e import EngineChild
 
+if TYPE_CHECKING:
+    from testbed.models.profiles import KVProfile
+
 CHUNKS = 1
 OPS = {
     "lookup_vs_lmcache": ("hit_lookup", "lookup_s", "a hit's lookup (request to answer)"),
@@ -31,15 +36,12 @@ OPS = {
 
 
 def section(config: BenchConfig) -> SectionResult:
-    from server.launch import ServerProcess
     from testbed.models.profiles import get_profile
 
     profile = get_profile("llama3-8b")
     rounds = 2 if config.quick else 20
     env = PeerEnv(config.peer_env or default_root())
     work = config.work_dir / "servers-alone"
-    ours: dict[str, list[float]] = {field: [] for field, _, _ in OPS.values()}
-    theirs: dict[str, list[float]] = {field: [] for _, field, _ in OPS.values()}
     capacity = (rounds + 4) * CHUNKS * profile.bytes_per_token() * 256
     with BenchProcesses() as processes:
         port = lmcache.start_server(
@@ -49,44 +51,72 @@ def section(config: BenchConfig) -> SectionResult:
             chunk_size=256,
             l1_gib=max(1.0, 2 * capacity / 2**30),
         )
-        command = [
-            str(env.python),
-            str(lmcache.CHILD.parent / "lmcache_alone.py"),
-            "--port",
-            str(port),
-            "--layers",
-            str(profile.num_layers),
-            "--heads",
-            str(profile.num_kv_heads),
-            "--head-dim",
-            str(profile.head_dim),
-            "--block-size",
-            str(BLOCK_SIZE),
-            "--max-chunks",
-            str(CHUNKS),
-        ]
-        log_path = work / "lmcache-client.log"
-        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
-        child = EngineChild(
-            "LMCache alone", processes.start(command, log_path, lmcache.ENV, **pipes), log_path
-        )
+        child = _lmcache_client(processes, env, port, profile, work / "lmcache-client.log")
         child.ready()
-        args = ["--chunk-size", "256", "--capacity", str(capacity)]
-        with (
-            ServerProcess(args, env={"OTEL_SDK_DISABLED": "true"}) as server,
-            CacheDriver(server.url, server.token, profile, chunk_size=256, num_chunks=CHUNKS) as d,
-        ):
-            for index in range(rounds + 1):  # the first round warms up
-                reply = child.ask_line(f"{index} {CHUNKS}")
-                times = d.cycle(index)
-                if index:
-                    for field in ours:
-                        ours[field].append(getattr(times, field))
-                    for field in theirs:
-                        theirs[field].append(float(reply[field]))
-                processes.note_shm_files()
-                print(f"  peer_servers: round {index}/{rounds}", file=sys.stderr, flush=True)
+        ours, theirs = _alternate_rounds(processes, child, profile, capacity, rounds)
         child.finish()
+    return SectionResult(_figures(ours, theirs, rounds))
+
+
+def _lmcache_client(
+    processes: BenchProcesses, env: PeerEnv, port: int, profile: KVProfile, log_path: Path
+) -> EngineChild:
+    """:mod:`.lmcache_alone` in the peer environment, against LMCache's server on ``port``,
+    with KV of ``profile``'s shape (not yet ready)."""
+    command = [
+        str(env.python),
+        str(lmcache.CHILD.parent / "lmcache_alone.py"),
+        "--port",
+        str(port),
+        "--layers",
+        str(profile.num_layers),
+        "--heads",
+        str(profile.num_kv_heads),
+        "--head-dim",
+        str(profile.head_dim),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-chunks",
+        str(CHUNKS),
+    ]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+    return EngineChild(
+        "LMCache alone", processes.start(command, log_path, lmcache.ENV, **pipes), log_path
+    )
+
+
+def _alternate_rounds(
+    processes: BenchProcesses, child: EngineChild, profile: KVProfile, capacity: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """``rounds`` rounds (after one to warm up), each an LMCache cycle by ``child`` and then
+    ours against a server of our own of ``capacity`` bytes; the seconds of each of
+    :data:`OPS`' operations per round, ours and LMCache's, by field."""
+    from server.launch import ServerProcess
+
+    ours: dict[str, list[float]] = {field: [] for field, _, _ in OPS.values()}
+    theirs: dict[str, list[float]] = {field: [] for _, field, _ in OPS.values()}
+    args = ["--chunk-size", "256", "--capacity", str(capacity)]
+    with (
+        ServerProcess(args, env={"OTEL_SDK_DISABLED": "true"}) as server,
+        CacheDriver(server.url, server.token, profile, chunk_size=256, num_chunks=CHUNKS) as d,
+    ):
+        for index in range(rounds + 1):  # the first round warms up
+            reply = child.ask_line(f"{index} {CHUNKS}")
+            times = d.cycle(index)
+            if index:
+                for field in ours:
+                    ours[field].append(getattr(times, field))
+                for field in theirs:
+                    theirs[field].append(float(reply[field]))
+            processes.note_shm_files()
+            print(f"  peer_servers: round {index}/{rounds}", file=sys.stderr, flush=True)
+    return ours, theirs
+
+
+def _figures(
+    ours: dict[str, list[float]], theirs: dict[str, list[float]], rounds: int
+) -> list[Figure]:
+    """Per :data:`OPS` key: ours over LMCache's time, as ``server_alone``."""
     figures = []
     for key, (mine, other, what) in OPS.items():
         ratio = Ratio.of(ours[mine], theirs[other])
@@ -100,4 +130,4 @@ def section(config: BenchConfig) -> SectionResult:
                 ratio=ratio,
             )
         )
-    return SectionResult(figures)
+    return figures
