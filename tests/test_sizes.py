@@ -17,8 +17,6 @@ LONG_MODULES = {
     "testbed/core/protocol.py": "the protocol's message definitions, one wire format read whole",
 }
 LONG_FUNCTIONS = {
-    # Modules other changes are reorganising now; split with them.
-    "testbed/engine/serve_launch.py::spawn": "the vLLM server's command line, built in order",
     # Kept whole.
     "testbed/models/cache_kernel.py::run": "a compiled (numba) walk: one loop over the accesses",
 }

@@ -96,12 +96,32 @@ class VllmServerProcess:
 
     def spawn(self) -> VllmServerProcess:
         """Starts the server's process without waiting for it (:meth:`wait_healthy`)."""
-        spec, run = self.spec, self.spec.run
-        model = run.model
-        if model is None:
-            tiny = TinyModel(max_position_embeddings=spec.max_model_len)
-            model = str(write_model_dir(self.run_dir / "model", tiny, weights_seed=run.seed))
         port = _free_port()
+        log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
+        self.process = start_group(
+            self._command(self._model_path(), port),
+            die_with_parent=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._environment(),
+        )
+        log.close()
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def _model_path(self) -> str:
+        """The run's model, or the tiny model with the run's seeded weights, written now."""
+        run = self.spec.run
+        if run.model is not None:
+            return run.model
+        tiny = TinyModel(max_position_embeddings=self.spec.max_model_len)
+        return str(write_model_dir(self.run_dir / "model", tiny, weights_seed=run.seed))
+
+    def _command(self, model: str, port: int) -> list[str]:
+        """vLLM's OpenAI server on ``port`` serving ``model`` with the connector, as the
+        run's spec asks (tracing to the run's collector, KV events to the router)."""
+        spec, run = self.spec, self.spec.run
         transfer = {
             "kv_connector": "KVTBConnector",
             "kv_role": "kv_both",
@@ -127,21 +147,8 @@ class VllmServerProcess:
         if run.model is None:
             command += ["--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager"]
         command += spec.extra_args
-        env = {
-            **os.environ,
-            SPAN_DIR_ENV: str(self.run_dir),
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            **self.env,
-        }
         if self.otlp_endpoint is not None:
             command += ["--otlp-traces-endpoint", self.otlp_endpoint]
-            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
-        if self.instance is not None:
-            named = f"kvcache.instance={self.instance}"
-            env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
-                filter(None, [os.environ.get("OTEL_RESOURCE_ATTRIBUTES"), named])
-            )
         if self.kv_events_endpoint is not None:
             events = {
                 "enable_kv_cache_events": True,
@@ -150,18 +157,26 @@ class VllmServerProcess:
                 "topic": str(self.instance if self.instance is not None else 0),
             }
             command += ["--kv-events-config", json.dumps(events)]
-        log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
-        self.process = start_group(
-            command,
-            die_with_parent=True,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        log.close()
-        self.url = f"http://127.0.0.1:{port}"
-        return self
+        return command
+
+    def _environment(self) -> dict[str, str]:
+        """The server's environment: ours, with the connector's span directory, vLLM's
+        offline and CPU settings, the run's additions and the fleet instance's resource."""
+        env = {
+            **os.environ,
+            SPAN_DIR_ENV: str(self.run_dir),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **self.env,
+        }
+        if self.otlp_endpoint is not None:
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        if self.instance is not None:
+            named = f"kvcache.instance={self.instance}"
+            env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(
+                filter(None, [os.environ.get("OTEL_RESOURCE_ATTRIBUTES"), named])
+            )
+        return env
 
     def wait_healthy(self) -> None:
         """Waits until the server answers ``/health``; raises with its log's tail if it exits
