@@ -32,7 +32,8 @@ from connector.stats import StatsRecorder
 from testbed.core import protocol as p
 from testbed.core import telemetry
 from testbed.core.keys import ChunkHash
-from testbed.core.rpc import RpcClient, reply_timing
+from testbed.core.round_trips import RoundTrips
+from testbed.core.rpc import RpcClient
 from testbed.core.telemetry import SpanKind
 from testbed.core.telemetry import attributes as a
 
@@ -70,15 +71,9 @@ class _Lookup:
     parent: str
     polls: int = 0
     answer: LookupAnswer | None = None
-    server_s: float = 0.0
-    """Sending each request (lookup, polls) to its reply's arrival, summed."""
-    poll_wait_s: float = 0.0
-    """Replies arrived but not yet taken (the scheduler was busy elsewhere), summed."""
-
-    def took(self, future: Future[p.Reply]) -> None:
-        server_s, waited_s = reply_timing(future)
-        self.server_s += server_s
-        self.poll_wait_s += waited_s
+    trips: RoundTrips = field(default_factory=RoundTrips)
+    """The lookup's and its polls' round trips (a reply not yet taken: the scheduler was
+    busy elsewhere)."""
 
 
 @dataclass(eq=False)
@@ -174,7 +169,7 @@ class SchedulerClient:
                 self._settle(lookup, None, str(exc))
                 self._release_abandoned(session_id, lookup)
                 break
-            lookup.took(lookup.future)
+            lookup.trips.took(lookup.future)
             if isinstance(reply, p.Error):
                 refused = reply.code in p.LIMIT_CODES
                 self._settle(lookup, None, f"{reply.code}: {reply.message}", refused=refused)
@@ -222,8 +217,7 @@ class SchedulerClient:
                 a.TOKENS_HIT: hit_chunks * self.chunk_size,
                 a.LOOKUP_POLLS: lookup.polls,
                 a.WAIT_MS: (time.monotonic() - lookup.started_at) * 1e3,
-                a.SERVER_MS: lookup.server_s * 1e3,
-                a.POLL_WAIT_MS: lookup.poll_wait_s * 1e3,
+                **lookup.trips.attributes(),
                 a.OK: error is None,
             }
         )

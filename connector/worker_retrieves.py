@@ -284,20 +284,18 @@ class Retrieves:
         self, retrieve: Retrieve, oks: list[bool], timing: spans.OpTiming
     ) -> tuple[int, bool]:
         """Releases the pins; (lock units released, whether the server confirmed)."""
-        started = time.monotonic()
         try:
             done = self.registration.rpc.call(
                 p.RetrieveEnd(
                     op_id=retrieve.op_id,
                     ok=oks,
                     traceparent=telemetry.traceparent_of(retrieve.span),
-                )
+                ),
+                trips=timing,
             )
         except (ServerUnavailable, RemoteError) as exc:
             log.warning("retrieve end not confirmed; its loads count as failed: %s", exc)
             return 0, False
-        finally:
-            timing.server_s += time.monotonic() - started
         assert isinstance(done, p.RetrieveDone)
         return done.num_locks_released, True
 

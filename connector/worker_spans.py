@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ from connector.ops import RetrieveOp, StoreOp
 from testbed.core import protocol as p
 from testbed.core import telemetry
 from testbed.core.ranks import WorkerIdentity
-from testbed.core.rpc import reply_timing
+from testbed.core.round_trips import RoundTrips
 from testbed.core.telemetry import SpanKind
 from testbed.core.telemetry import attributes as a
 
@@ -33,24 +32,15 @@ Ops = Sequence[StoreOp] | Sequence[RetrieveOp]
 
 
 @dataclass
-class OpTiming:
-    """Where a batch's time went (milliseconds on its span)."""
+class OpTiming(RoundTrips):
+    """Where a batch's time went (milliseconds on its span): its round trips (each reply's
+    :meth:`~testbed.core.round_trips.RoundTrips.took`), and"""
 
-    server_s: float = 0.0
-    """Seconds between sending each request and its reply arriving (every round trip)."""
-    poll_wait_s: float = 0.0
-    """Seconds replies waited for the worker's next hook to take them."""
     step_wait_s: float = 0.0
     """Seconds the engine's step was held waiting for the replies (0 when the forward pass
     never waits on the network)."""
     copy_ms: float = 0.0
     """Milliseconds the worker spent copying between its KV and the pool."""
-
-    def took(self, future: Future[p.Reply]) -> None:
-        """Adds the round trip of the reply ``future`` holds."""
-        server_s, waited_s = reply_timing(future)
-        self.server_s += server_s
-        self.poll_wait_s += waited_s
 
 
 def start_batch(name: str, ops: Ops, identity: WorkerIdentity) -> tuple[telemetry.Span, int]:
@@ -161,8 +151,7 @@ def store_ended(
             a.CHUNKS_WRITTEN: num_committed,
             a.BYTES: nbytes,
             a.COPY_MS: timing.copy_ms,
-            a.SERVER_MS: timing.server_s * 1e3,
-            a.POLL_WAIT_MS: timing.poll_wait_s * 1e3,
+            **timing.attributes(),
             a.STEP_WAIT_MS: timing.step_wait_s * 1e3,
             a.SERVER_COPIED: bool(plan is not None and plan.copied),
         }
@@ -196,8 +185,7 @@ def retrieve_ended(
             a.BYTES: nbytes,
             a.LOCKS_RELEASED: num_locks_released,
             a.COPY_MS: timing.copy_ms,
-            a.SERVER_MS: timing.server_s * 1e3,
-            a.POLL_WAIT_MS: timing.poll_wait_s * 1e3,
+            **timing.attributes(),
             a.SERVER_COPIED: plan.copied,
             a.WAIT_MS: wait_s * 1e3,
         }

@@ -189,8 +189,12 @@ def _loop(
                     frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                received_ns = time.monotonic_ns()
                 replies, authenticated = handle_frames(
-                    service, [frame.bytes for frame in frames], config.max_message_bytes
+                    service,
+                    [frame.bytes for frame in frames],
+                    config.max_message_bytes,
+                    received_ns,
                 )
                 if authenticated:
                     guard.authenticated(source_fd(frames[-1]))
@@ -209,9 +213,13 @@ def _loop(
 
 
 def _send(socket: zmq.Socket, service: CacheService, replies: list[Reply]) -> None:
-    """Sends ``replies``; consecutive ones to the same client go as one ``Replies`` frame."""
+    """Sends ``replies``; consecutive ones to the same client go as one ``Replies`` frame.
+    Each is stamped with the time it is sent (``replied_ns``)."""
     for identity, group in itertools.groupby(replies, key=lambda reply: reply[0]):
         ready = [reply for _, reply in group]
+        sent_ns = time.monotonic_ns()
+        for reply in ready:
+            reply.replied_ns = sent_ns
         message = ready[0] if len(ready) == 1 else p.Replies(replies=ready, epoch=service.epoch)
         try:
             socket.send_multipart([identity, p.encode(message)], zmq.NOBLOCK)
@@ -220,10 +228,11 @@ def _send(socket: zmq.Socket, service: CacheService, replies: list[Reply]) -> No
 
 
 def handle_frames(
-    service: CacheService, frames: list[bytes], max_bytes: int
+    service: CacheService, frames: list[bytes], max_bytes: int, received_ns: int = 0
 ) -> tuple[list[Reply], bool]:
     """Replies for one ROUTER message (every malformed input gets an Error; never raises), and
-    whether the message was a request with a valid credential."""
+    whether the message was a request with a valid credential (``received_ns``: when it was
+    read, stamped on its replies)."""
     identity = frames[0]
     body = frames[1:]
     if not identity.startswith(b"\x00"):
@@ -250,7 +259,7 @@ def handle_frames(
         return [(identity, service.error(0, "malformed", message))], False
     authenticated = not isinstance(request, p.Ping) and service.credentials.is_client(request.auth)
     try:
-        replies = service.handle(identity, request)
+        replies = service.handle(identity, request, received_ns)
     except Exception as exc:  # handle() never raises; this is the last line of defence
         log.exception("unexpected error handling a request")
         replies = [(identity, service.error(request.rid, "internal", f"{type(exc).__name__}"))]

@@ -69,6 +69,8 @@ class Call:
     span_id: str
     traceparent: str
     work: int = 0
+    received_ns: int = 0
+    """When the request's frame was read (``time.monotonic_ns``; 0: not known)."""
 
     def spend(self, units: int = 1) -> bool:
         """Counts work; True when the request has used its slice (the handler yields)."""

@@ -125,7 +125,9 @@ class CacheService:
             raise TypeError("a kind of deadline has no owner to expire it")
         self._routes = self._route()
         self._running: dict[bytes, _Task] = {}
-        self._queued: dict[bytes, deque[p.Request]] = {}
+        self._queued: dict[bytes, deque[tuple[p.Request, int]]] = {}
+        """Per client, the requests waiting behind its running one, each with when it was
+        read (``received_ns``)."""
 
     def _route(self) -> Routes:
         routes, sessions, transfers = Routes(), self.sessions, self.transfers
@@ -194,15 +196,22 @@ class CacheService:
     # Entry points
     # -----------------------------------------------------------------------------------------
 
-    def handle(self, client_id: bytes, request: p.Request | p.Batch) -> list[tuple[bytes, p.Reply]]:
+    def handle(
+        self, client_id: bytes, request: p.Request | p.Batch, received_ns: int = 0
+    ) -> list[tuple[bytes, p.Reply]]:
         """Replies ready now for one decoded request (none if it waits behind the client's
         earlier request, or was split into slices: :meth:`advance` finishes it). A batch's
-        requests are handled one by one, in order, as if each had come alone."""
+        requests are handled one by one, in order, as if each had come alone.
+        ``received_ns``: when its frame was read (``time.monotonic_ns``), stamped on its reply."""
         if isinstance(request, p.Batch):
             refusal = self._refusal(request)
             if refusal is not None:
                 return [(client_id, self._refused(item, refusal)) for item in request.requests]
-            return [reply for item in request.requests for reply in self.handle(client_id, item)]
+            return [
+                reply
+                for item in request.requests
+                for reply in self.handle(client_id, item, received_ns)
+            ]
         refusal = self._refusal(request)
         if refusal is not None:
             return [(client_id, refusal)]
@@ -212,9 +221,9 @@ class CacheService:
             client = clients[client_id] = ClientState(client_id, self.clock())
         client.last_seen = self.clock()
         if client_id in self._running:
-            self._queued.setdefault(client_id, deque()).append(request)
+            self._queued.setdefault(client_id, deque()).append((request, received_ns))
             return []
-        return self._start(client, request)
+        return self._start(client, request, received_ns)
 
     def advance(self) -> list[tuple[bytes, p.Reply]]:
         """Runs one slice of every request split into slices; the replies that completed."""
@@ -228,10 +237,10 @@ class CacheService:
             queue = self._queued.get(client_id)
             while queue and client_id not in self._running:
                 client = self.shared.clients.get(client_id)
-                request = queue.popleft()
+                request, received_ns = queue.popleft()
                 if client is None:
                     continue
-                replies += self._start(client, request)
+                replies += self._start(client, request, received_ns)
             if not queue:
                 self._queued.pop(client_id, None)
         return replies
@@ -371,7 +380,9 @@ class CacheService:
             )
         return None
 
-    def _start(self, client: ClientState, request: p.Request) -> list[tuple[bytes, p.Reply]]:
+    def _start(
+        self, client: ClientState, request: p.Request, received_ns: int
+    ) -> list[tuple[bytes, p.Reply]]:
         route = self._routes[type(request)]
         span: telemetry.Span = telemetry.INVALID_SPAN
         if route.span is not None:
@@ -383,7 +394,12 @@ class CacheService:
                 attributes={a.OP: p.op_name(request), a.EPOCH: self.epoch},
             )
         call = Call(
-            client, request, span, telemetry.span_id_of(span), telemetry.traceparent_of(span)
+            client,
+            request,
+            span,
+            telemetry.span_id_of(span),
+            telemetry.traceparent_of(span),
+            received_ns=received_ns,
         )
         task = _Task(call, route.handler(call, request))
         reply = self._step(task)
@@ -410,6 +426,7 @@ class CacheService:
             log.exception("internal error handling %s", type(call.request).__name__)
             telemetry.fail(call.span, f"internal: {type(exc).__name__}: {exc}")
             reply = self.error(rid, "internal", f"{type(exc).__name__}: {exc}")
+        reply.received_ns = call.received_ns
         call.span.end()
         return reply
 

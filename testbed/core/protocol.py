@@ -63,7 +63,7 @@ import msgspec
 from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.kv_layout import PagedLayout, SharedKVFile
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 WireChunkHash = Annotated[ChunkHash, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
 """A chunk's key (:data:`testbed.core.keys.ChunkHash`) on the wire: its length checked."""
@@ -97,6 +97,13 @@ class _Reply(_Message, kw_only=True):
     epoch: Count = 0
     """The answering server instance (random per start); 0 only in replies to undecodable
     frames, which cannot be attributed to any request."""
+    received_ns: Count = 0
+    """When the server read the request's frame off its socket (its ``CLOCK_MONOTONIC``, ns;
+    0: not stamped, as for a request refused before it was handled)."""
+    replied_ns: Count = 0
+    """When the server handed the reply to its socket (the same clock). With ``received_ns``
+    it splits a round trip into transit and the server's time (``testbed.core.rpc``);
+    comparable with the client's clock only on one host."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import zmq
 
 from testbed.core import protocol as p
 from testbed.core.closing import Closing
+from testbed.core.round_trips import RoundTrips
 from testbed.core.server_health import health_of
 
 _IDLE_S = 0.05
@@ -84,6 +85,9 @@ class RpcFuture(Future[p.Reply]):
         """When the request was handed to the socket (timing: a span's ``server_ms``)."""
         self.arrived_at: float | None = None
         """When its reply was read off the socket."""
+        self.received_ns = 0
+        self.replied_ns = 0
+        """The server's stamps on the reply (``testbed.core.round_trips``)."""
 
     def done(self) -> bool:
         if not super().done() and self._client is not None:
@@ -228,13 +232,20 @@ class RpcClient(Closing):
         self._unsent.append(_Outgoing(batch[-1].rid, p.encode(message), future, deadline))
         self._flush()
 
-    def call(self, request: p.Request, timeout_s: float | None = None) -> p.Reply:
-        """Sends and waits; raises :class:`RemoteError` for an ``Error`` reply."""
+    def call(
+        self, request: p.Request, timeout_s: float | None = None, trips: RoundTrips | None = None
+    ) -> p.Reply:
+        """Sends and waits; raises :class:`RemoteError` for an ``Error`` reply. ``trips``: where
+        its round trip is added once answered."""
         timeout = timeout_s or self.timeout_s
+        future = self.submit(request, timeout)
         try:
-            reply = self.submit(request, timeout).result(timeout + 5.0)
+            reply = future.result(timeout + 5.0)
         except TimeoutError:  # the expiry did not run; should not happen
             raise ServerUnavailable("no reply and no timeout from the client") from None
+        finally:
+            if trips is not None:
+                trips.took(future)
         return check(reply)
 
     def fire(self, request: p.Request) -> None:
@@ -322,6 +333,8 @@ class RpcClient(Closing):
         if out is not None and not Future.done(out.future):  # not the pumping done()
             if isinstance(out.future, RpcFuture):
                 out.future.arrived_at = time.monotonic()
+                out.future.received_ns = reply.received_ns
+                out.future.replied_ns = reply.replied_ns
             out.future.set_result(reply)
 
     # -----------------------------------------------------------------------------------------
@@ -378,13 +391,3 @@ def check(reply: p.Reply) -> p.Reply:
 def _fail(future: Future[p.Reply], exc: BaseException) -> None:
     if not Future.done(future):
         future.set_exception(exc)
-
-
-def reply_timing(future: Future[p.Reply] | None) -> tuple[float, float]:
-    """(seconds from sending a request to its reply's arrival, seconds the reply has waited
-    since for the caller to take it): a span's ``server_ms`` and ``poll_wait_ms``."""
-    sent = getattr(future, "sent_at", None)
-    arrived = getattr(future, "arrived_at", None)
-    if sent is None or arrived is None:
-        return 0.0, 0.0
-    return arrived - sent, max(0.0, time.monotonic() - arrived)

@@ -90,6 +90,10 @@ WAIT_MS = "kvcache.wait_ms"
 COPY_MS = "kvcache.copy_ms"
 SERVER_MS = "kvcache.server_ms"  # request sent → reply arrived (round trips, server work)
 POLL_WAIT_MS = "kvcache.poll_wait_ms"  # reply arrived → taken by the scheduler's/worker's next call
+# server_ms split by the server's stamps (testbed.core.round_trips; one host's clock):
+REQUEST_TRANSIT_MS = "kvcache.rpc.request_transit_ms"  # sent → the server read the request
+HANDLER_MS = "kvcache.rpc.handler_ms"  # the server read it → sent the reply
+REPLY_READ_MS = "kvcache.rpc.reply_read_ms"  # the server sent the reply → read off the socket
 STEP_WAIT_MS = "kvcache.step_wait_ms"  # the engine's step blocked on this store's replies
 SERVER_COPIED = "kvcache.server_copied"  # server-driven transfer: the server did the copy
 TRANSFER_MODE = "kvcache.transfer_mode"  # worker | server
