@@ -59,6 +59,7 @@ SECTIONS: dict[str, Section] = {
         "e2e",
         (
             "rpc_round_trip_ms",
+            "rpc_transit_ms",
             "first_pass_vs_recompute_1k",
             "hit_1k_vs_recompute",
             "hit_4k_vs_recompute",

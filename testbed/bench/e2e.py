@@ -75,7 +75,7 @@ def section(config: BenchConfig) -> SectionResult:
     (work / "answers.json").write_text(json.dumps(raw, indent=1))
     result = SectionResult(recompute_figures(answers, lengths), [ttft_table(answers, lengths)])
     result.figures.append(over_prefix_cache(answers))
-    result.figures.append(rpc_figure(work / "worker"))
+    result.figures += rpc_figures(work / "worker")
     if config.peer:
         from testbed.bench.peer.in_vllm import peer_figures
 
@@ -196,8 +196,9 @@ def _hit_details(
     return details
 
 
-def rpc_figure(run_dir: Path) -> Figure:
-    """A store's round trip inside vLLM, from the worker configuration's spans."""
+def rpc_figures(run_dir: Path) -> list[Figure]:
+    """A store's round trip inside vLLM, and its request transit, from the worker
+    configuration's spans (per trip: a store's two round trips, halved)."""
     from testbed.analysis import load_spans
     from testbed.core.telemetry import attributes as a
 
@@ -208,22 +209,57 @@ def rpc_figure(run_dir: Path) -> Figure:
         "a store's request-to-reply time inside vLLM's process (our worker client's "
         "kvcache.server_ms: its two round trips, halved), p50 over the vLLM section's stores"
     )
+    transit = (
+        "a store request's transit inside vLLM's process (kvcache.rpc.request_transit_ms: "
+        "sent → the server read it, by the server's stamps; its two requests, halved), p50 "
+        "over the vLLM section's stores"
+    )
     if stores.empty:
-        return missing("rpc_round_trip_ms", what, "no store spans were recorded")
-    per_trip = (stores[a.SERVER_MS].astype(float) / 2).tolist()
-    return Figure(
+        reason = "no store spans were recorded"
+        return [
+            missing("rpc_round_trip_ms", what, reason),
+            missing("rpc_transit_ms", transit, reason),
+        ]
+    per_trip = {
+        part: (pd.to_numeric(stores[attribute], errors="coerce") / 2).dropna().tolist()
+        if attribute in stores
+        else []
+        for part, attribute in (
+            ("round_trip", a.SERVER_MS),
+            ("request_transit", a.REQUEST_TRANSIT_MS),
+            ("handler", a.HANDLER_MS),
+            ("reply_read", a.REPLY_READ_MS),
+        )
+    }
+    split = {
+        f"{part}_ms_p50": round(Spread.of(values).median, 4)
+        for part, values in per_trip.items()
+        if values
+    }
+    round_trip = Figure(
         "rpc_round_trip_ms",
-        Spread.of(per_trip).median,
+        Spread.of(per_trip["round_trip"]).median,
         what,
-        spread=Spread.of(per_trip),
+        spread=Spread.of(per_trip["round_trip"]),
         details={
-            "stores": len(per_trip),
+            "stores": len(per_trip["round_trip"]),
+            "split_per_trip": split,
             "server_handling_ms_p50": round(float(server["duration_ms"].median()), 4)
             if not server.empty
             else None,
             "timeline_ms_p50": store_timeline(stores, server),
         },
     )
+    if not per_trip["request_transit"]:
+        return [round_trip, missing("rpc_transit_ms", transit, "no reply was stamped")]
+    transit_figure = Figure(
+        "rpc_transit_ms",
+        Spread.of(per_trip["request_transit"]).median,
+        transit,
+        spread=Spread.of(per_trip["request_transit"]),
+        details={"stores": len(per_trip["request_transit"]), "split_per_trip": split},
+    )
+    return [round_trip, transit_figure]
 
 
 def store_timeline(stores: pd.DataFrame, server: pd.DataFrame) -> dict[str, float]:

@@ -53,6 +53,7 @@ GOALS: dict[str, Goal] = {
     "store_vs_memcpy": Goal(">=", 0.8, "×"),
     "retrieve_vs_memcpy": Goal(">=", 0.8, "×"),
     "rpc_round_trip_ms": Goal("<=", 1.0, "ms"),
+    "rpc_transit_ms": Goal("<=", 0.2, "ms"),
     "first_pass_vs_recompute_1k": Goal("<=", 1.05, "×"),
     "hit_1k_vs_recompute": Goal("<=", 0.5, "×"),
     "hit_4k_vs_recompute": _NONE_SET,

@@ -64,6 +64,9 @@ def test_a_quick_run_writes_every_key_with_its_goal_and_what_it_timed(tmp_path):
     assert doc["replay_vs_bare_scheduler"]["details"]["integrity_errors"]["replay, tracing on"] == 0
     assert doc["replay_vs_bare_scheduler"]["denominator"]["n"] == 1
     assert doc["rpc_round_trip_ms"]["details"]["server_handling_ms_p50"] > 0
+    split = doc["rpc_round_trip_ms"]["details"]["split_per_trip"]  # by the server's stamps
+    assert split["request_transit_ms_p50"] == doc["rpc_transit_ms"]["value"]
+    assert split["handler_ms_p50"] > 0 and split["reply_read_ms_p50"] > 0
     assert doc["run"]["quick"] is True and doc["load"]["cpus"] == os.cpu_count()
     assert len(doc["load"]["loadavg_before"]) == 3
     assert all(s["error"] is None for s in doc["sections"].values())
