@@ -113,5 +113,5 @@ def test_help_is_the_field_docstring():
     help_of = {
         a.dest: a.help for a in flags(COMMANDS["kvtb run"]) if a.dest in ("servers", "chunk_size")
     }
-    assert help_of["servers"].startswith("fleet: one cache server for every instance (shared)")
+    assert help_of["servers"].startswith("fleet, and serve with --launch: one cache server for")
     assert "(default: 256)" in help_of["chunk_size"]
