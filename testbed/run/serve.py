@@ -143,7 +143,8 @@ def record_vllm_metrics(urls: Sequence[str], run_dir: RunDir, within_s: float = 
     the servers stop. A server's counters may still move while its last stores commit, so each
     is read until two reads a second apart agree on every ``vllm:`` sample (the process's own
     samples always move), or ``within_s`` passes: the last read is kept, and the file says it
-    had not settled."""
+    had not settled. A server that does not answer leaves a file saying so (the run goes on:
+    its own telemetry is the record)."""
     import urllib.request
 
     for k, url in enumerate(urls):
@@ -151,8 +152,12 @@ def record_vllm_metrics(urls: Sequence[str], run_dir: RunDir, within_s: float = 
         deadline = time.monotonic() + within_s
         previous = None
         while True:
-            with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-                text = response.read().decode()
+            try:
+                with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+                    text = response.read().decode()
+            except OSError as exc:
+                text = f"# kvtb: {url}/metrics did not answer: {exc}\n"
+                break
             samples = [line for line in text.splitlines() if line.startswith("vllm:")]
             if samples == previous:
                 break
