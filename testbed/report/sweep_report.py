@@ -260,7 +260,7 @@ def _routers_section(routers: pd.DataFrame) -> str:
                 f"{pct(r.token_hit_rate)} ({pct(r.engine_hit_rate)} / {pct(r.external_hit_rate)})"
                 for r in routers.itertuples()
             ],
-            "of it p2p / remote": [
+            "p2p / remote": [
                 f"{pct(r.p2p_hit_rate)} / {pct(r.remote_hit_rate)}" for r in routers.itertuples()
             ],
             "routing loss": routers["routing_loss_rate"].map(pct),
@@ -279,12 +279,12 @@ def _routers_section(routers: pd.DataFrame) -> str:
             "",
             "## Routers",
             "",
-            "Fleet runs (METRICS.md, Fleets): token hit rate with its engine and external parts, "
-            "of the external hits the shares a peer's copy (`p2p`) and the remote tier served, "
-            "routing loss (what no cache won back) and the routing loss peers won back, the "
-            "busiest instance's prompt tokens over the mean, queueing and projected TTFT on the "
-            "engine clock. A router's rows side by side say what P2P or a remote tier buys "
-            "behind it.",
+            "Fleet runs (METRICS.md, Fleets), as shares of the prompt tokens: token hit rate with "
+            "its engine and external parts, the part of the external hits a peer's copy (`p2p`) "
+            "and the remote tier served, routing loss (what no cache won back) and the routing "
+            "loss peers won back; then the busiest instance's prompt tokens over the mean, "
+            "queueing and projected TTFT on the engine clock. A router's rows side by side say "
+            "what P2P or a remote tier buys behind it.",
             "",
             _markdown_table(shown),
             "",

@@ -80,5 +80,5 @@ def test_peers_win_back_what_round_robin_sends_elsewhere(tmp_path):
         )
     assert table.loc["p2p", "p2p_hit_rate"] > 0 == table.loc["alone", "p2p_hit_rate"]
     routers = write_report(tmp_path).read_text().split("## Routers")[1]
-    assert "won back by peers" in routers and "of it p2p / remote" in routers
+    assert "won back by peers" in routers and "p2p / remote" in routers
     assert f"{table.loc['p2p', 'routing_won_back_rate']:.2%}" in routers
