@@ -220,17 +220,7 @@ def rpc_figures(run_dir: Path) -> list[Figure]:
             missing("rpc_round_trip_ms", what, reason),
             missing("rpc_transit_ms", transit, reason),
         ]
-    per_trip = {
-        part: (pd.to_numeric(stores[attribute], errors="coerce") / 2).dropna().tolist()
-        if attribute in stores
-        else []
-        for part, attribute in (
-            ("round_trip", a.SERVER_MS),
-            ("request_transit", a.REQUEST_TRANSIT_MS),
-            ("handler", a.HANDLER_MS),
-            ("reply_read", a.REPLY_READ_MS),
-        )
-    }
+    per_trip = _per_trip(stores)
     split = {
         f"{part}_ms_p50": round(Spread.of(values).median, 4)
         for part, values in per_trip.items()
@@ -260,6 +250,25 @@ def rpc_figures(run_dir: Path) -> list[Figure]:
         details={"stores": len(per_trip["request_transit"]), "split_per_trip": split},
     )
     return [round_trip, transit_figure]
+
+
+def _per_trip(stores: pd.DataFrame) -> dict[str, list[float]]:
+    """Per part of a store's round trips (the whole, and its split by the server's stamps),
+    each store's ms per trip (its two requests, halved); a part no span carries: empty."""
+    from testbed.core.telemetry import attributes as a
+
+    parts = {
+        "round_trip": a.SERVER_MS,
+        "request_transit": a.REQUEST_TRANSIT_MS,
+        "handler": a.HANDLER_MS,
+        "reply_read": a.REPLY_READ_MS,
+    }
+    return {
+        part: (pd.to_numeric(stores[attribute], errors="coerce") / 2).dropna().tolist()
+        if attribute in stores
+        else []
+        for part, attribute in parts.items()
+    }
 
 
 def store_timeline(stores: pd.DataFrame, server: pd.DataFrame) -> dict[str, float]:
