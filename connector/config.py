@@ -62,6 +62,12 @@ class ConnectorConfig:
     before telling the scheduler to ask again next step. 0 keeps the scheduler non-blocking;
     replays set it so that results do not depend on timing."""
 
+    lookup_mirror: bool = False
+    """Answer lookups that will load nothing from a mirror of what the server holds, kept from
+    this engine's stores and the commits and removals the server's replies carry
+    (``connector.mirror``): a miss costs no round trip and no step's delay; a predicted hit
+    asks the server as before. Not with tiers below L1 or peers (the mirror sees L1 only)."""
+
     load_wait_s: Annotated[float, _WAIT] = 0.0
     """How long ``get_finished`` may wait for in-flight retrieves (replays: deterministic)."""
 

@@ -80,6 +80,9 @@ class ChunkReport(NamedTuple):
     """The store wrote the chunk and committed it (not: already there, no room, failed)."""
     seq: int
     """The server's removal number at the commit."""
+    held: bool = False
+    """Not written because the server already held it (the store's plan found no chunk of
+    its op without room), as of ``seq``."""
 
 
 def store_reports(
@@ -87,15 +90,23 @@ def store_reports(
     ops: Sequence[StoreOp],
     slots: Sequence[Sequence[object | None]] | None,
     seq: int,
+    full: Sequence[int] | None = None,
 ) -> list[ChunkReport]:
     """A finished store's reports: per op, per chunk, written iff the server gave the chunk a
     slot and the store committed (``slots``: the plan's slots per op; ``None`` when the store
-    failed)."""
+    failed); ``held`` for a chunk without a slot in an op where no chunk lacked room
+    (``full``: the plan's ``num_full`` per op)."""
     reports = []
     for index, op in enumerate(ops):
         item = slots[index] if slots is not None else [None] * len(op.chunk_hashes)
+        present = slots is not None and full is not None and full[index] == 0
         for chunk_hash, slot in zip(op.chunk_hashes, item, strict=True):
-            reports.append(ChunkReport(kv_rank, op.cache_salt, chunk_hash, slot is not None, seq))
+            written = slot is not None
+            reports.append(
+                ChunkReport(
+                    kv_rank, op.cache_salt, chunk_hash, written, seq, not written and present
+                )
+            )
     return reports
 
 

@@ -125,13 +125,7 @@ class SchedulerSide:
                     if self.lookups_fill_l1 and self._load_admitted:
                         self.lookups_after_loads += 1
                         return None, False  # vLLM asks again next step
-                    self.client.submit_lookup(
-                        tracker.session_id,
-                        tracker.chunk_hashes,
-                        cache_salt=tracker.cache_salt,
-                        parent=tracker.traceparent,
-                    )
-                    tracker.lookup_submitted = True
+                    self._submit_lookup(tracker, request, num_computed_tokens)
                 answer = self.client.lookup_result(
                     tracker.session_id, self.lookup_wait_s, wait_pending=self.wait_pending
                 )
@@ -149,6 +143,36 @@ class SchedulerSide:
         tracker.engine_hit_tokens = num_computed_tokens
         load = tokens_to_load(tracker.hit_tokens, num_computed_tokens, request.num_tokens)
         return load, load > 0 and self.load_async
+
+    def _submit_lookup(
+        self, tracker: RequestTracker, request: RequestView, num_computed_tokens: int
+    ) -> None:
+        """Sends the request's lookup. With the mirror, a predicted hit that would load nothing
+        beyond vLLM's own is the answer at once (the server is told, not waited for)."""
+        mirror = self.client.mirror
+        predicted = None
+        answered = False
+        if mirror is not None:
+            self.client.drain()
+            predicted = mirror.predicted_hit(tracker.cache_salt, tracker.chunk_hashes)
+            chunk_size = self.geometry.chunk_size
+            answered = not tokens_to_load(
+                predicted * chunk_size, num_computed_tokens, request.num_tokens
+            )
+            if answered:
+                mirror.stats.answered += 1
+            else:
+                mirror.stats.asked += 1
+        self.client.submit_lookup(
+            tracker.session_id,
+            tracker.chunk_hashes,
+            cache_salt=tracker.cache_salt,
+            parent=tracker.traceparent,
+            mirror_hit_chunks=predicted,
+            answered=answered,
+            engine_hit_tokens=num_computed_tokens,
+        )
+        tracker.lookup_submitted = True
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: list[int], num_external_tokens: int
@@ -236,6 +260,8 @@ class SchedulerSide:
         if store is not None:
             plan.stores.append(store)
             tracker.stores_planned = True
+            if self.client.mirror is not None:
+                self.client.mirror.planned(store.cache_salt, store.chunk_hashes)
 
     def load_failed(self, block_ids: Collection[int]) -> None:
         """vLLM reports blocks whose load failed and recomputes them: each request's chunks

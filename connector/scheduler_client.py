@@ -28,6 +28,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass, field
 
+from connector.mirror import FeedEntry, LookupMirror
 from connector.stats import StatsRecorder
 from testbed.core import protocol as p
 from testbed.core import telemetry
@@ -39,6 +40,9 @@ from testbed.core.telemetry import attributes as a
 
 log = logging.getLogger(__name__)
 
+MAX_UNREAD = 4096
+"""Replies of mirror-answered lookups kept waiting to be read (older ones: their feed is in
+later replies too, from the number each asks after)."""
 ALL_TOKENS = 1 << 62
 """A token range end beyond any request: a release of every lock of the session."""
 
@@ -91,6 +95,9 @@ class SchedulerClient:
     eviction_seq: int = 0
     """The server's latest removal number this client knows (``GetConfig`` at start)."""
     defer_releases: bool = False
+    mirror: LookupMirror | None = None
+    """The lookup mirror (``connector.mirror``): lookups ask for L1's commits and removals, and
+    every reply read feeds it, those of lookups nobody waits for included (:meth:`drain`)."""
 
     def __post_init__(self) -> None:
         self.stats = StatsRecorder()
@@ -100,6 +107,10 @@ class SchedulerClient:
         self._evicted: list[tuple[str, ChunkHash, int]] = []
         self._tier_changes: list[p.TierChange] = []
         self._evictions_lost = False
+        self._unread: list[Future[p.Reply]] = []
+        """Replies of lookups the mirror answered: read for their feed (:meth:`drain`)."""
+        self._mirror_epoch = self.rpc.server_epoch
+        """The server instance the mirror's knowledge is of (0: not known yet)."""
 
     def submit_lookup(
         self,
@@ -108,8 +119,13 @@ class SchedulerClient:
         *,
         cache_salt: str = "",
         parent: str = "",
+        mirror_hit_chunks: int | None = None,
+        answered: bool = False,
+        engine_hit_tokens: int = 0,
     ) -> None:
-        """Starts a lookup for the session (replacing any earlier one)."""
+        """Starts a lookup for the session (replacing any earlier one). ``mirror_hit_chunks``:
+        the mirror's prediction, for the server to check; ``answered``: the mirror's
+        prediction is the answer (a miss), settled at once, and the server takes no locks."""
         started_ns = time.time_ns()
         span = telemetry.start_span(
             a.CONNECTOR_LOOKUP,
@@ -125,6 +141,7 @@ class SchedulerClient:
         )
         future = None
         if self.rpc.alive:
+            feed = self.track_evictions or self.mirror is not None
             future = self.rpc.submit(
                 p.Lookup(
                     session_id=session_id,
@@ -134,13 +151,25 @@ class SchedulerClient:
                     chunk_hashes=chunk_hashes,
                     num_readers=self.num_readers,
                     traceparent=telemetry.traceparent_of(span),
-                    evictions_after=self.eviction_seq if self.track_evictions else None,
+                    evictions_after=self.eviction_seq if feed else None,
                     tier_events=self.track_evictions,
+                    commits=self.mirror is not None,
+                    lock=not answered,
+                    mirror_hit_chunks=mirror_hit_chunks,
+                    engine_hit_tokens=engine_hit_tokens,
                 )
             )
-        self._lookups[session_id] = _Lookup(
-            future, span, time.monotonic(), started_ns, len(chunk_hashes), parent
-        )
+        lookup = _Lookup(future, span, time.monotonic(), started_ns, len(chunk_hashes), parent)
+        self._lookups[session_id] = lookup
+        if mirror_hit_chunks is not None:
+            span.set_attribute(a.MIRROR_HIT_CHUNKS, mirror_hit_chunks)
+        if answered:
+            assert mirror_hit_chunks is not None
+            if future is not None:
+                self._unread.append(future)
+            lookup.future = None
+            span.set_attribute(a.MIRROR_ANSWERED, True)
+            self._settle(lookup, None, None, mirror_hit_chunks=mirror_hit_chunks)
 
     def lookup_result(
         self, session_id: str, wait_s: float = 0.0, *, wait_pending: bool = True
@@ -196,8 +225,9 @@ class SchedulerClient:
         error: str | None,
         *,
         refused: bool = False,
+        mirror_hit_chunks: int = 0,
     ) -> None:
-        hit_chunks = 0 if reply is None else reply.hit_chunks
+        hit_chunks = mirror_hit_chunks if reply is None else reply.hit_chunks
         by_tier = {} if reply is None else dict(reply.hit_chunks_by_tier)
         lookup.answer = LookupAnswer(
             hit_chunks,
@@ -245,18 +275,50 @@ class SchedulerClient:
         if lookup.future is not None:
             self.free_locks(session_id, 0, ALL_TOKENS, parent=lookup.parent, abandoned=True)
 
+    def drain(self) -> None:
+        """Reads the replies of the lookups the mirror answered that have arrived, for the
+        feed they carry, and empties the mirror if the server is another instance than the one
+        it learned from (a restart: replies to the old one never come); never waits."""
+        epoch = self.rpc.server_epoch
+        if self.mirror is not None and epoch and epoch != self._mirror_epoch:
+            if self._mirror_epoch:
+                self.mirror.forget_all()
+                self._unread = []
+            self._mirror_epoch = epoch
+        unread = []
+        for future in self._unread[-MAX_UNREAD:]:
+            if not future.done():
+                unread.append(future)
+                continue
+            try:
+                reply = future.result(0)
+            except Exception:  # the server went down: the heartbeat's concern, not the feed's
+                continue
+            if isinstance(reply, p.LookupResult):
+                self._note_evictions(reply)
+        self._unread = unread
+
     def _note_evictions(self, reply: p.LookupResult) -> None:
-        if not self.track_evictions:
+        if not self.track_evictions and self.mirror is None:
             return
         restarted = self._eviction_epoch not in (0, reply.epoch)
         self._eviction_epoch = reply.epoch
-        if reply.evictions_lost or restarted:
+        lost = reply.evictions_lost or restarted
+        if lost and self.track_evictions:
             self._evictions_lost = True
             self._evicted = []
             self._tier_changes = []
-        self._evicted += [(c.cache_salt, c.chunk_hash, c.seq) for c in reply.evicted]
-        self._tier_changes += reply.tier_changes
-        if reply.evictions_lost or restarted or reply.eviction_seq > self.eviction_seq:
+        if self.track_evictions:
+            self._evicted += [(c.cache_salt, c.chunk_hash, c.seq) for c in reply.evicted]
+            self._tier_changes += reply.tier_changes
+        if self.mirror is not None:
+            if lost:
+                self.mirror.forget_all()
+            self.mirror.changed(
+                [FeedEntry(c.seq, c.cache_salt, c.chunk_hash, False) for c in reply.evicted]
+                + [FeedEntry(c.seq, c.cache_salt, c.chunk_hash, True) for c in reply.committed]
+            )
+        if lost or reply.eviction_seq > self.eviction_seq:
             self.eviction_seq = reply.eviction_seq
 
     def take_evictions(self) -> tuple[list[tuple[str, ChunkHash, int]], bool]:

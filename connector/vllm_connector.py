@@ -60,6 +60,7 @@ from connector.config import ConnectorConfig, server_config
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
 from connector.kv_events import ChunkAnnouncer
+from connector.mirror import LookupMirror
 from connector.ops import FinishingOrder, StepPlan
 from connector.planner import Geometry
 from connector.scheduler import SchedulerSide
@@ -191,6 +192,7 @@ class KVTBConnector(KVConnectorBase_V1):
             track_evictions=self._kv_events,
             eviction_seq=server.eviction_seq if server is not None else 0,
             defer_releases=True,
+            mirror=self._mirror(world_size, server),
         )
         if self._kv_events:
             self.announcer = ChunkAnnouncer(num_writers=world_size)
@@ -209,6 +211,16 @@ class KVTBConnector(KVConnectorBase_V1):
             lookups_fill_l1=server is not None and server.lookups_fill_l1,
         )
 
+    def _mirror(self, world_size: int, server: p.ServerConfigInfo | None) -> LookupMirror | None:
+        if not self.config.lookup_mirror:
+            return None
+        if server is not None and server.lookups_fill_l1:
+            raise ValueError(
+                "kvtb.lookup_mirror: the cache server has tiers below L1, which the mirror "
+                "cannot see; run without the mirror or without the tiers"
+            )
+        return LookupMirror(num_writers=world_size)
+
     def _worker_client(self) -> WorkerClient:
         config = self.config
         faults = FaultInjector.for_config(config, self.tp_rank, self._curve)
@@ -216,7 +228,7 @@ class KVTBConnector(KVConnectorBase_V1):
             self.model, self.tp_size, self.tp_rank, self.mla, transfer_mode=config.transfer_mode
         )
         worker = WorkerClient(self.rpc, identity, faults)
-        worker.report_chunks = self._kv_events
+        worker.report_chunks = self._kv_events or config.lookup_mirror
         return worker
 
     @property
@@ -412,8 +424,12 @@ class KVTBConnector(KVConnectorBase_V1):
         assert self.scheduler_side is not None
         self.scheduler_side.load_failed(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
-        if self.announcer is not None and isinstance(meta, vllm_telemetry.KVTBWorkerMetadata):
-            self.announcer.reported(meta.reports)
+        if isinstance(meta, vllm_telemetry.KVTBWorkerMetadata):
+            if self.announcer is not None:
+                self.announcer.reported(meta.reports)
+            mirror = self.scheduler_side.client.mirror
+            if mirror is not None:
+                mirror.reported(meta.reports)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Chunks stored in and removed from the cache server since the last call, as vLLM KV

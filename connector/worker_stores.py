@@ -294,8 +294,9 @@ class Stores:
             spans.give_up(store.span, failure or "store failed")
         if self.report_chunks:
             slots = None if not ok or plan is None else [item.slots for item in plan.items]
+            full = None if slots is None or plan is None else [i.num_full for i in plan.items]
             kv_rank = self.registration.identity.kv_rank
-            self._chunk_reports += store_reports(kv_rank, store.ops, slots, eviction_seq)
+            self._chunk_reports += store_reports(kv_rank, store.ops, slots, eviction_seq, full)
         seconds = spans.end_batch(store.span, store.started_ns)
         self.stats.store(nbytes=nbytes, ok=ok, seconds=seconds)
 

@@ -105,6 +105,10 @@ class Admin:
             lookups=c.lookups,
             lookup_hit_chunks=c.lookup_hit_chunks,
             lookup_miss_chunks=c.lookup_miss_chunks,
+            mirror_answers=c.mirror_answers,
+            mirror_wrong=c.mirror_wrong,
+            mirror_wrong_chunks=c.mirror_wrong_chunks,
+            mirror_overestimates=c.mirror_overestimates,
             errors_by_code=dict(c.errors_by_code),
             tier_usage=self._tier_usage(lower),
         )

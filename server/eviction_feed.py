@@ -9,6 +9,11 @@ last saw, in its reply (a client starts at the number ``GetConfig`` tells it, ha
 nothing before). The feed keeps the latest ``max_entries`` removals; a client further behind
 is told its knowledge is lost (and so is one ahead of it: the server restarted).
 
+Commits in L1 are recorded too once a client asked for them (``Lookup.commits``: a
+scheduler's lookup mirror, ``connector.mirror``), as entries of medium L1 with ``stored``;
+they reach only a lookup that asks. Before the first such lookup nothing records them, so a
+server without mirrors numbers its removals as before.
+
 The tiers below L1 (``server.tiers.hierarchy``) record their own changes in the same numbered
 stream, under the tier's hit-source name (``disk``, ``remote``): a chunk committed in the tier
 (stored) and one it removed (evicted, or forgotten as unreadable). They reach only a lookup
@@ -43,13 +48,17 @@ class FeedSlice:
     seq: int
     lost: bool
     tier_changes: list[tuple[int, str, ChunkHash, str, bool]] = field(default_factory=list)
+    committed: list[tuple[int, str, ChunkHash]] = field(default_factory=list)
+    """When asked: L1's commits, as ``(number, cache salt, chunk hash)``."""
 
 
 @dataclass
 class EvictionFeed:
     max_entries: int = DEFAULT_MAX_ENTRIES
     seq: int = 0
-    """The number of the latest removal (0: none yet)."""
+    """The number of the latest entry (0: none yet)."""
+    commits_wanted: bool = False
+    """A client asked for L1's commits: they are recorded from then on (:meth:`committed`)."""
     _entries: deque[tuple[int, str, int, str, ChunkHash, str, bool]] = field(default_factory=deque)
 
     def record(self, keys: Iterable[ObjectKey], medium: str = L1, stored: bool = False) -> None:
@@ -67,11 +76,22 @@ class EvictionFeed:
             if len(self._entries) > self.max_entries:
                 self._entries.popleft()
 
+    def committed(self, keys: Iterable[ObjectKey]) -> None:
+        """Appends the chunks of ``keys`` committed together in L1, once commits are wanted."""
+        if self.commits_wanted:
+            self.record(keys, L1, stored=True)
+
     def since(
-        self, after: int, model: str, world_size: int, limit: int, tiers: bool = False
+        self,
+        after: int,
+        model: str,
+        world_size: int,
+        limit: int,
+        tiers: bool = False,
+        commits: bool = False,
     ) -> FeedSlice:
         """Up to ``limit`` entries of ``(model, world_size)`` numbered above ``after``: L1's
-        removals, and the tiers' changes when ``tiers``."""
+        removals, the tiers' changes when ``tiers``, L1's commits when ``commits``."""
         first = self._entries[0][0] if self._entries else self.seq + 1
         if after > self.seq or after < first - 1:
             return FeedSlice([], self.seq, lost=True)
@@ -82,15 +102,20 @@ class EvictionFeed:
             newer.append(entry)
         chunks: list[tuple[int, str, ChunkHash]] = []
         changes: list[tuple[int, str, ChunkHash, str, bool]] = []
+        committed: list[tuple[int, str, ChunkHash]] = []
         last = self.seq
         for seq, entry_model, entry_world, salt, chunk_hash, medium, stored in reversed(newer):
-            if entry_model != model or entry_world != world_size or (medium and not tiers):
+            if entry_model != model or entry_world != world_size:
                 continue
-            if len(chunks) + len(changes) == limit:
+            if (medium and not tiers) or (not medium and stored and not commits):
+                continue
+            if len(chunks) + len(changes) + len(committed) == limit:
                 last = seq - 1
                 break
             if medium:
                 changes.append((seq, salt, chunk_hash, medium, stored))
+            elif stored:
+                committed.append((seq, salt, chunk_hash))
             else:
                 chunks.append((seq, salt, chunk_hash))
-        return FeedSlice(chunks, last, lost=False, tier_changes=changes)
+        return FeedSlice(chunks, last, lost=False, tier_changes=changes, committed=committed)

@@ -31,6 +31,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "lookup_miss_chunks",
         "Chunks the answered lookups asked for beyond their hit prefix.",
     ),
+    "mirror_answers": ("mirror_answers", "Lookups a scheduler's mirror answered itself."),
+    "mirror_wrong": (
+        "mirror_wrong",
+        "Mirror answers under what the server held (the engine recomputed cached chunks).",
+    ),
     "stored_bytes": ("stored_bytes", "Bytes of the objects stores committed."),
     "retrieved_bytes": ("retrieved_bytes", "Bytes of the objects retrieves read."),
     "evicted_objects": ("evicted_objects", "Objects evicted for capacity."),

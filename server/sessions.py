@@ -184,6 +184,8 @@ class Sessions:
             s.cache.release_group(previous)
         session.handle = b""
         session.pending = None
+        if req.commits and req.evictions_after is not None:
+            s.evictions.commits_wanted = True  # a mirror reads L1's commits from now on
         pending = PendingLookup(req, s.clock() + s.config.lookup_pending_timeout_s)
         return (yield from self._settle(call, session, pending))
 
@@ -270,6 +272,7 @@ class Sessions:
         )
         if (
             miss_status == IN_FLIGHT
+            and req.lock
             and s.clock() < pending.deadline
             and quotas.may_wait(s, self.live, call.client)
         ):
@@ -282,9 +285,13 @@ class Sessions:
             miss_status = tier_miss_status(s, pending, space, req.chunk_hashes[hit], miss_status)
         run = ChunkRun(space, req.chunk_hashes[:hit], tuple(range(req.world_size)))
         self.track(session, run, lookup=True)
-        handle = secrets.token_bytes(16)
+        handle = secrets.token_bytes(16) if req.lock else b""
         hit_objects = objects[: hit * req.world_size]
-        num_locks = yield from self._lock_hit(call, req, handle, run, hit_objects)
+        num_locks = 0
+        if req.lock:
+            num_locks = yield from self._lock_hit(call, req, handle, run, hit_objects)
+        if req.mirror_hit_chunks is not None:
+            _count_mirror(s, call, req, hit)
         by_tier = hit_sources(pending, run.hashes)
         if s.tiers.enabled:
             s.tiers.claimed(hit_objects)
@@ -357,6 +364,30 @@ class Sessions:
         return num_locks
 
 
+def _count_mirror(s: Shared, call: Call, req: p.Lookup, hit: int) -> None:
+    """A lookup the scheduler's mirror predicted: a wrong answer (it answered a miss itself,
+    ``lock`` False, where this server holds more) or an over-estimate (it asked, predicting
+    more than is held)."""
+    predicted = req.mirror_hit_chunks or 0
+    counters = s.counters
+    wrong = 0
+    if not req.lock:
+        counters.mirror_answers += 1
+        wrong = max(0, hit - max(predicted, req.engine_hit_tokens // s.config.chunk_size))
+        if wrong:
+            counters.mirror_wrong += 1
+            counters.mirror_wrong_chunks += wrong
+    elif predicted > hit:
+        counters.mirror_overestimates += 1
+    call.span.set_attributes(
+        {
+            a.MIRROR_HIT_CHUNKS: predicted,
+            a.MIRROR_ANSWERED: not req.lock,
+            a.MIRROR_WRONG_TOKENS: wrong * s.config.chunk_size,
+        }
+    )
+
+
 def _result(
     s: Shared,
     req: p.Lookup,
@@ -382,8 +413,12 @@ def _result(
             req.world_size,
             p.MAX_EVICTIONS_PER_REPLY,
             tiers=req.tier_events,
+            commits=req.commits,
         )
         reply.evicted = [p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.chunks]
+        reply.committed = [
+            p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.committed
+        ]
         reply.tier_changes = [
             p.TierChange(salt, chunk, seq, medium, stored)
             for seq, salt, chunk, medium, stored in removed.tier_changes

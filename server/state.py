@@ -167,6 +167,10 @@ class Counters:
     lookups: int = 0
     lookup_hit_chunks: int = 0
     lookup_miss_chunks: int = 0
+    mirror_answers: int = 0
+    mirror_wrong: int = 0
+    mirror_wrong_chunks: int = 0
+    mirror_overestimates: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
 
 

@@ -236,6 +236,7 @@ class Transfers:
                     nbytes=obj.nbytes,
                 )
         if ok and store.objects:
+            s.evictions.committed(obj.key for obj in store.objects)
             s.tiers.stored(store.objects, store.objects[0].origin)
         for (session_id, space, rank), hashes in refresh.items():
             session = self.sessions.live.get(session_id)

@@ -63,7 +63,7 @@ import msgspec
 from testbed.core.keys import HASH_BYTES, ChunkHash
 from testbed.core.kv_layout import PagedLayout, SharedKVFile
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 WireChunkHash = Annotated[ChunkHash, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
 """A chunk's key (:data:`testbed.core.keys.ChunkHash`) on the wire: its length checked."""
@@ -256,6 +256,21 @@ class Lookup(_Request, tag="lookup", kw_only=True):
     tier_events: bool = False
     """With ``evictions_after``: asks for the changes of the tiers below L1 too (chunks
     committed in and removed from each), numbered in the same stream (``tier_changes``)."""
+    commits: bool = False
+    """With ``evictions_after``: asks for the chunks committed in L1 too (by any client),
+    numbered in the same stream (``committed``): what a scheduler's lookup mirror needs to
+    know what the cache holds (``connector.mirror``)."""
+    lock: bool = True
+    """False: the scheduler already answered the lookup itself from its mirror (a miss) and
+    does not wait for this reply. The server matches, logs and counts it as any lookup but
+    takes no locks and never answers ``pending``."""
+    mirror_hit_chunks: Count | None = None
+    """The hit the scheduler's mirror predicted (``None``: no mirror). The server counts the
+    lookups the mirror answered wrong: it held chunks beyond both the prediction and
+    ``engine_hit_tokens`` (``ServerStats.mirror_wrong``)."""
+    engine_hit_tokens: Count = 0
+    """With ``mirror_hit_chunks``: the prompt tokens vLLM's own prefix cache held (chunks within
+    them would not have been loaded whatever the answer)."""
 
 
 class LookupPoll(_Request, tag="lookup_poll", kw_only=True):
@@ -586,6 +601,17 @@ class ServerStats(_Reply, tag="stats", kw_only=True):
     """Chunks the answered lookups found: the committed prefix each locked."""
     lookup_miss_chunks: int = 0
     """Chunks the answered lookups asked for beyond their hit prefix."""
+    mirror_answers: int = 0
+    """Lookups a scheduler's mirror answered itself (``Lookup.lock`` False: a predicted miss,
+    not waited for)."""
+    mirror_wrong: int = 0
+    """Of ``mirror_answers``, those where this server held more than the mirror predicted
+    (the engine recomputed chunks the cache held)."""
+    mirror_wrong_chunks: int = 0
+    """The chunks those wrong answers missed (the server's hit minus the mirror's)."""
+    mirror_overestimates: int = 0
+    """Lookups a mirror sent to the server predicting more than the server then held (a
+    round trip the mirror could have saved; never a wrong answer)."""
     errors_by_code: dict[str, int] = msgspec.field(default_factory=dict)
     """``errors`` by :data:`ErrorCode`."""
     tier_usage: list[TierUsage] = msgspec.field(default_factory=list)
@@ -657,6 +683,10 @@ class LookupResult(_Reply, tag="lookup_result", kw_only=True):
     tier_changes: list[TierChange] = []
     """When the lookup asked (``tier_events``): the tiers' changes in the entries ``evicted``
     covers, oldest first (together with ``evicted`` at most :data:`MAX_EVICTIONS_PER_REPLY`)."""
+    committed: list[EvictedChunk] = []
+    """When the lookup asked (``commits``): chunks committed in L1 in the entries
+    ``evicted`` covers, oldest first (``seq``: the commit's number; counted in the same
+    :data:`MAX_EVICTIONS_PER_REPLY`)."""
     hit_chunks_by_tier: dict[str, int] = {}
     """Where the hit's chunks were matched, at match time: hit-source name (``host`` for L1,
     ``disk``, ``remote``, ``p2p``) -> chunks; sums to ``hit_chunks`` (empty on a miss). A

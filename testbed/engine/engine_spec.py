@@ -91,4 +91,5 @@ def connector_config(
         fault_drop_fraction=drop,
         fault_seed=spec.seed if faults else 0,
         admin_token=server.admin_token if drop else "",
+        lookup_mirror=spec.lookup_mirror,
     )

@@ -106,7 +106,31 @@ def build_summary(
         )
     summary.update(_engine_times(result, requests, wall_s, summary["prompt_tokens"]))
     summary.update(_operation_times(spans))
+    summary.update(mirror_figures(spans, spec.lookup_mirror))
     return summary
+
+
+def mirror_figures(spans: pd.DataFrame, mirror: bool) -> dict[str, int | None]:
+    """What the connector's lookup mirror did, from the servers' lookup spans: the lookups it
+    answered itself, those it answered wrong (the server held more: tokens the engine
+    recomputed), and the lookups it sent predicting more than was held (``None``: no mirror)."""
+    keys = ("mirror_answers", "mirror_wrong", "mirror_wrong_tokens", "mirror_overestimates")
+    if not mirror:
+        return dict.fromkeys(keys, None)
+    lookups = spans[spans["name"] == a.SERVER_LOOKUP]
+    if a.MIRROR_HIT_CHUNKS not in lookups:
+        return dict.fromkeys(keys, 0)
+    lookups = lookups[lookups[a.MIRROR_HIT_CHUNKS].notna()]
+    predicted = pd.to_numeric(lookups[a.MIRROR_HIT_CHUNKS]).astype(int)
+    hit = pd.to_numeric(lookups[a.CHUNKS_HIT]).fillna(0).astype(int)
+    answered = lookups[a.MIRROR_ANSWERED].fillna(False).astype(bool)
+    wrong = pd.to_numeric(lookups[a.MIRROR_WRONG_TOKENS]).fillna(0).astype(int)
+    return {
+        "mirror_answers": int(answered.sum()),
+        "mirror_wrong": int((wrong > 0).sum()),
+        "mirror_wrong_tokens": int(wrong.sum()),
+        "mirror_overestimates": int((~answered & (predicted > hit)).sum()),
+    }
 
 
 def _write_chunk_table(

@@ -22,7 +22,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "chunk_size", "capacity_tokens", "capacity_bytes", "policy", "load_async",
         "transfer_mode", "store_wait", "metadata_only", "pool_medium", "fault_drop_fraction",
         "server_timeout_s", "server", "token_file", "tiers", "tier_write", "tier_promote",
-        "prefetch",
+        "prefetch", "lookup_mirror",
     ),
     "fleet": ("instances", "router", "router_params", "servers"),
     "tracing": ("trace_sampler", "trace_sampler_ratio", "otlp_endpoint", "otlp_protocol"),

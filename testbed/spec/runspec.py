@@ -64,6 +64,7 @@ SPEC_MIGRATIONS: dict[str, Any] = {
     "tier_write": "write_through",
     "tier_promote": "none",
     "prefetch": "wait",
+    "lookup_mirror": False,
 }
 """Documented migrations: fields added to :class:`RunSpec` after runs were made, each with the
 value that runs made before it existed implicitly had (the value that reproduces exactly what
@@ -71,7 +72,8 @@ they did). While a field has that value it is left out of the run id (older ids 
 ``spec.json`` that lacks the field compares as holding it. Added since version 3: the fleet's
 ``instances``, ``router``, ``router_params`` and ``servers`` (runs before them had one
 instance); the hierarchy's ``tiers``, ``tier_write``, ``tier_promote`` and ``prefetch`` (runs
-before them had L1 alone)."""
+before them had L1 alone); the connector's ``lookup_mirror`` (runs before it asked the server
+every lookup)."""
 DERIVED_KEYS = ("workload_digest",)
 """Fields that follow from another field when a spec is parsed (not a parameter to vary)."""
 _HOUR_S = 3600.0
@@ -196,6 +198,10 @@ class RunSpec:
     """A hit below L1: none (copied into L1 for its load only) or retain (stays in L1)."""
     prefetch: str = "wait"
     """How long a lookup waits for chunks below L1: wait, timeout:S or best_effort."""
+    lookup_mirror: bool = False
+    """The scheduler answers lookups that will load nothing from its mirror of what the
+    cache server holds (no round trip, no step's delay for a miss; a predicted hit asks the
+    server). Not with tiers or p2p. See docs/connector.md."""
 
     def __post_init__(self) -> None:
         problems = bound_problems(self) + literal_problems(self)
@@ -214,7 +220,7 @@ class RunSpec:
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
         problems += _fleet_problems(self)
-        problems += tier_problems(self)
+        problems += tier_problems(self) + _mirror_problems(self)
         problems += sampling.check(self.trace_sampler, self.trace_sampler_ratio)
         if self.workload_digest is not None and ":" not in self.workload:
             problems.append("workload_digest applies to trace workloads (KIND:PATH) only")
@@ -381,6 +387,25 @@ def _engine_problems(spec: RunSpec) -> list[str]:
                 "(workload param users) need arrival 'trace'"
             )
     return problems
+
+
+def _mirror_problems(spec: RunSpec) -> list[str]:
+    """What is wrong with ``lookup_mirror`` here (it sees L1 alone, through the connector)."""
+    if not spec.lookup_mirror:
+        return []
+    if not ENGINE_RULES[spec.engine].cache_server:
+        return [f"lookup_mirror applies to the {engines_where('cache_server')} engines"]
+    if spec.tiers or spec.p2p:
+        return [
+            "lookup_mirror sees the cache server's L1 alone: run it without tiers and p2p "
+            "(or without the mirror)"
+        ]
+    if spec.instances > 1 and spec.servers == "shared":
+        return [
+            "lookup_mirror learns what other instances commit to a shared server only a "
+            "lookup later (its misses would be wrong): use --servers per-instance"
+        ]
+    return []
 
 
 def _fleet_problems(spec: RunSpec) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from connector.kv_copy import PagedKV
+from connector.mirror import LookupMirror
 from connector.ops import StepPlan
 from connector.planner import Geometry
 from connector.scheduler import RequestView, ScheduledRequest, SchedulerSide
@@ -61,16 +62,19 @@ class Harness(Closing):
         timeout_s: float = 2.0,
         engine_id: str = "engine",
         transfer_mode: str = "worker",
+        mirror: bool = False,
     ) -> None:
         self.chunk_size = chunk_size
         self.server = server
         self.rpc = connect(server, role="scheduler", timeout_s=timeout_s)
+        self.rpc.call(p.GetConfig())  # as the connector asks at start (its epoch, its feed)
         self.client = SchedulerClient(
             self.rpc,
             model=model,
             world_size=kv_world_size(tp, mla),
             num_readers=readers_per_object(tp, mla),
             chunk_size=chunk_size,
+            mirror=LookupMirror(num_writers=kv_world_size(tp, mla)) if mirror else None,
         )
         self.side = SchedulerSide(
             self.client,
@@ -91,6 +95,7 @@ class Harness(Closing):
             worker = WorkerClient(rpc, WorkerIdentity.for_rank(model, tp, rank, mla, transfer_mode))
             kv = PagedKV(layers, 0, BLOCK_SIZE)
             worker.register(kv)
+            worker.report_chunks = mirror  # the reports vLLM's worker metadata carries
             self.ranks.append(Rank(rpc, kv, worker))
 
     # --- what vLLM does, step by step ---------------------------------------------------------
@@ -132,6 +137,8 @@ class Harness(Closing):
     def store(self, plan: StepPlan) -> None:
         for rank in self.ranks:
             rank.client.store(plan.stores)
+            if self.client.mirror is not None:  # update_connector_output's part
+                self.client.mirror.reported(rank.client.take_chunk_reports())
 
     def load(self, plan: StepPlan) -> list[RetrieveOutcome]:
         outcomes = []
