@@ -66,7 +66,8 @@ class ConnectorConfig:
     """Answer lookups that will load nothing from a mirror of what the server holds, kept from
     this engine's stores and the commits and removals the server's replies carry
     (``connector.mirror``): a miss costs no round trip and no step's delay; a predicted hit
-    asks the server as before. Not with tiers below L1 or peers (the mirror sees L1 only)."""
+    asks the server as before. A run refuses it with peers (``p2p``) or a store other servers
+    write to (a ``redis`` tier): what those hold, it cannot see."""
 
     load_wait_s: Annotated[float, _WAIT] = 0.0
     """How long ``get_finished`` may wait for in-flight retrieves (replays: deterministic)."""

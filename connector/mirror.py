@@ -24,14 +24,17 @@ Where it learns from, every source numbered by the server's feed (``server.evict
   client (another engine of a fleet behind the same server) and its removals (evictions,
   drops). A removal numbered above a chunk's commit removes it; one at or below concerns an
   earlier copy;
+- the changes of the server's tiers below L1 in the same feed
+  (:meth:`LookupMirror.tier_changed`): a chunk a tier holds is a predicted hit (the server
+  brings it up into L1 before the load);
 - a server that lost the feed or restarted (:meth:`LookupMirror.forget_all`): nothing is
   known held any more (stores still planned stay: they will be asked about).
 
-What it cannot see: chunks the server held before this engine's first lookup, chunks in tiers
-below L1 and at peers (a run with tiers or peers refuses the mirror), and chunks committed by
-another engine that no reply has reported yet. Each of those is a wrong miss, counted by the
-server (``mirror_wrong``). Memory is bounded: past ``max_chunks`` the oldest held chunk is
-forgotten (a miss, never a wrong byte).
+What it cannot see: chunks the server held before this engine's first lookup, chunks at peers
+and in a store other servers write to (a run with ``p2p`` or a ``redis`` tier refuses the
+mirror), and chunks committed by another engine that no reply has reported yet. Each of
+those is a wrong miss, counted by the server (``mirror_wrong``). Memory is bounded: past
+``max_chunks`` the oldest held chunk is forgotten (a miss, never a wrong byte).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class LookupMirror:
         feed's number at its commit."""
         self._removed_at: OrderedDict[ChunkKey, int] = OrderedDict()
         """The latest removal number seen per chunk (orders the reports and the feed)."""
+        self._below: OrderedDict[ChunkKey, set[str]] = OrderedDict()
+        """Chunks the server's tiers below L1 hold, with the tiers (hit-source names)."""
 
     def __len__(self) -> int:
         """Chunks known held (planned stores not counted)."""
@@ -96,7 +101,7 @@ class LookupMirror:
         """The leading chunks of ``hashes`` held or being stored: the hit to expect."""
         for index, chunk_hash in enumerate(hashes):
             key = (cache_salt, chunk_hash)
-            if key not in self._held and key not in self._planned:
+            if key not in self._held and key not in self._planned and key not in self._below:
                 return index
         return len(hashes)
 
@@ -142,10 +147,28 @@ class LookupMirror:
             if commits and any(entry.seq > seq for seq in commits.values()):
                 del self._planned[key]
 
+    def tier_changed(self, changes: Iterable[tuple[str, ChunkHash, str, bool]]) -> None:
+        """The tiers below L1 committed (``stored``) or removed these chunks ``(cache salt,
+        chunk hash, tier, stored)``, oldest first: a chunk a tier holds is a hit to ask about
+        whatever L1 does (the server brings it up before the load)."""
+        for salt, chunk_hash, tier, stored in changes:
+            key = (salt, chunk_hash)
+            tiers = self._below.get(key)
+            if stored:
+                if tiers is None:
+                    tiers = self._below[key] = set()
+                    _bound(self._below, self.max_chunks)
+                tiers.add(tier)
+            elif tiers is not None:
+                tiers.discard(tier)
+                if not tiers:
+                    del self._below[key]
+
     def forget_all(self) -> None:
         """The server lost track (its feed overflowed for this client, or it restarted)."""
         self._held.clear()
         self._removed_at.clear()
+        self._below.clear()
         self.stats.forgotten += 1
 
     def _hold(self, key: ChunkKey, seq: int) -> None:

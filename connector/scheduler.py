@@ -121,11 +121,11 @@ class SchedulerSide:
             if not tracker.chunk_hashes:
                 tracker.hit_tokens = 0  # shorter than a chunk: never stored, never hit
             else:
-                if not tracker.lookup_submitted:
-                    if self.lookups_fill_l1 and self._load_admitted:
-                        self.lookups_after_loads += 1
-                        return None, False  # vLLM asks again next step
-                    self._submit_lookup(tracker, request, num_computed_tokens)
+                if not tracker.lookup_submitted and not self._submit_lookup(
+                    tracker, request, num_computed_tokens
+                ):
+                    self.lookups_after_loads += 1
+                    return None, False  # vLLM asks again next step
                 answer = self.client.lookup_result(
                     tracker.session_id, self.lookup_wait_s, wait_pending=self.wait_pending
                 )
@@ -146,9 +146,11 @@ class SchedulerSide:
 
     def _submit_lookup(
         self, tracker: RequestTracker, request: RequestView, num_computed_tokens: int
-    ) -> None:
-        """Sends the request's lookup. With the mirror, a predicted hit that would load nothing
-        beyond vLLM's own is the answer at once (the server is told, not waited for)."""
+    ) -> bool:
+        """Sends the request's lookup; False when it must wait for the next step (a load was
+        admitted in this one, and the server's lookups fill L1). With the mirror, a predicted
+        hit that would load nothing beyond vLLM's own is the answer at once (the server is
+        told, not waited for), in any step."""
         mirror = self.client.mirror
         predicted = None
         answered = False
@@ -159,6 +161,9 @@ class SchedulerSide:
             answered = not tokens_to_load(
                 predicted * chunk_size, num_computed_tokens, request.num_tokens
             )
+        if not answered and self.lookups_fill_l1 and self._load_admitted:
+            return False
+        if mirror is not None:
             if answered:
                 mirror.stats.answered += 1
             else:
@@ -173,6 +178,7 @@ class SchedulerSide:
             engine_hit_tokens=num_computed_tokens,
         )
         tracker.lookup_submitted = True
+        return True
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: list[int], num_external_tokens: int

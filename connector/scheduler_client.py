@@ -152,7 +152,7 @@ class SchedulerClient:
                     num_readers=self.num_readers,
                     traceparent=telemetry.traceparent_of(span),
                     evictions_after=self.eviction_seq if feed else None,
-                    tier_events=self.track_evictions,
+                    tier_events=feed,
                     commits=self.mirror is not None,
                     lock=not answered,
                     mirror_hit_chunks=mirror_hit_chunks,
@@ -317,6 +317,9 @@ class SchedulerClient:
             self.mirror.changed(
                 [FeedEntry(c.seq, c.cache_salt, c.chunk_hash, False) for c in reply.evicted]
                 + [FeedEntry(c.seq, c.cache_salt, c.chunk_hash, True) for c in reply.committed]
+            )
+            self.mirror.tier_changed(
+                (c.cache_salt, c.chunk_hash, c.medium, c.stored) for c in reply.tier_changes
             )
         if lost or reply.eviction_seq > self.eviction_seq:
             self.eviction_seq = reply.eviction_seq

@@ -192,7 +192,7 @@ class KVTBConnector(KVConnectorBase_V1):
             track_evictions=self._kv_events,
             eviction_seq=server.eviction_seq if server is not None else 0,
             defer_releases=True,
-            mirror=self._mirror(world_size, server),
+            mirror=self._mirror(world_size),
         )
         if self._kv_events:
             self.announcer = ChunkAnnouncer(num_writers=world_size)
@@ -211,15 +211,8 @@ class KVTBConnector(KVConnectorBase_V1):
             lookups_fill_l1=server is not None and server.lookups_fill_l1,
         )
 
-    def _mirror(self, world_size: int, server: p.ServerConfigInfo | None) -> LookupMirror | None:
-        if not self.config.lookup_mirror:
-            return None
-        if server is not None and server.lookups_fill_l1:
-            raise ValueError(
-                "kvtb.lookup_mirror: the cache server has tiers below L1, which the mirror "
-                "cannot see; run without the mirror or without the tiers"
-            )
-        return LookupMirror(num_writers=world_size)
+    def _mirror(self, world_size: int) -> LookupMirror | None:
+        return LookupMirror(num_writers=world_size) if self.config.lookup_mirror else None
 
     def _worker_client(self) -> WorkerClient:
         config = self.config

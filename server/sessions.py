@@ -324,7 +324,7 @@ class Sessions:
         and why the chunk after the hit is not one, once the tiers below have sent for what
         they hold and peers have filled an absent chunk and what follows it (noted as theirs)."""
         s, req = self.s, pending.request
-        if s.tiers.enabled:
+        if s.tiers.enabled and req.lock:  # unlocked: the mirror answered, nothing is loaded
             yield from prefetch(s, call, pending)
         statuses, objects = yield from _statuses(s, call, req, full=s.chunk_log.enabled)
         hit = _hit(statuses)
@@ -332,7 +332,7 @@ class Sessions:
         if miss_status == ABSENT and writing_below(s, req, hit):
             miss_status = IN_FLIGHT  # written below, not yet held: waited for as a store
         copied = 0
-        if miss_status == ABSENT:
+        if miss_status == ABSENT and req.lock:
             copied = yield from self.peering.fill(call, req, hit)
         if copied:
             for chunk_hash in req.chunk_hashes[hit : hit + copied]:
@@ -373,6 +373,7 @@ def _count_mirror(s: Shared, call: Call, req: p.Lookup, hit: int) -> None:
     wrong = 0
     if not req.lock:
         counters.mirror_answers += 1
+        hit += _held_below(s, req, hit)  # not brought up: no load follows
         wrong = max(0, hit - max(predicted, req.engine_hit_tokens // s.config.chunk_size))
         if wrong:
             counters.mirror_wrong += 1
@@ -386,6 +387,19 @@ def _count_mirror(s: Shared, call: Call, req: p.Lookup, hit: int) -> None:
             a.MIRROR_WRONG_TOKENS: wrong * s.config.chunk_size,
         }
     )
+
+
+def _held_below(s: Shared, req: p.Lookup, hit: int) -> int:
+    """The chunks after an L1 hit of ``hit`` chunks that the tiers below L1 hold, in order."""
+    if not s.tiers.enabled:
+        return 0
+    space = Space(req.model, req.world_size, req.cache_salt)
+    below = 0
+    for chunk_hash in req.chunk_hashes[hit:]:
+        if not s.tiers.held_below(space.keys(chunk_hash)):
+            break
+        below += 1
+    return below
 
 
 def _result(

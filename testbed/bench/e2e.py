@@ -19,6 +19,7 @@ from testbed.bench.peer.engine_protocol import BLOCK, CHUNK
 from testbed.bench.processes import BenchProcesses
 from testbed.bench.stats import Ratio, Spread
 from testbed.bench.vllm_e2e import (
+    MIRROR,
     NATIVE,
     WITHOUT_CONNECTOR,
     Answers,
@@ -29,6 +30,11 @@ from testbed.bench.vllm_e2e import (
 from testbed.core.run_dir import RunDir
 
 HIT_KEYS = {1024: "hit_1k_vs_recompute", 4096: "hit_4k_vs_recompute", 16384: "hit_16k_vs_recompute"}
+MIRROR_KEYS = {
+    1024: "first_pass_mirror_vs_recompute_1k",
+    4096: "first_pass_mirror_vs_recompute_4k",
+    16384: "first_pass_mirror_vs_recompute_16k",
+}
 
 
 def section(config: BenchConfig) -> SectionResult:
@@ -36,7 +42,7 @@ def section(config: BenchConfig) -> SectionResult:
 
     lengths, samples = config.e2e_lengths, config.e2e_samples
     max_len = -(-max(lengths) // BLOCK) * BLOCK
-    ours = ["no cache", "worker"] + ([] if config.quick else ["server", NATIVE])
+    ours = ["no cache", "worker"] + ([] if config.quick else [MIRROR, "server", NATIVE])
     work = config.work_dir / "vllm"
     with ExitStack() as stack:
         processes = stack.enter_context(BenchProcesses())
@@ -131,6 +137,7 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
                 details={"modes": {m: round(ratio(1024, m, "first").value, 4) for m in modes}},
             )
         )
+    figures += _mirror_figures(answers, lengths, ratio, n)
     for length, key in HIT_KEYS.items():
         if length not in lengths:
             figures.append(missing(key, f"hit at {length} tokens", "not measured with --quick"))
@@ -144,6 +151,30 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
                 ratio=r,
                 details=_hit_details(answers, length, modes, ratio),
             )
+        )
+    return figures
+
+
+def _mirror_figures(
+    answers: Answers, lengths: tuple[int, ...], ratio: Callable[[int, str, str], Ratio], n: int
+) -> list[Figure]:
+    """The first pass (a miss) with the lookup mirror over the same prompt recomputed, per
+    length: a miss that costs no round trip and no step should cost nothing."""
+    figures = []
+    for length, key in MIRROR_KEYS.items():
+        what = (
+            f"time to first token of the first pass (a miss, then the store) of a {length}-token "
+            "prompt inside vLLM-CPU (tiny seeded model, chunk 256) with our connector and its "
+            "lookup mirror (worker copies) over the same prompt recomputed by vLLM without a "
+            f"connector; interleaved samples: {n}"
+        )
+        if length not in lengths or (length, MIRROR) not in answers:
+            figures.append(missing(key, what, "the mirror is not measured with --quick"))
+            continue
+        r = ratio(length, MIRROR, "first")
+        without = ratio(length, "worker", "first").value
+        figures.append(
+            Figure(key, r.value, what, ratio=r, details={"without_mirror": round(without, 4)})
         )
     return figures
 

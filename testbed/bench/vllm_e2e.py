@@ -5,7 +5,8 @@ Each configuration is its own process holding one vLLM engine (the tiny seeded m
 prefix cache off so that every hit comes from the cache server, chunk 256, blocks of 64,
 vLLM's defaults otherwise: asynchronous loads and stores, lookups and loads polled by vLLM's
 steps): ``no cache`` (vLLM alone, no connector: the recompute baseline), ``worker`` (our
-connector, the worker copying) and ``server`` (our connector, the cache server copying from
+connector, the worker copying), ``mirror`` (the same with the lookup mirror: a miss answered
+without a round trip) and ``server`` (our connector, the cache server copying from
 vLLM's KV in shared memory), each cache configuration with its own server, tracing on as
 ``kvtb run`` does; and ``vllm prefix cache`` (vLLM alone with its prefix cache on: its second
 pass is a hit in vLLM's own blocks, the floor under any hit's time to first token). Samples
@@ -57,7 +58,10 @@ if TYPE_CHECKING:
     from server.launch import ServerProcess
     from testbed.engine.vllm_engine import VllmEngine, VllmEngineSpec
 
-CHILD_CONFIGS = ("no cache", "worker", "server", "vllm prefix cache")
+CHILD_CONFIGS = ("no cache", "worker", "mirror", "server", "vllm prefix cache")
+MIRROR = "mirror"
+"""Our connector (worker copies) with the lookup mirror (``kvtb.lookup_mirror``): a miss is
+answered in the call that asks, without a round trip or a step's wait."""
 NATIVE = "vllm prefix cache"
 """vLLM alone with its own prefix cache on: its second pass is a hit held in vLLM's blocks,
 the least any hit can cost (no lookup, no load), beside which a cache server's hits are read."""
@@ -116,6 +120,7 @@ def _engine_spec(config: str, max_len: int) -> VllmEngineSpec:
         prefix_caching=config == NATIVE,
         deterministic=False,  # vLLM's own cadence: lookups and loads polled by steps
         transfer_mode="server" if config == "server" else "worker",
+        lookup_mirror=config == MIRROR,
         engine_id=f"e2e-{config.replace(' ', '-')}",
     )
 

