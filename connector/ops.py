@@ -37,6 +37,10 @@ class ChunkOp:
 class StoreOp(ChunkOp):
     """Copy the blocks into the cache (chunks already there are skipped by the server)."""
 
+    after_lookup: bool = False
+    """The request's lookup was sent in this step without waiting for its answer (the lookup
+    mirror answered it): the server handles this store only after that lookup."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetrieveOp(ChunkOp):

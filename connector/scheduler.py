@@ -35,6 +35,7 @@ the lookup's status and the preemptions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 
@@ -107,6 +108,9 @@ class SchedulerSide:
         """A load was admitted in this scheduler step (until its plan is built)."""
         self.lookups_after_loads = 0
         """Lookups held back to the next step because a load was admitted before them."""
+        self._unwaited: set[str] = set()
+        """Requests whose lookup the mirror answered and whose first store is not planned yet:
+        it is sent ``after_lookup`` (the server reads the lookup first)."""
 
     def session_id(self, request_id: str) -> str:
         return f"{self.engine_id}:{request_id}"
@@ -166,6 +170,7 @@ class SchedulerSide:
         if mirror is not None:
             if answered:
                 mirror.stats.answered += 1
+                self._unwaited.add(tracker.request_id)
             else:
                 mirror.stats.asked += 1
         self.client.submit_lookup(
@@ -264,6 +269,9 @@ class SchedulerSide:
             tracker, self.geometry, computed, store_decode_tokens=self.store_decode_tokens
         )
         if store is not None:
+            if tracker.request_id in self._unwaited:
+                self._unwaited.discard(tracker.request_id)
+                store = dataclasses.replace(store, after_lookup=True)
             plan.stores.append(store)
             tracker.stores_planned = True
             if self.client.mirror is not None:
@@ -296,6 +304,7 @@ class SchedulerSide:
         steps can keep its blocks: a request that failed its first (synchronous) load is
         freed at once, as vLLM frees it."""
         tracker = self.trackers.pop(request_id, None)
+        self._unwaited.discard(request_id)
         if tracker is None:
             return False
         # Finished (aborted) before allocation: its lookup's locks would otherwise wait for the

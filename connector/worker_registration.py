@@ -203,6 +203,7 @@ class Registration:
                 skip_blocks=op.skip_first_n_tokens // self.block_size
                 if with_blocks and isinstance(op, RetrieveOp)
                 else 0,
+                after_lookup=isinstance(op, StoreOp) and op.after_lookup,
             )
             for op in ops
         ]

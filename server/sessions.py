@@ -11,6 +11,7 @@ pending lookup nobody polls is forgotten after its timeout.
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 from collections.abc import Generator
 from typing import Final
 
@@ -39,6 +40,7 @@ from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
 
+LOOKED_UP_IDS = 1 << 16
 HIT: Final = "hit"
 IN_FLIGHT: Final = "in_flight"
 ABSENT: Final = "absent"
@@ -53,6 +55,9 @@ class Sessions:
         """Asked after a local miss (a no-op until the server is given peers)."""
         self.live: dict[str, Session] = {}
         self.tracked_chunks = 0
+        self.looked_up: OrderedDict[str, None] = OrderedDict()
+        """The latest sessions whose lookup was read (at most :data:`LOOKED_UP_IDS`): a store
+        sent ``after_lookup`` waits until its session is here."""
 
     # -----------------------------------------------------------------------------------------
     # State
@@ -186,6 +191,11 @@ class Sessions:
         session.pending = None
         if req.commits and req.evictions_after is not None:
             s.evictions.commits_wanted = True  # a mirror reads L1's commits from now on
+        if not req.lock:
+            self.looked_up[req.session_id] = None
+            self.looked_up.move_to_end(req.session_id)
+            if len(self.looked_up) > LOOKED_UP_IDS:
+                self.looked_up.popitem(last=False)
         pending = PendingLookup(req, s.clock() + s.config.lookup_pending_timeout_s)
         return (yield from self._settle(call, session, pending))
 

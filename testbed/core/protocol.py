@@ -312,6 +312,11 @@ class OpItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Server-driven transfers: the engine's KV blocks of the chunks, in order."""
     skip_blocks: Count = 0
     """Server-driven retrieves: leading blocks the engine already holds (never written)."""
+    after_lookup: bool = False
+    """Stores: the session's lookup was sent on the scheduler's connection without waiting for
+    its answer; a store read before that lookup waits for it (a quarter second at most), so
+    that the lookup sees the cache as it was before the
+    request's own stores, whichever connection the server read first."""
 
 
 class _BatchBegin(_Request, kw_only=True):

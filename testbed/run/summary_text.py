@@ -26,6 +26,7 @@ def summary_lines(summary: Mapping[str, Any], run_dir: Path) -> list[str]:
         ("lookup p50 / p99 ms", _pair(summary, "lookup")),
         ("store p50 / p99 ms", _pair(summary, "store")),
         ("retrieve p50 / p99 ms", _pair(summary, "retrieve")),
+        ("lookup mirror answered / wrong", _mirror(summary)),
         ("integrity errors", summary.get("integrity_errors")),
         ("limit refusals", summary.get("limit_refusals") or None),
         ("cache pool", summary.get("pool_medium")),
@@ -63,6 +64,15 @@ def _sampling(summary: Mapping[str, Any]) -> str | None:
         f"{sampling['text']}: the token figures below are an estimate from the {recorded} of "
         f"{served} requests recorded{estimate}"
     )
+
+
+def _mirror(summary: Mapping[str, Any]) -> str | None:
+    """The lookups the mirror answered itself, and of those the wrong ones (``None``: off)."""
+    answers = summary.get("mirror_answers")
+    if answers is None:
+        return None
+    wrong, tokens = summary.get("mirror_wrong"), summary.get("mirror_wrong_tokens")
+    return f"{answers} / {wrong} ({tokens} tokens recomputed that the server held)"
 
 
 def _pct(value: float | None) -> str | None:

@@ -205,9 +205,7 @@ def test_a_replay_with_eviction_gets_every_answer_right_and_the_same_hits(tmp_pa
         assert mirrored["tokens"]["external_disk"] > 0
     else:
         assert plain["tokens"]["capacity"] > 0
-    hits = ("engine", "external", "external_host", "external_disk")
-    assert {k: mirrored["tokens"][k] for k in hits} == {k: plain["tokens"][k] for k in hits}
-    # the same tokens recomputed; a miss the mirror answered is logged when the server reads
-    # its lookup, which may label a chunk by a later state (cold or capacity)
-    assert sum(mirrored["tokens"].values()) == sum(plain["tokens"].values())
+    # every token in the category it has without the mirror: the server reads a lookup the
+    # mirror answered before the request's own stores (they wait for it), as a waited one
+    assert mirrored["tokens"] == plain["tokens"]
     assert mirrored["integrity_errors"] == 0
