@@ -186,3 +186,15 @@ def server_config(rpc: RpcClient, config: ConnectorConfig) -> p.ServerConfigInfo
         return None
     assert isinstance(info, p.ServerConfigInfo)
     return info
+
+
+def refuse_pipeline_parallelism(pipeline_parallel_size: int) -> None:
+    """``ValueError`` for more than one pipeline stage (the cache keys do not tell the stages'
+    layers apart)."""
+    if pipeline_parallel_size > 1:
+        raise ValueError(
+            f"KVTBConnector does not support pipeline parallelism (pipeline_parallel_size="
+            f"{pipeline_parallel_size}): each pipeline stage holds other layers' "
+            "KV under the same cache keys. Start vLLM with --pipeline-parallel-size 1 "
+            "(tensor parallelism, --tensor-parallel-size, is supported)."
+        )

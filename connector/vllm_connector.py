@@ -56,7 +56,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from connector import tracing, vllm_telemetry
-from connector.config import ConnectorConfig, server_config
+from connector.config import ConnectorConfig, refuse_pipeline_parallelism, server_config
 from connector.faults import FaultInjector
 from connector.kv_copy import PagedKV
 from connector.kv_events import ChunkAnnouncer
@@ -104,18 +104,6 @@ class KVTBConnectorMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
-def _refuse_pipeline_parallelism(pipeline_parallel_size: int) -> None:
-    """``ValueError`` for more than one pipeline stage (the cache keys do not tell the stages'
-    layers apart)."""
-    if pipeline_parallel_size > 1:
-        raise ValueError(
-            f"KVTBConnector does not support pipeline parallelism (pipeline_parallel_size="
-            f"{pipeline_parallel_size}): each pipeline stage holds other layers' "
-            "KV under the same cache keys. Start vLLM with --pipeline-parallel-size 1 "
-            "(tensor parallelism, --tensor-parallel-size, is supported)."
-        )
-
-
 class KVTBConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST  # a request without a per-tier split
 
@@ -131,7 +119,7 @@ class KVTBConnector(KVConnectorBase_V1):
         self.config = config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
-        _refuse_pipeline_parallelism(parallel.pipeline_parallel_size)
+        refuse_pipeline_parallelism(parallel.pipeline_parallel_size)
         events = vllm_config.kv_events_config
         self._kv_events = events is not None and events.enable_kv_cache_events
         hash_block = kv_cache_config.hash_block_size if kv_cache_config is not None else None
@@ -192,7 +180,7 @@ class KVTBConnector(KVConnectorBase_V1):
             track_evictions=self._kv_events,
             eviction_seq=server.eviction_seq if server is not None else 0,
             defer_releases=True,
-            mirror=self._mirror(world_size),
+            mirror=LookupMirror(num_writers=world_size) if config.lookup_mirror else None,
         )
         if self._kv_events:
             self.announcer = ChunkAnnouncer(num_writers=world_size)
@@ -210,9 +198,6 @@ class KVTBConnector(KVConnectorBase_V1):
             tp_size=self.tp_size,
             lookups_fill_l1=server is not None and server.lookups_fill_l1,
         )
-
-    def _mirror(self, world_size: int) -> LookupMirror | None:
-        return LookupMirror(num_writers=world_size) if self.config.lookup_mirror else None
 
     def _worker_client(self) -> WorkerClient:
         config = self.config
@@ -418,11 +403,9 @@ class KVTBConnector(KVConnectorBase_V1):
         self.scheduler_side.load_failed(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, vllm_telemetry.KVTBWorkerMetadata):
-            if self.announcer is not None:
-                self.announcer.reported(meta.reports)
-            mirror = self.scheduler_side.client.mirror
-            if mirror is not None:
-                mirror.reported(meta.reports)
+            for reader in (self.announcer, self.scheduler_side.client.mirror):
+                if reader is not None:  # KV events, the lookup mirror
+                    reader.reported(meta.reports)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Chunks stored in and removed from the cache server since the last call, as vLLM KV

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from server.objects import ObjectKey
+from testbed.core import protocol as p
 from testbed.core.keys import ChunkHash
 
 DEFAULT_MAX_ENTRIES = 1 << 16
@@ -119,3 +120,24 @@ class EvictionFeed:
             else:
                 chunks.append((seq, salt, chunk_hash))
         return FeedSlice(chunks, last, lost=False, tier_changes=changes, committed=committed)
+
+    def answer(self, req: p.Lookup, reply: p.LookupResult) -> None:
+        """Fills ``reply`` with the entries after ``req.evictions_after`` it asks for (at most
+        :data:`~testbed.core.protocol.MAX_EVICTIONS_PER_REPLY`)."""
+        assert req.evictions_after is not None
+        found = self.since(
+            req.evictions_after,
+            req.model,
+            req.world_size,
+            p.MAX_EVICTIONS_PER_REPLY,
+            tiers=req.tier_events,
+            commits=req.commits,
+        )
+        reply.evicted = [p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in found.chunks]
+        reply.committed = [p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in found.committed]
+        reply.tier_changes = [
+            p.TierChange(salt, chunk, seq, medium, stored)
+            for seq, salt, chunk, medium, stored in found.tier_changes
+        ]
+        reply.eviction_seq = found.seq
+        reply.evictions_lost = found.lost

@@ -11,13 +11,13 @@ pending lookup nobody polls is forgotten after its timeout.
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from collections.abc import Generator
 from typing import Final
 
 from server import quotas
 from server.context import Call, ServiceError, Shared, Steps
 from server.held import held_by
+from server.mirror_checks import LookupOrder, count_mirror
 from server.objects import CacheObject, Space
 from server.peering import P2P_SOURCE, Peering
 from server.state import (
@@ -40,7 +40,6 @@ from testbed.core import protocol as p
 from testbed.core.chunk_events import LOOKUP, TOUCH, namespace
 from testbed.core.telemetry import attributes as a
 
-LOOKED_UP_IDS = 1 << 16
 HIT: Final = "hit"
 IN_FLIGHT: Final = "in_flight"
 ABSENT: Final = "absent"
@@ -55,9 +54,8 @@ class Sessions:
         """Asked after a local miss (a no-op until the server is given peers)."""
         self.live: dict[str, Session] = {}
         self.tracked_chunks = 0
-        self.looked_up: OrderedDict[str, None] = OrderedDict()
-        """The latest sessions whose lookup was read (at most :data:`LOOKED_UP_IDS`): a store
-        sent ``after_lookup`` waits until its session is here."""
+        self.order = LookupOrder()
+        """The unlocked lookups read, for the stores sent after them (``server.mirror_checks``)."""
 
     # -----------------------------------------------------------------------------------------
     # State
@@ -192,10 +190,7 @@ class Sessions:
         if req.commits and req.evictions_after is not None:
             s.evictions.commits_wanted = True  # a mirror reads L1's commits from now on
         if not req.lock:
-            self.looked_up[req.session_id] = None
-            self.looked_up.move_to_end(req.session_id)
-            if len(self.looked_up) > LOOKED_UP_IDS:
-                self.looked_up.popitem(last=False)
+            self.order.read(req.session_id)
         pending = PendingLookup(req, s.clock() + s.config.lookup_pending_timeout_s)
         return (yield from self._settle(call, session, pending))
 
@@ -301,7 +296,7 @@ class Sessions:
         if req.lock:
             num_locks = yield from self._lock_hit(call, req, handle, run, hit_objects)
         if req.mirror_hit_chunks is not None:
-            _count_mirror(s, call, req, hit)
+            count_mirror(s, call, req, hit)
         by_tier = hit_sources(pending, run.hashes)
         if s.tiers.enabled:
             s.tiers.claimed(hit_objects)
@@ -374,44 +369,6 @@ class Sessions:
         return num_locks
 
 
-def _count_mirror(s: Shared, call: Call, req: p.Lookup, hit: int) -> None:
-    """A lookup the scheduler's mirror predicted: a wrong answer (it answered a miss itself,
-    ``lock`` False, where this server holds more) or an over-estimate (it asked, predicting
-    more than is held)."""
-    predicted = req.mirror_hit_chunks or 0
-    counters = s.counters
-    wrong = 0
-    if not req.lock:
-        counters.mirror_answers += 1
-        hit += _held_below(s, req, hit)  # not brought up: no load follows
-        wrong = max(0, hit - max(predicted, req.engine_hit_tokens // s.config.chunk_size))
-        if wrong:
-            counters.mirror_wrong += 1
-            counters.mirror_wrong_chunks += wrong
-    elif predicted > hit:
-        counters.mirror_overestimates += 1
-    call.span.set_attributes(
-        {
-            a.MIRROR_HIT_CHUNKS: predicted,
-            a.MIRROR_ANSWERED: not req.lock,
-            a.MIRROR_WRONG_TOKENS: wrong * s.config.chunk_size,
-        }
-    )
-
-
-def _held_below(s: Shared, req: p.Lookup, hit: int) -> int:
-    """The chunks after an L1 hit of ``hit`` chunks that the tiers below L1 hold, in order."""
-    if not s.tiers.enabled:
-        return 0
-    space = Space(req.model, req.world_size, req.cache_salt)
-    below = 0
-    for chunk_hash in req.chunk_hashes[hit:]:
-        if not s.tiers.held_below(space.keys(chunk_hash)):
-            break
-        below += 1
-    return below
-
-
 def _result(
     s: Shared,
     req: p.Lookup,
@@ -431,24 +388,7 @@ def _result(
         hit_chunks_by_tier=by_tier,
     )
     if req.evictions_after is not None:
-        removed = s.evictions.since(
-            req.evictions_after,
-            req.model,
-            req.world_size,
-            p.MAX_EVICTIONS_PER_REPLY,
-            tiers=req.tier_events,
-            commits=req.commits,
-        )
-        reply.evicted = [p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.chunks]
-        reply.committed = [
-            p.EvictedChunk(salt, chunk, seq) for seq, salt, chunk in removed.committed
-        ]
-        reply.tier_changes = [
-            p.TierChange(salt, chunk, seq, medium, stored)
-            for seq, salt, chunk, medium, stored in removed.tier_changes
-        ]
-        reply.eviction_seq = removed.seq
-        reply.evictions_lost = removed.lost
+        s.evictions.answer(req, reply)
     return reply
 
 

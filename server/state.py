@@ -97,6 +97,9 @@ class ClientState:
     sessions: set[str] = field(default_factory=set)
     tracked_chunks: int = 0
     """Chunks in the refresh lists of its sessions (its share of the service's count)."""
+    waits_for_lookups: bool = True
+    """Its stores sent ``after_lookup`` wait for their lookups; off once one waited in vain
+    (a client that names sessions nobody looks up never holds the server's loop again)."""
 
     def op_ids(self) -> set[int]:
         return set(self.stores) | set(self.retrieves)

@@ -33,12 +33,6 @@ from testbed.core.telemetry import attributes as a
 Op = TypeVar("Op", InflightStore, InflightRetrieve)
 
 
-
-AFTER_LOOKUP_S = 0.25
-"""The longest a store sent ``after_lookup`` waits for its session's lookup (sent before it,
-on the scheduler's connection: only a lookup the scheduler could not send is waited for this
-long)."""
-
 class Transfers:
     """The workers' operations; commits refresh the storing sessions (``sessions``)."""
 
@@ -97,7 +91,7 @@ class Transfers:
     def store_begin(self, call: Call, req: p.StoreBegin) -> Steps:
         s = self.s
         worker = registration.worker_for(self.s, call, req)
-        yield from self._after_lookups(req)
+        yield from self.sessions.order.after_lookups(s, call.client, req)
         eviction = Eviction(reason="capacity")
         objects: list[CacheObject] = []
         positions: list[tuple[str, int]] = []
@@ -194,17 +188,6 @@ class Transfers:
                     nbytes=0 if obj is None else obj.nbytes,
                 )
             if call.spend():
-                yield
-
-    def _after_lookups(self, req: p.StoreBegin) -> Generator[None, None, None]:
-        """Waits (other clients served meanwhile, this one's later requests behind it) until
-        the lookups of the items sent ``after_lookup`` were read, or :data:`AFTER_LOOKUP_S`: a
-        lookup nobody waited for then sees the cache as it was before its request's stores."""
-        waiting = {item.session_id for item in req.items if item.after_lookup}
-        deadline = self.s.clock() + min(self.s.config.lookup_pending_timeout_s, AFTER_LOOKUP_S)
-        while waiting and self.s.clock() < deadline:
-            waiting = {sid for sid in waiting if sid not in self.sessions.looked_up}
-            if waiting:
                 yield
 
     def store_commit(self, call: Call, req: p.StoreCommit) -> p.Reply:

@@ -107,27 +107,34 @@ def _collect(
         if not socket.poll(int(timeout_s * 1e3)):
             return False
         frame = socket.recv()
-        stats.answered += 1
         try:
-            reply = p.decode_reply(frame)
+            decoded = p.decode_reply(frame)
         except (msgspec.DecodeError, msgspec.ValidationError):
+            stats.answered += 1
             stats.undecodable_replies += 1
             stats.note(f"undecodable reply {frame[:40]!r}")
             continue
-        is_error = isinstance(reply, p.Error)
-        stats.replies[
-            f"error:{reply.code}" if isinstance(reply, p.Error) else p.op_name(reply)
-        ] += 1
-        case = by_rid.pop(reply.rid, None) if reply.rid else None
-        if case is None or is_error:
-            continue
-        if case.expect_error:
-            stats.violations += 1
-            stats.note(f"case {case.index} ({case.kind} {case.op}) was answered {reply!r}")
-        if case.unauthenticated and not isinstance(reply, p.Pong):
-            stats.unauthorized_accepted += 1
-            stats.note(f"case {case.index} ({case.op} without credential) got {reply!r}")
+        # replies ready together come as one frame (a request that waited, then those behind it)
+        replies = decoded.replies if isinstance(decoded, p.Replies) else [decoded]
+        stats.answered += len(replies)
+        for reply in replies:
+            _check_reply(stats, by_rid, reply)
     return True
+
+
+def _check_reply(stats: FuzzStats, by_rid: dict[int, FuzzCase], reply: p.Reply) -> None:
+    """Counts one reply and checks it against the case it answers."""
+    is_error = isinstance(reply, p.Error)
+    stats.replies[f"error:{reply.code}" if isinstance(reply, p.Error) else p.op_name(reply)] += 1
+    case = by_rid.pop(reply.rid, None) if reply.rid else None
+    if case is None or is_error:
+        return
+    if case.expect_error:
+        stats.violations += 1
+        stats.note(f"case {case.index} ({case.kind} {case.op}) was answered {reply!r}")
+    if case.unauthenticated and not isinstance(reply, p.Pong):
+        stats.unauthorized_accepted += 1
+        stats.note(f"case {case.index} ({case.op} without credential) got {reply!r}")
 
 
 # ---------------------------------------------------------------------------------------------

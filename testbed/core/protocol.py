@@ -314,8 +314,8 @@ class OpItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Server-driven retrieves: leading blocks the engine already holds (never written)."""
     after_lookup: bool = False
     """Stores: the session's lookup was sent on the scheduler's connection without waiting for
-    its answer; a store read before that lookup waits for it (a quarter second at most), so
-    that the lookup sees the cache as it was before the
+    its answer; a store read before that lookup waits for it (50 ms at most; a client whose
+    store waited in vain waits no more), so that the lookup sees the cache as it was before the
     request's own stores, whichever connection the server read first."""
 
 

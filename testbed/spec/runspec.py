@@ -37,6 +37,7 @@ from testbed.core.telemetry.sampling import DEFAULT_SAMPLER
 from testbed.core.typed_values import convert, hints, literal_problems, means_absent, type_name
 from testbed.models.profiles import PROFILES, KVProfile, get_profile
 from testbed.spec.engines import ENGINE_NAMES, ENGINE_RULES, EngineName, engines_where
+from testbed.spec.fleet_keys import fleet_problems, mirror_problems
 from testbed.spec.tiers import tier_problems
 
 ENGINES = ENGINE_NAMES
@@ -219,8 +220,7 @@ class RunSpec:
             )
         if self.capacity_tokens is not None and self.capacity_bytes is not None:
             problems.append("give capacity_tokens or capacity_bytes, not both")
-        problems += _fleet_problems(self)
-        problems += tier_problems(self) + _mirror_problems(self)
+        problems += fleet_problems(self) + tier_problems(self) + mirror_problems(self)
         problems += sampling.check(self.trace_sampler, self.trace_sampler_ratio)
         if self.workload_digest is not None and ":" not in self.workload:
             problems.append("workload_digest applies to trace workloads (KIND:PATH) only")
@@ -386,57 +386,6 @@ def _engine_problems(spec: RunSpec) -> list[str]:
                 f"arrival {spec.arrival!r} sends every request at once; closed-loop users "
                 "(workload param users) need arrival 'trace'"
             )
-    return problems
-
-
-def _mirror_problems(spec: RunSpec) -> list[str]:
-    """What is wrong with ``lookup_mirror`` here (it sees L1 alone, through the connector)."""
-    if not spec.lookup_mirror:
-        return []
-    if not ENGINE_RULES[spec.engine].cache_server:
-        return [f"lookup_mirror applies to the {engines_where('cache_server')} engines"]
-    if spec.p2p or any(tier.split(":", 1)[0].split("@", 1)[0] == "redis" for tier in spec.tiers):
-        return [
-            "lookup_mirror cannot see what peers or other servers hold: run it without p2p "
-            "and redis tiers (or without the mirror)"
-        ]
-    if spec.instances > 1 and spec.servers == "shared":
-        return [
-            "lookup_mirror learns what other instances commit to a shared server only a "
-            "lookup later (its misses would be wrong): use --servers per-instance"
-        ]
-    return []
-
-
-def _fleet_problems(spec: RunSpec) -> list[str]:
-    """What is wrong with the spec's fleet keys (the router's parameters included)."""
-    rules = ENGINE_RULES[spec.engine]
-    problems = []
-    if spec.instances < 1:
-        problems.append(f"instances must be at least 1, got {spec.instances}")
-    elif spec.instances > 1 and not rules.routed:
-        problems.append(
-            f"instances = {spec.instances} needs the fleet engine (or serve with several vLLM "
-            "servers); use --engine fleet"
-        )
-    if spec.servers != "shared" and not rules.per_instance_servers:
-        apply = engines_where("per_instance_servers")
-        problems.append(f"servers 'per-instance' applies to the {apply} engine")
-    if spec.p2p and not (rules.per_instance_servers and spec.servers == "per-instance"):
-        problems.append(
-            f"p2p is between the per-instance cache servers of a "
-            f"{engines_where('per_instance_servers')} run: use --servers per-instance (a shared "
-            "server has no peers)"
-        )
-    if not rules.routed and (spec.router, spec.router_params) != ("round_robin", {}):
-        problems.append(f"router and router_params apply to the {engines_where('routed')} engines")
-        return problems
-    from testbed.fleet.routers import make_router
-
-    try:
-        make_router(spec.router, spec.router_params, max(spec.instances, 1), spec.seed)
-    except ValueError as exc:
-        problems.append(str(exc))
     return problems
 
 
