@@ -264,7 +264,7 @@ class FrameFuzzer:
         assert isinstance(info, mi.StrType)
         limit = info.max_length if info.max_length is not None else 64
         rng = self.rng
-        length = min(limit, rng.choice((0, 1, 8, 40, limit)))
+        length = max(info.min_length or 0, min(limit, rng.choice((0, 1, 8, 40, limit))))
         start = rng.randrange(len(self._letters) - length + 1)
         return self._letters[start : start + length]
 
