@@ -6,6 +6,8 @@
   two at once (each server's engine core is busy while it starts);
 - ``readme``: the README's and the docs' blocks, which run in one scratch directory in order
   (the docs' pages read the runs the README's demo made).
+- ``install``: the tests that build a wheel from the checkout (module-scoped: two workers
+  building at once would race on the checkout's ``build/`` directory).
 
 A group is named by path prefixes of test ids, since the controller, which assigns the work,
 sees only the ids (pytest-xdist's own ``xdist_group`` mark renames the ids, which pytest 9 no
@@ -18,6 +20,7 @@ from __future__ import annotations
 GROUPS: dict[str, tuple[str, ...]] = {
     "vllm-servers": ("tests/engine/test_serve",),
     "readme": ("tests/test_readme.py",),
+    "install": ("tests/core/test_install.py",),
     "small-sweep": (
         "tests/notebooks/",
         "tests/analysis/test_figure_rules.py",
