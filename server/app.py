@@ -54,7 +54,7 @@ from server.reclaim import default_token_path, reclaim_dead_server_files
 from server.service import CacheService
 from testbed.core import protocol as p
 from testbed.core.telemetry import attributes as a
-from testbed.core.telemetry.setup import TracingConfig, configure_tracing
+from testbed.core.telemetry.setup import TracingConfig, add_otlp_arguments, configure_tracing
 
 if TYPE_CHECKING:
     from server.metrics import MetricsEndpoint
@@ -288,14 +288,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     tracing = parser.add_argument_group("telemetry")
     tracing.add_argument("--run-id", default="", help="kvcache.run_id resource attribute")
-    tracing.add_argument(
-        "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
-    )
-    tracing.add_argument(
-        "--otlp-protocol",
-        choices=["grpc", "http/protobuf"],
-        help="default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL",
-    )
+    add_otlp_arguments(tracing)
     return parser
 
 

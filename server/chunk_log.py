@@ -22,17 +22,30 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import msgspec
 
+from server.objects import ObjectKey
 from testbed.core.append_file import AppendFile
-from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, Event
+from testbed.core.chunk_events import CHUNKS_DIR, COLUMN_NAMES, STREAM_SUFFIX, Event, namespace
 from testbed.core.keys import ChunkHash
 
 BATCH_ROWS = 8192
 
 _Row = tuple[str, bytes, int, str, str, int, str, str, str, int]
 """A row without its ``seq`` and ``time_ns``: the columns from ``event`` on."""
+
+
+class ObjectColumns(TypedDict, total=False):
+    """The columns of a row about one object beside its key's (:meth:`NullChunkLog.add_object`)."""
+
+    session_id: str
+    position: int
+    status: str
+    cause: str
+    span_id: str
+    nbytes: int
 
 
 class NullChunkLog:
@@ -64,6 +77,16 @@ class NullChunkLog:
             (event, chunk_hash, kv_rank, namespace, session_id, position, status, cause,
              span_id, nbytes)
         )  # fmt: skip
+
+    def add_object(self, event: Event, key: ObjectKey, **columns: Unpack[ObjectColumns]) -> None:
+        """Records one event about the object ``key`` names: its chunk, rank and namespace."""
+        self.add(
+            event,
+            key.chunk_hash,
+            kv_rank=key.kv_rank,
+            namespace=namespace(key.model, key.world_size, key.cache_salt),
+            **columns,
+        )
 
     def _record(self, row: _Row) -> None:
         return None

@@ -30,7 +30,7 @@ from server.tiers.build import NullHierarchy
 from server.tiers.hierarchy import Hierarchy
 from testbed.core import protocol as p
 from testbed.core import telemetry
-from testbed.core.chunk_events import DROP, EVICT, namespace
+from testbed.core.chunk_events import DROP, EVICT
 from testbed.core.telemetry import attributes as a
 
 SLICE_UNITS = 512
@@ -170,12 +170,9 @@ class Shared:
             span_id = telemetry.span_id_of(span)
             event = EVICT if eviction.reason == "capacity" else DROP
             for obj in eviction.objects:
-                key = obj.key
-                self.chunk_log.add(
+                self.chunk_log.add_object(
                     event,
-                    key.chunk_hash,
-                    kv_rank=key.kv_rank,
-                    namespace=namespace(key.model, key.world_size, key.cache_salt),
+                    obj.key,
                     session_id=obj.storer,
                     cause=eviction.reason,
                     span_id=span_id,

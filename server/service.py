@@ -58,7 +58,7 @@ from server.tiers.hierarchy import TIER_PROMOTE
 from server.transfers import Transfers
 from testbed.core import protocol as p
 from testbed.core import telemetry
-from testbed.core.chunk_events import COMMIT, namespace
+from testbed.core.chunk_events import COMMIT
 from testbed.core.policies import make_policy
 from testbed.core.quiescence import Quiescence
 from testbed.core.telemetry import SpanKind
@@ -265,12 +265,9 @@ class CacheService:
             s.record_eviction(eviction)
         if s.chunk_log.enabled:
             for obj, source in promoted:
-                key = obj.key
-                s.chunk_log.add(
+                s.chunk_log.add_object(
                     COMMIT,
-                    key.chunk_hash,
-                    kv_rank=key.kv_rank,
-                    namespace=namespace(key.model, key.world_size, key.cache_salt),
+                    obj.key,
                     session_id=obj.storer,
                     status=source,
                     cause=TIER_PROMOTE,

@@ -226,11 +226,9 @@ class Transfers:
             else:
                 s.cache.remove(obj)
             if s.chunk_log.enabled:
-                s.chunk_log.add(
+                s.chunk_log.add_object(
                     COMMIT if ok else ABORT,
-                    key.chunk_hash,
-                    kv_rank=key.kv_rank,
-                    namespace=namespace(key.model, key.world_size, key.cache_salt),
+                    key,
                     session_id=session_id,
                     position=position,
                     span_id=span_id or store.span_id,
@@ -355,11 +353,9 @@ class Transfers:
                     s.cache.touch(key)
                     s.counters.retrieved_bytes += retrieve.object_bytes
                     if s.chunk_log.enabled:
-                        s.chunk_log.add(
+                        s.chunk_log.add_object(
                             TOUCH,
-                            key.chunk_hash,
-                            kv_rank=key.kv_rank,
-                            namespace=namespace(key.model, key.world_size, key.cache_salt),
+                            key,
                             session_id=session_id,
                             cause="retrieve",
                             span_id=span_id,

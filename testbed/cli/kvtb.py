@@ -34,6 +34,7 @@ from server.launch import ServerStartError
 from testbed.core.credentials import ServerEndpoint, client_token
 from testbed.core.extras import MissingExtra, require_engines, require_lab, require_redis
 from testbed.core.process_groups import sigterm_as_interrupt
+from testbed.core.telemetry.setup import add_otlp_arguments
 from testbed.core.version import package_version
 from testbed.spec.flags import (
     add_data_dir_argument,
@@ -252,14 +253,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve engine: start kvtb server and vLLM's OpenAI server for the run, then stop "
         "them (--instances N: N servers, routed by --router)",
     )
-    tracing.add_argument(
-        "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
-    )
-    tracing.add_argument(
-        "--otlp-protocol",
-        choices=["grpc", "http/protobuf"],
-        help="the OTLP exporter's protocol (default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL)",
-    )
+    add_otlp_arguments(tracing)
 
 
 def _run(args: argparse.Namespace) -> int:

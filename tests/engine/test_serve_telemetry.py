@@ -71,17 +71,26 @@ def served(tmp_path_factory) -> Served:
     }
     workload = [WorkloadRequest(r, prompts[r[0]], 4, 0.0) for r in ("a1", "a2", "b1", "b2")]
     try:
-        with EventSubscriber() as subscriber:
-            spec = launch_spec(server, run_dir, subscriber.port)
-            with VllmServerProcess(spec, run_dir) as vllm:
-                ServeEngine(ServeSpec((vllm.url,), arrival="all", max_concurrency=1)).run(workload)
-                metrics = settled_metrics(vllm.url)
-                time.sleep(1.0)  # the publisher's thread sends what the last step published
+        metrics, events = serve(server, run_dir, workload)
         with connect(server) as observer:
             server_stats = observer.call(p.GetStats())
     finally:
         server.close()
-    return Served(metrics, load_spans(run_dir), subscriber.events, server_stats, prompts)
+    return Served(metrics, load_spans(run_dir), events, server_stats, prompts)
+
+
+def serve(
+    server: ServerProcess, run_dir, workload: list[WorkloadRequest]
+) -> tuple[dict[tuple[str, str], float], list]:
+    """Serves ``workload`` one request at a time through a vLLM server launched against
+    ``server``: its ``/metrics`` once settled, and the KV events it published."""
+    with EventSubscriber() as subscriber:
+        spec = launch_spec(server, run_dir, subscriber.port)
+        with VllmServerProcess(spec, run_dir) as vllm:
+            ServeEngine(ServeSpec((vllm.url,), arrival="all", max_concurrency=1)).run(workload)
+            metrics = settled_metrics(vllm.url)
+            time.sleep(1.0)  # the publisher's thread sends what the last step published
+    return metrics, subscriber.events
 
 
 class EventSubscriber:

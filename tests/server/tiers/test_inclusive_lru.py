@@ -30,14 +30,19 @@ def predicted(accesses: list[int]) -> list[str]:
     return where
 
 
-def test_hits_by_tier_equal_the_stack_prediction(start_server, tmp_path):
-    server = start_server(
+def inclusive_lru(start_server, tmp_path):
+    """A server with room for C1 chunks in L1 over a disk tier with room for C2, inclusive."""
+    return start_server(
         "--chunk-size", str(C),
         "--capacity", str(C1 * OBJECT_BYTES),
         "--tier", f"disk:{C2 * OBJECT_BYTES}:{tmp_path / 'l2'}",
         "--tier-promote", "retain",
         "--lookup-pending-timeout", "30",
     )  # fmt: skip
+
+
+def test_hits_by_tier_equal_the_stack_prediction(start_server, tmp_path):
+    server = inclusive_lru(start_server, tmp_path)
     rng = random.Random(7)
     accesses = [rng.randrange(9) for _ in range(80)]
     hashes = [chunk_hashes([chunk * 1000 + i for i in range(C)], C) for chunk in range(9)]
@@ -65,13 +70,7 @@ def test_a_lookup_keeps_its_own_l1_hits_while_it_brings_the_rest_up(start_server
     # prefetch of the first one takes its L1 room from another chunk (the least recent one
     # the lookup does not need), never from the lookup's own L1 hits; as the stack predicts,
     # two chunks hit L1 and one the disk.
-    server = start_server(
-        "--chunk-size", str(C),
-        "--capacity", str(C1 * OBJECT_BYTES),
-        "--tier", f"disk:{C2 * OBJECT_BYTES}:{tmp_path / 'l2'}",
-        "--tier-promote", "retain",
-        "--lookup-pending-timeout", "30",
-    )  # fmt: skip
+    server = inclusive_lru(start_server, tmp_path)
     prefix = chunk_hashes(list(range(3 * C)), C)
     other = chunk_hashes([10**6 + i for i in range(C)], C)
     with Worker(server) as worker, connect(server, role="scheduler") as scheduler:
