@@ -32,6 +32,7 @@ from testbed.core.process_groups import start_group, stop_group
 from testbed.core.run_dir import RunDir
 from testbed.engine.engine_spec import EngineSpec
 from testbed.engine.model_dir import TinyModel, write_model_dir
+from testbed.engine.rpc_dir import RpcDir
 
 _STARTUP_TIMEOUT_S = 600.0
 TINY_MODEL_NAME = "kvtb-tiny"
@@ -81,6 +82,8 @@ class VllmServerProcess:
         self.kv_events_endpoint = kv_events_endpoint
         self.log_path = RunDir(run_dir).vllm_log(instance)
         self.process: subprocess.Popen[bytes] | None = None
+        self.rpc_dir: RpcDir | None = None
+        """Where vLLM's processes put their IPC sockets, removed once they have stopped."""
         self.url = ""
 
     def start(self) -> VllmServerProcess:
@@ -97,6 +100,7 @@ class VllmServerProcess:
     def spawn(self) -> VllmServerProcess:
         """Starts the server's process without waiting for it (:meth:`wait_healthy`)."""
         port = _free_port()
+        self.rpc_dir = RpcDir()
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child holds it)
         self.process = start_group(
             self._command(self._model_path(), port),
@@ -167,6 +171,7 @@ class VllmServerProcess:
             SPAN_DIR_ENV: str(self.run_dir),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            **(self.rpc_dir.env() if self.rpc_dir is not None else {}),
             **self.env,
         }
         if self.otlp_endpoint is not None:
@@ -215,9 +220,15 @@ class VllmServerProcess:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stops the server and its process group (its engine core included); vLLM's graceful
-        shutdown closes the connectors (their spans). Returns once none of it runs."""
-        if self.process is not None:
-            stop_group(self.process, timeout_s)
+        shutdown closes the connectors (their spans). Returns once none of it runs, its
+        IPC sockets removed."""
+        try:
+            if self.process is not None:
+                stop_group(self.process, timeout_s)
+        finally:
+            if self.rpc_dir is not None:
+                self.rpc_dir.remove()
+                self.rpc_dir = None
 
     def __enter__(self) -> VllmServerProcess:
         return self.start()

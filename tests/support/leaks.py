@@ -1,4 +1,6 @@
-"""What tests started and left behind: processes, and files in ``/dev/shm``.
+"""What tests started and left behind: processes, files in ``/dev/shm``, and the private
+directories launched vLLM servers keep their IPC sockets in (``testbed.engine.rpc_dir``, in the
+temp directory).
 
 A process started with a marker variable in its environment (:data:`MARKER` for the session,
 :data:`CASE_MARKER` for one test) passes it on to everything it starts, and keeps it when it
@@ -15,7 +17,8 @@ that carries the marker, was seen, or belongs to a group seen, the caller aside.
 :meth:`Census.leftovers` says at the end what is still there: the live processes, and the
 entries of ``/dev/shm`` that were not there at the start and are named for a process seen
 (kvtb's pools, token files and shared KV files end in ``<pid>-<hex>``: ``server.reclaim``) or
-are open or mapped by one still alive. :class:`CaseWatch` is one test's, sampled when the test
+are open or mapped by one still alive, and likewise the temp directory's new
+``kvtb-vllm-rpc-<pid>-<hex>`` directories. :class:`CaseWatch` is one test's, sampled when the test
 asks. Other users' processes and files are never counted: the machine may be shared.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import tempfile
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,6 +39,8 @@ CASE_MARKER = "KVTB_TEST_CASE"
 """One a test sets for the processes it starts, to find them apart from the session's others."""
 SAMPLE_S = 0.25
 SHM = Path("/dev/shm")
+RPC_DIRS = (Path(tempfile.gettempdir()), "kvtb-vllm-rpc-")
+"""Where launched vLLM servers' socket directories are, and how their names start."""
 _OWNED_NAME = re.compile(r"-(\d+)-[0-9a-f]{8,}(?:\.json)?$")
 
 
@@ -149,23 +155,30 @@ def held_files(pids: Iterable[int], under: Path = SHM) -> set[Path]:
     return {path for path in found if path.exists()}
 
 
-def files_named_for(pids: Iterable[int], names: Iterable[str], under: Path = SHM) -> set[Path]:
-    """Of ``names`` (entries of ``under``), those named for one of ``pids``
-    (``...-<pid>-<hex>``)."""
+def files_named_for(pids: Iterable[int], paths: Iterable[Path]) -> set[Path]:
+    """Of ``paths``, those named for one of ``pids`` (``...-<pid>-<hex>``)."""
     wanted = set(pids)
     found = set()
-    for name in names:
-        match = _OWNED_NAME.search(name)
+    for path in paths:
+        match = _OWNED_NAME.search(path.name)
         if match is not None and int(match.group(1)) in wanted:
-            found.add(under / name)
+            found.add(path)
     return found
 
 
-def shm_names() -> set[str]:
+def watched_entries() -> set[Path]:
+    """Every entry of ``/dev/shm``, and the temp directory's vLLM socket directories."""
+    rpc_under, rpc_prefix = RPC_DIRS
+    return {SHM / name for name in _listdir(SHM)} | {
+        rpc_under / name for name in _listdir(rpc_under) if name.startswith(rpc_prefix)
+    }
+
+
+def _listdir(path: Path) -> list[str]:
     try:
-        return set(os.listdir(SHM))
+        return os.listdir(path)
     except OSError:
-        return set()
+        return []
 
 
 @dataclass
@@ -184,18 +197,18 @@ class Leftovers:
             f"  {p.describe()} [appeared during {self.seen_in.get(p.pid, '?')}]"
             for p in self.processes
         ]
-        lines.append(f"and {len(self.files)} files it made in {SHM}:")
+        lines.append(f"and {len(self.files)} files it made in {SHM} or vLLM socket directories:")
         lines += [f"  {path}" for path in self.files]
         return "\n".join(lines)
 
 
 def _left_files(
-    tracker: Tracker, alive: list[Proc], shm_at_start: set[str], *, own: bool = False
+    tracker: Tracker, alive: list[Proc], at_start: set[Path], *, own: bool = False
 ) -> set[Path]:
-    """Files new in ``/dev/shm`` named for a process seen (``own``: or for this one), or held
-    by one alive."""
-    new = shm_names() - shm_at_start
-    held = {path for path in held_files(p.pid for p in alive) if path.name in new}
+    """Entries new in the watched places (:func:`watched_entries`) named for a process seen
+    (``own``: or for this one), or held by one alive."""
+    new = watched_entries() - at_start
+    held = {path for path in held_files(p.pid for p in alive) if path in new}
     named = [*tracker.seen, *([os.getpid()] if own else [])]
     return files_named_for(named, new) | held
 
@@ -209,7 +222,7 @@ class Census:
         self.current = "(session start)"
         """The test running now (the conftest sets it), to name where a leak came from."""
         self.seen_in: dict[int, str] = {}
-        self._shm_at_start = shm_names()
+        self._at_start = watched_entries()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="leak-census", daemon=True)
 
@@ -232,7 +245,7 @@ class Census:
             self._thread.join()
         self._sample()
         alive = self.tracker.alive()
-        files = _left_files(self.tracker, alive, self._shm_at_start, own=True)
+        files = _left_files(self.tracker, alive, self._at_start, own=True)
         return Leftovers(alive, sorted(files), dict(self.seen_in))
 
 
@@ -245,7 +258,7 @@ class CaseWatch:
     def __init__(self) -> None:
         self.tracker = Tracker(CASE_MARKER, secrets.token_hex(8))
         self.files: set[Path] = set()
-        self._shm_at_start = shm_names()
+        self._at_start = watched_entries()
 
     @property
     def env(self) -> dict[str, str]:
@@ -265,7 +278,7 @@ class CaseWatch:
     def assert_nothing_left(self) -> None:
         alive = self.tracker.alive()
         files = {p for p in self.files if p.exists()}
-        files |= _left_files(self.tracker, alive, self._shm_at_start)
+        files |= _left_files(self.tracker, alive, self._at_start)
         assert not alive and not files, "left behind: " + "; ".join(
             [proc.describe() for proc in alive] + [str(path) for path in files]
         )
