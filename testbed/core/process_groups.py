@@ -28,6 +28,10 @@ children from a thread that outlives them (the main thread, in practice).
 that ``kill`` or a batch scheduler stops a command as Ctrl-C does: through its context
 managers, which stop its children, with exit code 130. Only the first SIGTERM interrupts;
 later ones are ignored while that interrupt unwinds, so that they cannot cut a cleanup short.
+
+:func:`watch_groups` tells a watcher of every group :func:`start_group` starts in this process
+(a sweep's run tells the sweep, which can then stop them, :func:`stop_groups`, if it has to
+stop the run before the run could stop them itself).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ _GONE_TIMEOUT_S = 10.0
 _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _prctl: Any = None
+_group_watchers: list[Callable[[int], None]] = []
 if sys.platform.startswith("linux"):
     with contextlib.suppress(OSError, AttributeError):
         _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not after a fork
@@ -61,7 +66,30 @@ def start_group(
     """``subprocess.Popen(command, **popen)`` as the leader of a new session and process
     group; with ``die_with_parent``, SIGTERM when the starting thread ends (module docstring)."""
     preexec = _terminate_with_parent if die_with_parent and _prctl is not None else None
-    return subprocess.Popen(list(command), start_new_session=True, preexec_fn=preexec, **popen)
+    process = subprocess.Popen(list(command), start_new_session=True, preexec_fn=preexec, **popen)
+    for watcher in _group_watchers:
+        watcher(process.pid)
+    return process
+
+
+def watch_groups(watcher: Callable[[int], None]) -> None:
+    """Calls ``watcher(group)`` for every group :func:`start_group` starts from now on in
+    this process, as soon as it is started."""
+    _group_watchers.append(watcher)
+
+
+def stop_groups(groups: Iterable[int], grace_s: float = STRAGGLER_GRACE_S) -> None:
+    """Stops every process of ``groups`` (their leaders' starter is gone: nobody else will):
+    SIGTERM to each live group, up to ``grace_s`` for all to exit, SIGKILL to the rest, and a
+    wait until none is left."""
+    alive = [group for group in groups if group_members(group)]
+    for group in alive:
+        _signal(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for group in alive:
+        if not _wait_empty(group, max(0.0, deadline - time.monotonic())):
+            _signal(group, signal.SIGKILL)
+            _wait_empty(group, _GONE_TIMEOUT_S)
 
 
 def _terminate_with_parent() -> None:  # runs in the child, between fork and exec

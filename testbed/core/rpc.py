@@ -161,11 +161,14 @@ class RpcClient(Closing):
         self._waiting: dict[int, _Outgoing] = {}  # sent, awaiting a reply
         self._deferred: list[p.Request] = []  # fire-and-forget, sent with the next request
         self._unsent: list[_Outgoing] = []  # not connected yet: retried until their deadline
-        # The first heartbeat goes at once: a server closes connections that send no
-        # authenticated request soon after they connect (``server.connections``).
-        self._next_heartbeat = time.monotonic()
         self._rids = itertools.count(1)
         self._op_ids = itertools.count(1)
+        # The first heartbeat goes at once, ahead of any request: a server closes connections
+        # that send no authenticated request soon after they connect (``server.connections``),
+        # and once a request is answered, so is it (the server answers in order).
+        now = time.monotonic()
+        self._unsent.append(self._heartbeat(now))
+        self._next_heartbeat = now + heartbeat_interval_s
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvtb-rpc-{role}", daemon=True)
         self._thread.start()

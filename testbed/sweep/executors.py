@@ -26,6 +26,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -35,7 +36,7 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
-from testbed.core.process_groups import terminate_with_parent
+from testbed.core.process_groups import stop_groups, terminate_with_parent, watch_groups
 from testbed.run import RunOptions, execute_run
 from testbed.spec.runspec import RunSpec
 from testbed.sweep.index import record_failure
@@ -78,6 +79,9 @@ class RunProcess:
         self.process.start()
         child_conn.close()
         self._result: tuple[str | None, str] | None = None
+        self._groups: list[int] = []
+        """The process groups the run started (its cache servers, vLLM's servers): stopped
+        with it if it cannot stop them itself."""
 
     @property
     def waitables(self) -> list[Any]:
@@ -92,6 +96,8 @@ class RunProcess:
                 message = self._conn.recv()
                 if message[0] == "progress" and on_progress is not None:
                     on_progress(self.spec, message[1], message[2])
+                elif message[0] == "group":
+                    self._groups.append(message[1])
                 elif message[0] == "done":
                     self._result = (message[1], message[2])
         if self._result is None and not exited:
@@ -126,6 +132,14 @@ class RunProcess:
         self._signal_group(signal.SIGKILL)  # stragglers, e.g. a server whose run was killed
         self.process.join()
         self._wait_group_gone()
+        with contextlib.suppress(EOFError, OSError):  # the groups it named to the last
+            while self._conn.poll():
+                message = self._conn.recv()
+                if message[0] == "group":
+                    self._groups.append(message[1])
+        # A server the run started leads a group of its own, out of the run's; the run's
+        # shutdown stops it, unless the run was killed first (the grace ran out).
+        stop_groups(self._groups)
         self._conn.close()
 
     def terminate(self) -> None:
@@ -173,6 +187,13 @@ def _child_main(spec: RunSpec, out_dir: Path, conn: Connection) -> None:
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     terminate_with_parent()  # its parent, the fork server, exits with the sweep
+    sending = threading.Lock()  # servers may start from other threads (a fleet's)
+
+    def send(*message: object) -> None:
+        with sending, contextlib.suppress(OSError):
+            conn.send(message)
+
+    watch_groups(lambda group: send("group", group))
     last_sent = 0.0
 
     def progress(done: int, total: int) -> None:
@@ -180,18 +201,17 @@ def _child_main(spec: RunSpec, out_dir: Path, conn: Connection) -> None:
         now = time.monotonic()
         if done == total or now - last_sent >= _PROGRESS_INTERVAL_S:
             last_sent = now
-            conn.send(("progress", done, total))
+            send("progress", done, total)
 
     try:
         summary = execute_run(spec, out_dir, RunOptions(progress=False, on_progress=progress))
     except BaseException as exc:  # SystemExit from SIGTERM too: the parent is waiting for a word
-        with contextlib.suppress(OSError):
-            conn.send(("done", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        send("done", f"{type(exc).__name__}: {exc}", traceback.format_exc())
         if not isinstance(exc, Exception):
             raise
         return
     failed = summary.get("failures")
-    conn.send(("done", f"the run failed: {'; '.join(failed)}" if failed else None, ""))
+    send("done", f"the run failed: {'; '.join(failed)}" if failed else None, "")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -378,6 +378,24 @@ def test_a_run_process_that_dies_without_a_word_is_a_failed_run(tmp_path):
     assert json.loads((tmp_path / spec.run_id / "spec.json").read_text())["run_id"] == spec.run_id
 
 
+def test_stopping_a_killed_run_stops_the_server_it_had_started(tmp_path):
+    # The run's cache server leads a group of its own, outside the run's: killed at once
+    # (no shutdown of its own, as when a sweep's grace runs out), the run cannot stop it; the
+    # run named the group to its parent when it started it, and stop() stops it.
+    spec = RunSpec(engine="replay", requests=400, workload="chat")
+    run = RunProcess(spec, tmp_path)
+    deadline = time.monotonic() + 120
+    while not cache_servers(tmp_path):
+        assert run.process.exitcode is None and time.monotonic() < deadline, "no server started"
+        time.sleep(0.05)
+    (server,) = cache_servers(tmp_path)
+    os.kill(run.process.pid, signal.SIGKILL)
+
+    run.stop(grace_s=0.0)
+
+    assert cache_servers(tmp_path) == [], f"server {server} outlived its stopped run"
+
+
 def test_quickstart_is_a_small_sweep_of_both_engines():
     sweep = load_sweep(QUICKSTART)
     assert sweep.name == "quickstart"
