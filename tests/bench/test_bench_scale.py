@@ -64,6 +64,7 @@ def _kill(pid: int) -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_the_quick_scale_section_reports_every_figure(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "testbed.cli", "bench", "--quick", "--only", "scale",

@@ -146,7 +146,8 @@ def _table(run) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize(
-    ("workload", "instances", "capacity_tokens"), [("chat", 2, None), ("docqa", 4, 4000)]
+    ("workload", "instances", "capacity_tokens"),
+    [("chat", 2, None), pytest.param("docqa", 4, 4000, marks=pytest.mark.slow)],
 )
 def test_every_router_puts_every_token_in_one_true_category(
     tmp_path, monkeypatch, workload, instances, capacity_tokens
@@ -188,6 +189,7 @@ def test_every_router_puts_every_token_in_one_true_category(
     assert routing["oracle"] == 0 and routing["round_robin"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="the Mooncake trace is not in ../shared/data")
 def test_on_mooncake_round_robin_computes_what_other_instances_held_and_the_oracle_does_not(
     tmp_path,

@@ -52,7 +52,13 @@ WORKLOADS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(WORKLOADS))
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=[pytest.mark.slow] if name == "mooncake" else [])
+        for name in sorted(WORKLOADS)
+    ],
+)
 def inclusive_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tier-runs-{request.param}")
     spec = RunSpec(**INCLUSIVE, **WORKLOADS[request.param])

@@ -155,6 +155,7 @@ def test_the_shipped_chunk_size_sweep_stops_before_any_run_without_its_data(
 
 
 @needs_trace
+@pytest.mark.slow
 def test_the_shipped_chunk_size_sweep_runs_its_mooncake_runs_from_another_directory(
     tmp_path, monkeypatch
 ):
