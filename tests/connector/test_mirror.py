@@ -13,10 +13,9 @@ import pytest
 
 from connector.kv_events import ChunkReport
 from connector.mirror import FeedEntry, LookupMirror
-from server.launch import ServerProcess
 from testbed.core import protocol as p
 from testbed.core.keys import chunk_hashes
-from tests.connector.test_restarts_and_sync_loads import free_port, restartable
+from tests.connector.test_restarts_and_sync_loads import Restartable
 from tests.support.cache_harness import Harness, blocks_equal, connect
 
 C = 64
@@ -144,8 +143,8 @@ def test_another_engines_commits_reach_the_mirror_in_the_replies_it_reads(start_
 
 
 def test_after_a_restart_the_mirror_forgets_and_what_it_loads_is_true(tmp_path):
-    port = free_port()
-    first = ServerProcess(restartable(tmp_path, port)).start()
+    servers = Restartable(tmp_path)
+    first = servers.start()
     tokens = prompt(3 * C + 1, seed=7)
     second = None
     try:
@@ -154,7 +153,7 @@ def test_after_a_restart_the_mirror_forgets_and_what_it_loads_is_true(tmp_path):
             mirror = h.client.mirror
             assert mirror is not None and len(mirror) == 3
             first.kill()
-            second = ServerProcess(restartable(tmp_path, port)).start()
+            second = servers.start()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and h.rpc.server_epoch != second.epoch:
                 time.sleep(0.1)

@@ -48,21 +48,27 @@ def same_blocks(a, a_blocks: list[int], b, b_blocks: list[int]) -> bool:
     )
 
 
-def restartable(tmp_path, port: int) -> list[str]:
-    return [
-        "--port", str(port), "--chunk-size", str(C), "--capacity", "32MiB",
-        "--token-file", str(tmp_path / "tokens.json"),
-    ]  # fmt: skip
+class Restartable:
+    """A cache server that starts again on the same port and token file after a kill."""
+
+    def __init__(self, tmp_path) -> None:
+        self.args = [
+            "--port", str(free_port()), "--chunk-size", str(C), "--capacity", "32MiB",
+            "--token-file", str(tmp_path / "tokens.json"),
+        ]  # fmt: skip
+
+    def start(self) -> ServerProcess:
+        return ServerProcess(self.args).start()
 
 
 def test_after_a_restart_the_worker_maps_the_new_pool_and_a_second_run_reads_true_kv(tmp_path):
-    port = free_port()
-    first = ServerProcess(restartable(tmp_path, port)).start()
+    servers = Restartable(tmp_path)
+    first = servers.start()
     tokens = prompt(3 * C + 1, seed=1)
     with Harness(first, timeout_s=2.0) as writer:
         writer.prefill("before", prompt(2 * C + 1, seed=2), list(range(9)))
         first.kill()  # SIGKILL mid-run: the pool file is orphaned
-        second = ServerProcess(restartable(tmp_path, port)).start()
+        second = servers.start()
         try:
             assert second.epoch != first.epoch and second.token == first.token
             deadline = time.monotonic() + 10
@@ -87,8 +93,8 @@ def test_after_a_restart_the_worker_maps_the_new_pool_and_a_second_run_reads_tru
 
 
 def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
-    port = free_port()
-    first = ServerProcess(restartable(tmp_path, port)).start()
+    servers = Restartable(tmp_path)
+    first = servers.start()
     tokens = prompt(3 * C + 1, seed=3)
     second = None
     try:
@@ -102,7 +108,7 @@ def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
             while not worker.retrieves.inflight[0].future.done() and time.monotonic() < deadline:
                 time.sleep(0.01)  # the plan came from the first server
             first.kill()
-            second = ServerProcess(restartable(tmp_path, port)).start()
+            second = servers.start()
             outcome = worker.complete_retrieves(wait_s=5.0)
             assert outcome.finished == {"reader"}
             assert outcome.failed_block_ids == set(range(40, 52))  # the release was not confirmed
@@ -112,8 +118,8 @@ def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
 
 
 def test_a_store_the_restarted_server_refuses_by_code_registers_again_and_commits(tmp_path):
-    port = free_port()
-    first = ServerProcess(restartable(tmp_path, port)).start()
+    servers = Restartable(tmp_path)
+    first = servers.start()
     second = None
     # No heartbeat brings the new epoch before the store does: the worker learns of the
     # restart only from the server's refusal, by its error code (not_registered).
@@ -123,7 +129,7 @@ def test_a_store_the_restarted_server_refuses_by_code_registers_again_and_commit
         layers, block_dim = separate(2, 16, BLOCK_SIZE)
         worker.register(PagedKV(layers, block_dim, BLOCK_SIZE))
         first.kill()
-        second = ServerProcess(restartable(tmp_path, port)).start()
+        second = servers.start()
         assert rpc.server_epoch == worker.epoch == first.epoch  # not heard of the restart
         tokens = prompt(2 * C + 1, seed=6)
         store = StoreOp(
