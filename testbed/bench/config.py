@@ -34,7 +34,8 @@ class BenchConfig:
     replay_rounds = QuickOrFull(1, 3)
     loader_spans = QuickOrFull(4_000, 200_000)
     e2e_lengths = QuickOrFull((1024,), (1024, 4096, 16384))
-    e2e_samples = QuickOrFull(1, 7)
+    e2e_samples = QuickOrFull(1, 15)
+    """Samples of every engine at every length in the vLLM section (interleaved rounds)."""
     _replay_default = QuickOrFull(24, 2000)
     scale_requests = QuickOrFull(200, 1_000_000)
     """Requests of the generated chat workload of ``--only scale``."""
