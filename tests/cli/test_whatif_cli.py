@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from testbed.analysis.whatif import load_whatif
 from testbed.cli.kvtb import main
 
@@ -60,6 +62,7 @@ def test_bad_whatif_arguments_are_refused_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.slow
 def test_whatif_tiers_writes_every_capacity_pair_and_labels_the_simulated_policies(tmp_path):
     done = kvtb("whatif", "rag", "--requests", "60", *WORKLOAD, "--chunk-sizes", "64",
                 "--tiers", "--l1", "1024,4096", "--l2", "4096,16384",

@@ -61,6 +61,7 @@ def small_run(two_run_sweep):
     return two_run_sweep / runs[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_stock_otlp_exporters_deliver_every_span_selected_by_otel_variables(tmp_path, protocol):
     with OtlpReceiver(protocol) as receiver:

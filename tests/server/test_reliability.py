@@ -82,6 +82,7 @@ def test_deeply_nested_frames_get_errors_and_the_server_keeps_serving(server):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_huge_lookup_repeated_keeps_the_servers_memory_bounded(start_server):
     server = start_server(
         "--chunk-size", "64", "--capacity", "1GiB", "--metadata-only",

@@ -25,6 +25,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "tests/notebooks/",
         "tests/analysis/test_figure_rules.py",
         "tests/analysis/test_explain_runs.py",
+        "tests/core/test_columnar_spans.py",
     ),
 }
 

@@ -9,6 +9,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pytest
+
 from testbed.analysis.whatif import WhatIfOptions, what_if_workload  # noqa: E402
 from testbed.analysis.whatif.figures import whatif_figures  # noqa: E402
 from testbed.spec.runspec import RunSpec  # noqa: E402
@@ -39,6 +41,7 @@ def test_whatif_figures_draw_curves_points_and_distributions():
     assert {"LRU, chunk 64", "LRU, chunk 256", "belady, chunk 64"} <= labels
 
 
+@pytest.mark.slow
 def test_a_capacity_sweeps_report_carries_the_whatif_figures(tmp_path):
     sweep = tmp_path / "sweep.toml"
     sweep.write_text(SWEEP)
