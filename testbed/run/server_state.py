@@ -7,6 +7,10 @@ flight, pending lookups and sessions of its sessions (``<run id>:<request id>``)
 server reports for one owner (``get_held``, ``server.held``). The run's last messages (frees,
 session ends) travel on other connections than the question, so it is asked again for up to
 a second until nothing is held.
+
+A server that answered the run until its end gets :data:`ANSWER_TIMEOUT_S` to answer the
+question (a loaded machine's writeback can stall its writes for seconds: it is slow, not gone);
+one the run's clients already saw stop answering gets :data:`GONE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ from testbed.core import protocol as p
 from testbed.core.credentials import ServerEndpoint
 from testbed.core.quiescence import run_quiescent
 from testbed.core.rpc import RemoteError, RpcClient, ServerUnavailable
+from testbed.core.server_health import health_of
+
+ANSWER_TIMEOUT_S = 10.0
+GONE_TIMEOUT_S = 2.0
 
 
 def server_state_after(endpoint: ServerEndpoint, owners: Sequence[str]) -> dict[str, Any] | None:
     """The server's counters after the run and, with ``owners`` (the engine ids of the run's
     sessions: one, or one per fleet instance), what the run itself left there (``held``,
     summed over the owners; see ``server.held``); ``None`` if the server is gone."""
+    timeout_s = ANSWER_TIMEOUT_S if health_of(endpoint.url).alive else GONE_TIMEOUT_S
     try:
-        with RpcClient(endpoint.url, role="run", token=endpoint.token, timeout_s=2.0) as client:
-            held = [_held_after(client, owner) for owner in owners]
-            reply = client.call(p.GetStats(), timeout_s=2.0)
+        with RpcClient(endpoint.url, role="run", token=endpoint.token, timeout_s=timeout_s) as c:
+            held = [_held_after(c, owner) for owner in owners]
+            reply = c.call(p.GetStats(), timeout_s=timeout_s)
     except (ServerUnavailable, RemoteError):
         return None
     assert isinstance(reply, p.ServerStats)
@@ -88,7 +97,7 @@ def _held_after(client: RpcClient, owner: str, settle_s: float = 1.0) -> p.Held:
     connections) have arrived: asked until nothing is held or ``settle_s`` passed."""
     deadline = time.monotonic() + settle_s
     while True:
-        held = client.call(p.GetHeld(owner=owner), timeout_s=2.0)
+        held = client.call(p.GetHeld(owner=owner))  # the client's timeout
         assert isinstance(held, p.Held)
         if run_quiescent(held) or time.monotonic() >= deadline:
             return held

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from testbed.bench.figures import GOALS, PEER_GOALS
+from tests.support.signals import default_sigint
 
 KVTB = [sys.executable, "-m", "testbed.cli"]
 MARK = "KVTB_BENCH_TEST_MARK"
@@ -132,6 +133,7 @@ echo "shm after: $(ls -A /dev/shm | wc -l)"
         text=True,
         env={**os.environ, MARK: mark},
         start_new_session=True,
+        preexec_fn=default_sigint,
     )
     private_shm = Path(f"/proc/{shell.pid}/root/dev/shm")  # the namespace's, seen from here
     engine_log = out / "work" / "vllm" / "worker" / "engine.log"
@@ -139,8 +141,7 @@ echo "shm after: $(ls -A /dev/shm | wc -l)"
     while not (engine_log.exists() and any(private_shm.iterdir())):
         assert time.monotonic() < deadline and shell.poll() is None, "the run never started"
         time.sleep(0.1)
-    # At once: the last engine is starting (its log is there), and a quick section's one
-    # sample can end the bench seconds later on a fast machine.
+    time.sleep(2)
     during = len(list(private_shm.iterdir()))
     os.killpg(shell.pid, signal.SIGINT)
     stdout, _ = shell.communicate(timeout=120)

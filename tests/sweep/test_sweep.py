@@ -24,6 +24,7 @@ from testbed.spec.runspec import RunSpec
 from testbed.sweep import SweepOptions, build_index, load_index, load_sweep, run_sweep
 from testbed.sweep.executors import RunProcess
 from testbed.sweep.index import ERROR_FILE, INDEX_FILE, SWEEP_FILE, SWEEP_TOML
+from tests.support.signals import default_sigint
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "experiments" / "quickstart.toml"
@@ -304,6 +305,7 @@ def test_interrupted_sweep_leaves_no_server_and_resumes_with_only_the_missing_ru
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=default_sigint,
         )
     try:
         deadline = time.monotonic() + 90
