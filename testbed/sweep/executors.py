@@ -91,15 +91,7 @@ class RunProcess:
     def poll(self, on_progress: ProgressCallback | None = None) -> RunOutcome | None:
         """Handles the child's messages; once it has ended, its outcome (failures go to disk)."""
         exited = self.process.exitcode is not None  # before draining: its last words are read too
-        with contextlib.suppress(EOFError, OSError):
-            while self._result is None and self._conn.poll():
-                message = self._conn.recv()
-                if message[0] == "progress" and on_progress is not None:
-                    on_progress(self.spec, message[1], message[2])
-                elif message[0] == "group":
-                    self._groups.append(message[1])
-                elif message[0] == "done":
-                    self._result = (message[1], message[2])
+        self._read(on_progress)
         if self._result is None and not exited:
             return None
         if self._result is None:
@@ -113,6 +105,18 @@ class RunProcess:
         if error is not None:
             record_failure(self.out_dir / self.spec.run_id, self.spec, error, details)
         return RunOutcome(self.spec.run_id, error)
+
+    def _read(self, on_progress: ProgressCallback | None = None) -> None:
+        """Handles the child's messages waiting in the pipe, up to its last (``done``)."""
+        with contextlib.suppress(EOFError, OSError):
+            while self._result is None and self._conn.poll():
+                message = self._conn.recv()
+                if message[0] == "progress" and on_progress is not None:
+                    on_progress(self.spec, message[1], message[2])
+                elif message[0] == "group":
+                    self._groups.append(message[1])
+                elif message[0] == "done":
+                    self._result = (message[1], message[2])
 
     def wait(self, on_progress: ProgressCallback | None = None) -> RunOutcome:
         """Blocks until the run ends; any exception here (KeyboardInterrupt) stops it first."""
@@ -132,11 +136,7 @@ class RunProcess:
         self._signal_group(signal.SIGKILL)  # stragglers, e.g. a server whose run was killed
         self.process.join()
         self._wait_group_gone()
-        with contextlib.suppress(EOFError, OSError):  # the groups it named to the last
-            while self._conn.poll():
-                message = self._conn.recv()
-                if message[0] == "group":
-                    self._groups.append(message[1])
+        self._read()  # the groups it named, to the last
         # A server the run started leads a group of its own, out of the run's; the run's
         # shutdown stops it, unless the run was killed first (the grace ran out).
         stop_groups(self._groups)
