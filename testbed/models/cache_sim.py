@@ -47,8 +47,11 @@ class SimulatedObject(Protocol):
     inserted: int
     last_access: int
     hits: int
+    """Accesses after the insert (every access of a request's walk is a use)."""
     next_use: int
+    """Index of the next request that contains the key (Belady only; else 0)."""
     depth: int
+    """The key's chunk position in its request."""
 
 
 class KeyOrder(Protocol):

@@ -8,7 +8,8 @@ own span files (trace and span ids as hex), so ``testbed.analysis`` reads them w
 request's W3C trace context to the engine only when its own tracing is on, and the connector's
 spans then hang under the request that caused them.
 
-Serves ``POST /v1/traces`` (``application/x-protobuf``, optionally gzip) on 127.0.0.1.
+Serves ``POST /v1/traces`` (``application/x-protobuf``, optionally gzip or deflate) on 127.0.0.1
+(:class:`OtlpTracesHandler`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import gzip
 import json
 import os
 import threading
+import zlib
+from collections.abc import Callable
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,6 +32,11 @@ from testbed.core.telemetry.setup import COLLECTED_PREFIX, COUNTS_SUFFIX
 TRACES_PATH = "/v1/traces"
 _PROTOBUF = "application/x-protobuf"
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+_DECOMPRESS: dict[str, Callable[[bytes], bytes]] = {
+    "": bytes,
+    "gzip": gzip.decompress,
+    "deflate": zlib.decompress,
+}
 
 
 def to_otlp_json(request: Any) -> dict[str, Any]:
@@ -70,7 +78,9 @@ class SpanCollector:
         self.received = 0
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Handler, collector=self))
+        self._server = ThreadingHTTPServer(
+            ("127.0.0.1", 0), partial(OtlpTracesHandler, record=self.record)
+        )
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,))
         self._thread.daemon = True
 
@@ -115,9 +125,14 @@ class SpanCollector:
         self.close()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def __init__(self, *args: Any, collector: SpanCollector, **kwargs: Any) -> None:
-        self._collector = collector
+class OtlpTracesHandler(BaseHTTPRequestHandler):
+    """OTLP/HTTP's ``POST /v1/traces``: each decoded ``ExportTraceServiceRequest`` goes to
+    ``record``, answered 200 with an ``ExportTraceServiceResponse``; 400 for an undecodable
+    body, 404 for another path, 415 for another media type or encoding (none, gzip, deflate).
+    Bind ``record`` with ``functools.partial`` to make the handler class a server takes."""
+
+    def __init__(self, *args: Any, record: Callable[[Any], None], **kwargs: Any) -> None:
+        self._record = record
         super().__init__(*args, **kwargs)
 
     def do_POST(self) -> None:
@@ -125,17 +140,16 @@ class _Handler(BaseHTTPRequestHandler):
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        encoding = self.headers.get("Content-Encoding", "").strip().lower()
         if self.path.partition("?")[0] != TRACES_PATH:
             return self._reply(404)
-        if self.headers.get_content_type() != _PROTOBUF:
+        if self.headers.get_content_type() != _PROTOBUF or encoding not in _DECOMPRESS:
             return self._reply(415)
         try:
-            if self.headers.get("Content-Encoding", "").strip().lower() == "gzip":
-                body = gzip.decompress(body)
-            request = pb.ExportTraceServiceRequest.FromString(body)
-        except (DecodeError, OSError, EOFError):
+            request = pb.ExportTraceServiceRequest.FromString(_DECOMPRESS[encoding](body))
+        except (DecodeError, OSError, EOFError, zlib.error):
             return self._reply(400)
-        self._collector.record(request)
+        self._record(request)
         self._reply(200, pb.ExportTraceServiceResponse().SerializeToString())
 
     def _reply(self, status: int, body: bytes = b"") -> None:

@@ -143,35 +143,27 @@ def test_another_engines_commits_reach_the_mirror_in_the_replies_it_reads(start_
 
 
 def test_after_a_restart_the_mirror_forgets_and_what_it_loads_is_true(tmp_path):
-    servers = Restartable(tmp_path)
-    first = servers.start()
     tokens = prompt(3 * C + 1, seed=7)
-    second = None
-    try:
-        with Harness(first, timeout_s=2.0, mirror=True) as h:
-            h.prefill("before", tokens, list(range(13)))
-            mirror = h.client.mirror
-            assert mirror is not None and len(mirror) == 3
-            first.kill()
-            second = servers.start()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and h.rpc.server_epoch != second.epoch:
-                time.sleep(0.1)
-            # the new epoch (heartbeats carry it) empties the mirror before its next answer
-            assert h.matched("stale", tokens) == 0
-            h.side.request_finished("stale")
-            assert len(mirror) == 0 and mirror.stats.forgotten == 1  # the new epoch told it
-            source = list(range(20, 33))
-            h.prefill("after", tokens, source)
-            loaded = h.matched("reader", tokens)
-            assert loaded == 3 * C
-            target = list(range(40, 53))
-            assert h.load(h.allocate("reader", target, loaded))[0].failed_block_ids == set()
-            assert blocks_equal(h.ranks[0].kv, source[:12], target[:12])
-            h.side.request_finished("reader")
-    finally:
-        if second is not None:
-            second.close()
+    with (
+        Restartable(tmp_path) as servers,
+        Harness(servers.start(), timeout_s=2.0, mirror=True) as h,
+    ):
+        h.prefill("before", tokens, list(range(13)))
+        mirror = h.client.mirror
+        assert mirror is not None and len(mirror) == 3
+        servers.restart(h.rpc)
+        # the new epoch (heartbeats carry it) empties the mirror before its next answer
+        assert h.matched("stale", tokens) == 0
+        h.side.request_finished("stale")
+        assert len(mirror) == 0 and mirror.stats.forgotten == 1  # the new epoch told it
+        source = list(range(20, 33))
+        h.prefill("after", tokens, source)
+        loaded = h.matched("reader", tokens)
+        assert loaded == 3 * C
+        target = list(range(40, 53))
+        assert h.load(h.allocate("reader", target, loaded))[0].failed_block_ids == set()
+        assert blocks_equal(h.ranks[0].kv, source[:12], target[:12])
+        h.side.request_finished("reader")
 
 
 # --- a whole run ----------------------------------------------------------------------------

@@ -49,108 +49,109 @@ def same_blocks(a, a_blocks: list[int], b, b_blocks: list[int]) -> bool:
 
 
 class Restartable:
-    """A cache server that starts again on the same port and token file after a kill."""
+    """A cache server that starts again on the same port and token file after a kill. As a
+    context manager it stops every server it started (the killed ones are reaped)."""
 
     def __init__(self, tmp_path) -> None:
         self.args = [
             "--port", str(free_port()), "--chunk-size", str(C), "--capacity", "32MiB",
             "--token-file", str(tmp_path / "tokens.json"),
         ]  # fmt: skip
+        self.started: list[ServerProcess] = []
 
     def start(self) -> ServerProcess:
-        return ServerProcess(self.args).start()
+        self.started.append(ServerProcess(self.args).start())
+        return self.started[-1]
+
+    def restart(self, rpc=None) -> ServerProcess:
+        """SIGKILLs the latest server and starts the next; given a client's ``rpc``, waits
+        (10 s at most) until its heartbeats have carried the new server's epoch to it."""
+        self.started[-1].kill()
+        server = self.start()
+        deadline = time.monotonic() + 10
+        while rpc is not None and rpc.server_epoch != server.epoch:
+            assert time.monotonic() < deadline, "the client never heard of the restart"
+            time.sleep(0.1)
+        return server
+
+    def __enter__(self) -> Restartable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self.started:
+            server.close()
 
 
 def test_after_a_restart_the_worker_maps_the_new_pool_and_a_second_run_reads_true_kv(tmp_path):
-    servers = Restartable(tmp_path)
-    first = servers.start()
     tokens = prompt(3 * C + 1, seed=1)
-    with Harness(first, timeout_s=2.0) as writer:
+    with Restartable(tmp_path) as servers, Harness(servers.start(), timeout_s=2.0) as writer:
         writer.prefill("before", prompt(2 * C + 1, seed=2), list(range(9)))
-        first.kill()  # SIGKILL mid-run: the pool file is orphaned
-        second = servers.start()
-        try:
-            assert second.epoch != first.epoch and second.token == first.token
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and writer.rpc.server_epoch != second.epoch:
-                time.sleep(0.1)  # heartbeats reconnect and carry the new epoch
-            source = list(range(20, 33))
-            writer.prefill("after", tokens, source)  # registers again, maps the new pool
-            worker = writer.ranks[0].client
-            assert worker.epoch == second.epoch
-            pool_path = worker.registration.pool_path
-            assert f"kvtb-pool-{second.pid}-" in pool_path  # not the orphaned file
-            with Harness(second, seed=7) as reader:  # a second run on the restarted server
-                assert reader.matched("reader", tokens) == 3 * C
-                target = list(range(60, 73))
-                outcomes = reader.load(reader.allocate("reader", target, 3 * C))
-                assert outcomes[0].failed_block_ids == set()
-                assert same_blocks(
-                    writer.ranks[0].kv, source[:12], reader.ranks[0].kv, target[:12]
-                )  # the bytes the writer stored, not zeros
-        finally:
-            second.close()
+        first = servers.started[0]
+        second = servers.restart(writer.rpc)  # SIGKILL mid-run: the pool file is orphaned
+        assert second.epoch != first.epoch and second.token == first.token
+        source = list(range(20, 33))
+        writer.prefill("after", tokens, source)  # registers again, maps the new pool
+        worker = writer.ranks[0].client
+        assert worker.epoch == second.epoch
+        pool_path = worker.registration.pool_path
+        assert f"kvtb-pool-{second.pid}-" in pool_path  # not the orphaned file
+        with Harness(second, seed=7) as reader:  # a second run on the restarted server
+            assert reader.matched("reader", tokens) == 3 * C
+            target = list(range(60, 73))
+            outcomes = reader.load(reader.allocate("reader", target, 3 * C))
+            assert outcomes[0].failed_block_ids == set()
+            assert same_blocks(
+                writer.ranks[0].kv, source[:12], reader.ranks[0].kv, target[:12]
+            )  # the bytes the writer stored, not zeros
 
 
 def test_a_retrieve_that_straddles_a_restart_fails_cleanly(tmp_path):
-    servers = Restartable(tmp_path)
-    first = servers.start()
     tokens = prompt(3 * C + 1, seed=3)
-    second = None
-    try:
-        with Harness(first, timeout_s=2.0) as h:
-            h.prefill("writer", tokens, list(range(13)))
-            assert h.matched("reader", tokens) == 3 * C
-            plan = h.allocate("reader", list(range(40, 53)), 3 * C)
-            worker = h.ranks[0].client
-            worker.submit_retrieves(plan.retrieves)
-            deadline = time.monotonic() + 5
-            while not worker.retrieves.inflight[0].future.done() and time.monotonic() < deadline:
-                time.sleep(0.01)  # the plan came from the first server
-            first.kill()
-            second = servers.start()
-            outcome = worker.complete_retrieves(wait_s=5.0)
-            assert outcome.finished == {"reader"}
-            assert outcome.failed_block_ids == set(range(40, 52))  # the release was not confirmed
-    finally:
-        if second is not None:
-            second.close()
+    with Restartable(tmp_path) as servers, Harness(servers.start(), timeout_s=2.0) as h:
+        h.prefill("writer", tokens, list(range(13)))
+        assert h.matched("reader", tokens) == 3 * C
+        plan = h.allocate("reader", list(range(40, 53)), 3 * C)
+        worker = h.ranks[0].client
+        worker.submit_retrieves(plan.retrieves)
+        deadline = time.monotonic() + 5
+        while not worker.retrieves.inflight[0].future.done() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the plan came from the first server
+        servers.restart()
+        outcome = worker.complete_retrieves(wait_s=5.0)
+        assert outcome.finished == {"reader"}
+        assert outcome.failed_block_ids == set(range(40, 52))  # the release was not confirmed
 
 
 def test_a_store_the_restarted_server_refuses_by_code_registers_again_and_commits(tmp_path):
-    servers = Restartable(tmp_path)
-    first = servers.start()
-    second = None
-    # No heartbeat brings the new epoch before the store does: the worker learns of the
-    # restart only from the server's refusal, by its error code (not_registered).
-    rpc = connect(first, role="worker0", heartbeat_interval_s=600.0)
-    worker = WorkerClient(rpc, WorkerIdentity.for_rank("tiny", 1, 0, False))
-    try:
-        layers, block_dim = separate(2, 16, BLOCK_SIZE)
-        worker.register(PagedKV(layers, block_dim, BLOCK_SIZE))
-        first.kill()
-        second = servers.start()
-        assert rpc.server_epoch == worker.epoch == first.epoch  # not heard of the restart
-        tokens = prompt(2 * C + 1, seed=6)
-        store = StoreOp(
-            request_id="w",
-            session_id="e:w",
-            cache_salt="",
-            chunk_hashes=chunk_hashes(tokens, C),
-            first_chunk=0,
-            start_token=0,
-            end_token=2 * C,
-            block_ids=list(range(2 * C // BLOCK_SIZE)),
-        )
-        assert worker.store([store], wait_s=10.0)  # refused, registered again, retried
-        assert worker.epoch == second.epoch and worker.stores_failed == 0
-        with connect(second) as observer:
-            assert observer.call(p.GetStats()).num_objects == 2
-    finally:
-        worker.close()
-        rpc.close()
-        if second is not None:
-            second.close()
+    with Restartable(tmp_path) as servers:
+        first = servers.start()
+        # No heartbeat brings the new epoch before the store does: the worker learns of the
+        # restart only from the server's refusal, by its error code (not_registered).
+        rpc = connect(first, role="worker0", heartbeat_interval_s=600.0)
+        worker = WorkerClient(rpc, WorkerIdentity.for_rank("tiny", 1, 0, False))
+        try:
+            layers, block_dim = separate(2, 16, BLOCK_SIZE)
+            worker.register(PagedKV(layers, block_dim, BLOCK_SIZE))
+            second = servers.restart()
+            assert rpc.server_epoch == worker.epoch == first.epoch  # not heard of the restart
+            tokens = prompt(2 * C + 1, seed=6)
+            store = StoreOp(
+                request_id="w",
+                session_id="e:w",
+                cache_salt="",
+                chunk_hashes=chunk_hashes(tokens, C),
+                first_chunk=0,
+                start_token=0,
+                end_token=2 * C,
+                block_ids=list(range(2 * C // BLOCK_SIZE)),
+            )
+            assert worker.store([store], wait_s=10.0)  # refused, registered again, retried
+            assert worker.epoch == second.epoch and worker.stores_failed == 0
+            with connect(second) as observer:
+                assert observer.call(p.GetStats()).num_objects == 2
+        finally:
+            worker.close()
+            rpc.close()
 
 
 @pytest.mark.parametrize(

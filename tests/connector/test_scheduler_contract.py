@@ -129,27 +129,34 @@ def test_a_preempted_request_looks_up_again_and_loads_the_chunks_it_stored(tmp_p
     assert stats.num_objects == 8  # each prompt's 4 chunks, once
 
 
+def _plan_a_load_then_drop_a_chunk_of_it(engine, admin, tokens):
+    """A writer stores the first 3 chunks of ``tokens``; a reader of all of them is scheduled
+    (its lookup locked the 3 chunks, their load is planned); then chunk 1 is dropped from the
+    cache before the load runs. Returns the reader's step, not executed yet."""
+    engine.submit(request("writer", tokens[: 3 * C + 10]))
+    run_until_idle(engine)
+    assert admin.call(p.GetStats()).num_objects == 3
+    engine.submit(request("reader", tokens))
+    step = engine.scheduler.schedule()
+    (load,) = step.kv_connector_metadata.plan.retrieves
+    assert (load.request_id, load.end_token) == ("reader", 3 * C)
+    second = chunk_hashes(tokens, C)[1]
+    assert admin.call(p.DropObjects(chunk_hashes=[second], force=True)).num_objects == 1
+    return step
+
+
 @pytest.mark.parametrize("load_async", [True, False])
 def test_a_chunk_whose_load_failed_is_stored_again_and_then_hits(
     tmp_path, start_server, load_async
 ):
     server = start_server("--chunk-size", str(C), "--capacity", "64MiB")
     tokens = prompt(2, 5 * C + 10)
-    hashes = chunk_hashes(tokens, C)
     with (
         stepped_engine(server, tmp_path, load_async=load_async) as engine,
         connect(server, admin=True) as admin,
     ):
-        engine.submit(request("writer", tokens[: 3 * C + 10]))
-        run_until_idle(engine)
-        assert admin.call(p.GetStats()).num_objects == 3
-        engine.submit(request("reader", tokens))
-        step = engine.scheduler.schedule()  # the lookup locked 3 chunks; their load is planned
-        (load,) = step.kv_connector_metadata.plan.retrieves
-        assert (load.request_id, load.end_token) == ("reader", 3 * C)
-        dropped = admin.call(p.DropObjects(chunk_hashes=[hashes[1]], force=True))
-        assert dropped.num_objects == 1  # gone before the load: its blocks fail, vLLM recomputes
-        _, outcomes = engine.execute(step)
+        step = _plan_a_load_then_drop_a_chunk_of_it(engine, admin, tokens)
+        _, outcomes = engine.execute(step)  # the dropped chunk's blocks fail; vLLM recomputes
         assert any(outcome.invalid_block_ids for outcome in outcomes)
         # A synchronous load's step also computed chunks 3 and 4, over blocks that never
         # arrived: they are not stored before vLLM has recomputed from chunk 1.
@@ -173,7 +180,6 @@ def test_a_sync_load_failed_under_policy_fail_frees_its_blocks_in_the_step_it_is
 ):
     server = start_server("--chunk-size", str(C), "--capacity", "64MiB")
     tokens = prompt(5, 5 * C + 10)
-    hashes = chunk_hashes(tokens, C)
     with (
         stepped_engine(server, tmp_path, load_async=False) as engine,
         connect(server, admin=True) as admin,
@@ -181,16 +187,8 @@ def test_a_sync_load_failed_under_policy_fail_frees_its_blocks_in_the_step_it_is
         scheduler = engine.scheduler
         # What kv_load_failure_policy = "fail" sets (vLLM reads the policy only here).
         scheduler.recompute_kv_load_failures = False
-        engine.submit(request("writer", tokens[: 3 * C + 10]))
-        run_until_idle(engine)
-        assert admin.call(p.GetStats()).num_objects == 3
-        engine.submit(request("reader", tokens))
-        step = engine.scheduler.schedule()
-        (load,) = step.kv_connector_metadata.plan.retrieves
-        assert (load.request_id, load.end_token) == ("reader", 3 * C)
-        held = len(scheduler.kv_cache_manager.get_block_ids("reader")[0])
-        assert held > 0
-        assert admin.call(p.DropObjects(chunk_hashes=[hashes[1]], force=True)).num_objects == 1
+        step = _plan_a_load_then_drop_a_chunk_of_it(engine, admin, tokens)
+        assert len(scheduler.kv_cache_manager.get_block_ids("reader")[0]) > 0
         outputs, outcomes = engine.execute(step)
         assert any(outcome.invalid_block_ids for outcome in outcomes)
         (failed,) = [o for out in outputs.values() for o in out.outputs if o.finish_reason]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+from testbed.models import cache_sim
 from testbed.models.cache_sim import INFINITE, POLICIES, Belady, KeyOrder, Replay, check_policy
 
 
@@ -26,20 +27,11 @@ def reference_replay(
     return Replay(hits, cache.evicted, cache.peak)
 
 
-class SimulatedObject:
-    """One cached key: the fields the server's policies read (``inserted``, ``last_access``,
-    ``hits``: one event clock, as ``server.cache`` keeps them) and those Belady reads."""
+class SimulatedObject(cache_sim.SimulatedObject):
+    """One cached key: the fields the server's policies and Belady read (the protocol's), and
+    the heap entry's version."""
 
     __slots__ = ("key", "inserted", "last_access", "hits", "next_use", "depth", "version")
-    key: int
-    inserted: int
-    last_access: int
-    hits: int
-    """Accesses after the insert (every access of a request's walk is a use)."""
-    next_use: int
-    """Index of the next request that contains the key (Belady only; else 0)."""
-    depth: int
-    """The key's chunk position in its request."""
     version: int
     """The clock at its latest heap entry: only that entry is live (the clock never repeats,
     so an entry left from an earlier stay in the cache never matches)."""

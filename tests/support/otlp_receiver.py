@@ -4,9 +4,8 @@ Contract:
 - ``OtlpReceiver(protocol)`` binds an OS-chosen free port when entered or ``start()``-ed
   and stops on exit or ``close()`` (idempotent); it cannot be restarted.
 - ``"grpc"`` serves the OTLP ``TraceService/Export`` RPC in plaintext. ``"http"`` serves
-  ``POST /v1/traces`` with ``Content-Type: application/x-protobuf`` (optionally gzip or
-  deflate encoded), answering 200 with a serialized ``ExportTraceServiceResponse``, 400
-  for an undecodable body, 404 for other paths and 415 for other media types/encodings.
+  ``POST /v1/traces`` with the handler of ``kvtb``'s own collector
+  (``testbed.run.collector.OtlpTracesHandler``: protobuf, optionally gzip or deflate).
 - The stock OTLP proto exporters reach it unchanged through ``endpoint`` or the ``OTEL_*``
   variables of ``env()``. Signal-specific ``OTEL_EXPORTER_OTLP_TRACES_*`` variables win
   over those, so drop inherited ``OTEL_*`` variables before applying ``env()``.
@@ -16,31 +15,23 @@ Contract:
 
 from __future__ import annotations
 
-import gzip
 import threading
-import zlib
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from http.server import ThreadingHTTPServer
+from typing import Literal
 
 import grpc
-from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as pb_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
+from testbed.run.collector import OtlpTracesHandler
+
 Protocol = Literal["grpc", "http"]
-TRACES_PATH = "/v1/traces"
 _Record = Callable[[pb.ExportTraceServiceRequest], None]
-_PROTOBUF = "application/x-protobuf"
-_DECOMPRESS: dict[str, Callable[[bytes], bytes]] = {
-    "": bytes,
-    "gzip": gzip.decompress,
-    "deflate": zlib.decompress,
-}
 
 
 @dataclass(frozen=True)
@@ -105,36 +96,6 @@ class _TraceService(pb_grpc.TraceServiceServicer):
         return pb.ExportTraceServiceResponse()
 
 
-class _TracesHandler(BaseHTTPRequestHandler):
-    def __init__(self, *args: Any, record: _Record, **kwargs: Any) -> None:
-        self._record = record
-        super().__init__(*args, **kwargs)
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        encoding = self.headers.get("Content-Encoding", "").strip().lower()
-        if self.path.partition("?")[0] != TRACES_PATH:
-            return self._reply(404)
-        if self.headers.get_content_type() != _PROTOBUF or encoding not in _DECOMPRESS:
-            return self._reply(415)
-        try:
-            request = pb.ExportTraceServiceRequest.FromString(_DECOMPRESS[encoding](body))
-        except (DecodeError, OSError, EOFError, zlib.error):
-            return self._reply(400)
-        self._record(request)
-        self._reply(200, pb.ExportTraceServiceResponse().SerializeToString())
-
-    def _reply(self, status: int, body: bytes = b"") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", _PROTOBUF)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Keep test output quiet."""
-
-
 def _serve_grpc(record: _Record) -> tuple[int, Callable[[], None]]:
     executor = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="otlp-grpc")
     options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 << 20)]
@@ -151,7 +112,7 @@ def _serve_grpc(record: _Record) -> tuple[int, Callable[[], None]]:
 
 
 def _serve_http(record: _Record) -> tuple[int, Callable[[], None]]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_TracesHandler, record=record))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(OtlpTracesHandler, record=record))
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
 

@@ -29,7 +29,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from tests.support.otlp_receiver import TRACES_PATH, OtlpReceiver, Protocol, ReceivedSpan
+from testbed.run.collector import TRACES_PATH
+from tests.support.otlp_receiver import OtlpReceiver, Protocol, ReceivedSpan
 
 PROTOCOLS: list[Protocol] = ["grpc", "http"]
 PROTOBUF = "application/x-protobuf"

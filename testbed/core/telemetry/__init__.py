@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ContextDecorator, contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from opentelemetry import context as context_api
 from opentelemetry import trace
@@ -39,6 +39,7 @@ __all__ = [
     "INVALID_SPAN",
     "Span",
     "SpanKind",
+    "SpanOptions",
     "enabled",
     "fail",
     "inject",
@@ -84,23 +85,28 @@ def _get_tracer() -> trace.Tracer:
     return _tracer if _tracer is not None else trace.get_tracer(_TRACER_NAME)
 
 
-def traced(
-    name: str,
-    *,
-    kind: SpanKind = SpanKind.INTERNAL,
-    parent: str = "",
-    tracestate: str = "",
-    links: Sequence[str] = (),
-    attributes: Mapping[str, Any] | None = None,
-) -> _Traced:
+class SpanOptions(TypedDict, total=False):
+    """How a span of :func:`traced` or :func:`start_span` starts; every key may be left out."""
+
+    kind: SpanKind
+    """``SpanKind.INTERNAL`` when left out."""
+    parent: str
+    """A W3C ``traceparent`` to parent the span on (a server span's client); empty or left
+    out: the span is a child of the current span."""
+    tracestate: str
+    """The W3C ``tracestate`` that came with ``parent``."""
+    links: Sequence[str]
+    """``traceparent`` strings of the operations a batched span serves."""
+    attributes: Mapping[str, Any] | None
+
+
+def traced(name: str, **options: Unpack[SpanOptions]) -> _Traced:
     """A span around the block (``with traced(...) as span``); with tracing off, a no-op span.
 
-    ``parent``: a W3C ``traceparent`` to parent the span on (a server span's client); when
-    empty the span is a child of the current span. ``links``: ``traceparent`` strings of the
-    operations a batched span serves. Exceptions mark the span as an error and propagate.
-    Also usable as a decorator (``@traced("name")``).
+    Exceptions mark the span as an error and propagate. Also usable as a decorator
+    (``@traced("name")``).
     """
-    return _Traced(name, kind, parent, tracestate, links, attributes)
+    return _Traced(name, options)
 
 
 class _Traced(ContextDecorator):
@@ -108,27 +114,21 @@ class _Traced(ContextDecorator):
     as one plain context manager: a span is started and ended once per cache operation, and
     the SDK's three nested generator-based managers cost more than the span itself."""
 
-    __slots__ = ("_args", "_span", "_token")
+    __slots__ = ("_name", "_options", "_span", "_token")
 
-    def __init__(self, *args: Any) -> None:
-        self._args = args
+    def __init__(self, name: str, options: SpanOptions) -> None:
+        self._name = name
+        self._options = options
         self._span: Span | None = None
         self._token: object = None
 
     def _recreate_cm(self) -> _Traced:
-        return _Traced(*self._args)  # a decorated function's every call: a span of its own
+        return _Traced(self._name, self._options)  # a decorated function's every call: a span
 
     def __enter__(self) -> Span:
         if not enabled():
             return INVALID_SPAN
-        name, kind, parent, tracestate, links, attributes = self._args
-        span = _get_tracer().start_span(
-            name,
-            context=_extract(parent, tracestate) if parent else None,
-            kind=kind,
-            links=links_from(links) if links else None,
-            attributes=attributes,
-        )
+        span = start_span(self._name, **self._options)
         self._span = span
         self._token = context_api.attach(trace.set_span_in_context(span))
         return span
@@ -146,25 +146,20 @@ class _Traced(ContextDecorator):
 
 
 def start_span(
-    name: str,
-    *,
-    kind: SpanKind = SpanKind.INTERNAL,
-    parent: str = "",
-    tracestate: str = "",
-    links: Sequence[str] = (),
-    attributes: Mapping[str, Any] | None = None,
-    start_time_ns: int | None = None,
+    name: str, *, start_time_ns: int | None = None, **options: Unpack[SpanOptions]
 ) -> Span:
     """A span the caller ends itself (``span.end()``), for operations that outlive a call,
     such as a lookup answered several scheduler steps later. Not made current."""
     if not enabled():
         return INVALID_SPAN
+    parent = options.get("parent", "")
+    links = options.get("links", ())
     return _get_tracer().start_span(
         name,
-        context=_extract(parent, tracestate) if parent else None,
-        kind=kind,
-        links=links_from(links),
-        attributes=attributes,
+        context=_extract(parent, options.get("tracestate", "")) if parent else None,
+        kind=options.get("kind", SpanKind.INTERNAL),
+        links=links_from(links) if links else None,
+        attributes=options.get("attributes"),
         start_time=start_time_ns,
     )
 
