@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 SPEC = "spec.json"
 ENV = "env.json"
@@ -45,47 +46,36 @@ INDEX = "index.parquet"
 """A sweep's index: one row per run, rebuilt from the run directories."""
 
 
+class _Entry:
+    """A file or directory of a run or sweep directory, by its name: on a ``RunDir(path)``,
+    ``path / name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, directory: None, owner: type) -> _Entry: ...
+    @overload
+    def __get__(self, directory: RunDir | SweepDir, owner: type) -> Path: ...
+    def __get__(self, directory: RunDir | SweepDir | None, owner: type) -> Path | _Entry:
+        return self if directory is None else directory.path / self.name
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The directory of one run (module docstring)."""
 
     path: Path
 
-    @property
-    def spec(self) -> Path:
-        return self.path / SPEC
-
-    @property
-    def env(self) -> Path:
-        return self.path / ENV
-
-    @property
-    def summary(self) -> Path:
-        return self.path / SUMMARY
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS
-
-    @property
-    def chunks(self) -> Path:
-        return self.path / CHUNKS
-
-    @property
-    def error(self) -> Path:
-        return self.path / ERROR
-
-    @property
-    def reserve(self) -> Path:
-        return self.path / RESERVE
-
-    @property
-    def spans(self) -> Path:
-        return self.path / SPANS_DIR
-
-    @property
-    def chunk_streams(self) -> Path:
-        return self.path / CHUNKS_DIR
+    spec = _Entry(SPEC)
+    env = _Entry(ENV)
+    summary = _Entry(SUMMARY)
+    metrics = _Entry(METRICS)
+    chunks = _Entry(CHUNKS)
+    error = _Entry(ERROR)
+    reserve = _Entry(RESERVE)
+    spans = _Entry(SPANS_DIR)
+    chunk_streams = _Entry(CHUNKS_DIR)
 
     def server_log(self, k: int = 0) -> Path:
         """The log of the run's ``k``-th cache server."""
@@ -117,17 +107,9 @@ class SweepDir:
 
     path: Path
 
-    @property
-    def manifest(self) -> Path:
-        return self.path / SWEEP
-
-    @property
-    def source(self) -> Path:
-        return self.path / SWEEP_TOML
-
-    @property
-    def index(self) -> Path:
-        return self.path / INDEX
+    manifest = _Entry(SWEEP)
+    source = _Entry(SWEEP_TOML)
+    index = _Entry(INDEX)
 
     def run(self, run_id: str) -> RunDir:
         return RunDir(self.path / run_id)

@@ -36,11 +36,13 @@ def source_commit() -> dict[str, Any]:
             "git_dirty": info.get("git_dirty"),
             "git_commit_from": "build",
         }
-    top = _git("rev-parse", "--show-toplevel")
-    commit = _git("rev-parse", "HEAD") if top and Path(top).resolve() == _PACKAGE_ROOT else None
+    top = git_output("rev-parse", "--show-toplevel")
+    commit = (
+        git_output("rev-parse", "HEAD") if top and Path(top).resolve() == _PACKAGE_ROOT else None
+    )
     if not commit:
         return {"git_commit": None, "git_dirty": None, "git_commit_from": None}
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = git_output("status", "--porcelain", "--untracked-files=no")
     return {
         "git_commit": commit,
         "git_dirty": None if status is None else bool(status),
@@ -48,8 +50,9 @@ def source_commit() -> dict[str, Any]:
     }
 
 
-def _git(*args: str) -> str | None:
-    """The command's output, ``None`` if git is missing or fails (e.g. outside a checkout)."""
+def git_output(*args: str) -> str | None:
+    """``git ARGS`` run in this package's source tree: its output, ``None`` if git is missing
+    or fails (e.g. outside a checkout)."""
     try:
         done = subprocess.run(
             ["git", *args],

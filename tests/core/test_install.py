@@ -19,6 +19,7 @@ import pytest
 
 from testbed.cli.kvtb import main as kvtb
 from testbed.core import extras
+from testbed.core.version import git_output
 from testbed.run import environment
 from testbed.spec.inputs import DATA_DIR_ENV
 
@@ -131,17 +132,17 @@ def test_the_version_is_the_installed_distributions(capsys):
 def test_env_json_names_the_package_version_and_the_checkouts_commit():
     env = environment()
     assert env["kvtestbed"] == metadata.version("kvtestbed")
-    head = _git("rev-parse", "HEAD")
+    head = git_output("rev-parse", "HEAD")
     if head is None:
         pytest.skip("not a git checkout")
     assert (env["git_commit"], env["git_commit_from"]) == (head, "checkout")
-    assert env["git_dirty"] == bool(_git("status", "--porcelain", "--untracked-files=no"))
+    assert env["git_dirty"] == bool(git_output("status", "--porcelain", "--untracked-files=no"))
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """A wheel built from the checkout (once per module)."""
-    if _git("rev-parse", "HEAD") is None:
+    if git_output("rev-parse", "HEAD") is None:
         pytest.skip("not a git checkout")
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
@@ -186,7 +187,7 @@ def installed(wheel, tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_a_wheel_carries_its_commit_experiments_types_license_and_the_vllm_plugin(wheel):
-    head = _git("rev-parse", "HEAD")
+    head = git_output("rev-parse", "HEAD")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         build_info = json.loads(archive.read("testbed/core/_build_info.json"))
@@ -235,16 +236,6 @@ def test_a_relative_out_from_another_directory_lands_there_in_a_wheel_install(in
     again = kvtb_run()
     assert again.returncode == 0, again.stderr
     assert (run_dir / "summary.json").stat().st_mtime_ns == finished  # reused, not redone
-
-
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
 
 
 def test_a_redis_tier_without_its_store_says_how_to_install_it(monkeypatch, tmp_path):
