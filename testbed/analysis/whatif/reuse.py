@@ -37,11 +37,17 @@ def reuse_quantiles(
     chunk_bytes = trace.chunk_size * stored_bytes_per_token
     distances = stack.distances[reused].astype(np.float64) * chunk_bytes
     intervals = stack.intervals_s[reused]
-    groups = trace.groups[request[reused]].astype(str) if reused.any() else np.array([], str)
     frames = [_quantiles(trace.chunk_size, ALL, distances, intervals)]
-    names, counts = np.unique(groups[groups != ""], return_counts=True)
-    for name in sorted(names[np.argsort(-counts, kind="stable")[:MAX_GROUPS]].tolist()):
-        chosen = groups == name
+    # Groups as codes, one per request (names in sorted order): a name per reused chunk would
+    # take gigabytes on a long trace.
+    names, codes = np.unique(trace.groups.astype(str), return_inverse=True)
+    group_of = codes[request[reused]]
+    counts = np.bincount(group_of, minlength=len(names))
+    present = np.flatnonzero((counts > 0) & (names != ""))
+    largest = present[np.argsort(-counts[present], kind="stable")[:MAX_GROUPS]]
+    for code in sorted(largest.tolist()):  # in name order
+        chosen = group_of == code
+        name = str(names[code])
         frames.append(_quantiles(trace.chunk_size, name, distances[chosen], intervals[chosen]))
     return pd.concat(frames, ignore_index=True)
 
