@@ -107,7 +107,9 @@ def _serve_bound(
     stop: threading.Event,
     parent_pid: int | None,
 ) -> None:
-    chunk_log = ChunkLog(config.run_dir) if config.run_dir is not None else None
+    chunk_log = None
+    if config.run_dir is not None and not config.no_chunk_log:
+        chunk_log = ChunkLog(config.run_dir)
     guard = ConnectionGuard(
         socket,
         auth_timeout_s=config.auth_timeout_s,

@@ -140,6 +140,10 @@ class ServerConfig:
     """Where the server's telemetry goes: its spans (``RUN_DIR/spans/``, OTLP JSON lines) and
     the chunk event log (``RUN_DIR/chunks/``); ``None``: no chunk log, spans only over OTLP."""
 
+    no_chunk_log: bool = False
+    """With ``run_dir``: its spans only, no chunk event log (what the log costs, measured by
+    ``kvtb bench``; a run's accounting and what-if read the log, so runs keep it)."""
+
     tiers: tuple[str, ...] = ()
     """Tiers below L1, in order: ``KIND[@POLICY]:CAPACITY[:WHERE]`` each (``--tier``,
     repeatable; ``disk:8GiB:/data/kv``, ``disk@lfu:512MiB``), see ``server.tiers.spec``."""

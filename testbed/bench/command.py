@@ -51,7 +51,13 @@ class Section:
 SECTIONS: dict[str, Section] = {
     "replay": Section(
         "replay",
-        ("replay_vs_bare_scheduler", "replay_metadata_only_vs_bare_scheduler", "tracing_overhead"),
+        (
+            "replay_vs_bare_scheduler",
+            "replay_metadata_only_vs_bare_scheduler",
+            "tracing_overhead",
+            "spans_overhead",
+            "chunk_log_overhead",
+        ),
     ),
     "loader": Section("loader", ("loader_spans_per_s",)),
     "ops": Section("ops", ("store_vs_memcpy", "retrieve_vs_memcpy")),

@@ -1,14 +1,16 @@
 """Replay against vLLM's scheduler alone, with tracing on and off, and metadata only.
 
-Four cells over the same first requests of the Mooncake conversation trace, interleaved
+Five cells over the same first requests of the Mooncake conversation trace, interleaved
 round by round (each cell a fresh engine and, where it has one, a fresh cache server;
 building them is outside the timing): vLLM's v1 ``Scheduler`` alone (no connector, no worker
 harness, no KV: what any scheduler-level simulation pays), the replay with tracing on (span
 files from the engine and the server, as ``kvtb run`` writes them; the exporters' final flush
 is timed too), the same with tracing off (``OTEL_SDK_DISABLED=true`` in the server, no
-provider in the engine), and metadata only with tracing on (the server keeps no KV bytes,
-the harness writes none). Each cell times ``ReplayEngine.run``: every request from arrival
-to its last token, on the virtual clock's order, as fast as this machine goes.
+provider in the engine), metadata only with tracing on (the server keeps no KV bytes,
+the harness writes none), and spans without the server's chunk log (``--no-chunk-log``: the
+log's own cost is the tracing-on cell over this one). Each cell times ``ReplayEngine.run``:
+every request from arrival to its last token, on the virtual clock's order, as fast as this
+machine goes.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ CELLS = (
     "replay, tracing on",
     "replay, tracing off",
     "metadata only, tracing on",
+    "replay, spans without the chunk log",
 )
 
 
@@ -58,10 +61,12 @@ def section(config: BenchConfig) -> SectionResult:
     integrity: dict[str, int] = {}
     counter = iter(range(10**6))
 
-    def cell(name: str, traced: bool, metadata_only: bool) -> Callable[[], float]:
+    def cell(
+        name: str, traced: bool, metadata_only: bool, chunk_log: bool = True
+    ) -> Callable[[], float]:
         def measure() -> float:
             run_dir = work / f"{name.replace(' ', '-').replace(',', '')}-{next(counter)}"
-            result = _replay(spec, requests, run_dir, traced, metadata_only)
+            result = _replay(spec, requests, run_dir, traced, metadata_only, chunk_log)
             integrity[name] = integrity.get(name, 0) + result[1]
             return result[0]
 
@@ -72,6 +77,7 @@ def section(config: BenchConfig) -> SectionResult:
         CELLS[1]: cell(CELLS[1], traced=True, metadata_only=False),
         CELLS[2]: cell(CELLS[2], traced=False, metadata_only=False),
         CELLS[3]: cell(CELLS[3], traced=True, metadata_only=True),
+        CELLS[4]: cell(CELLS[4], traced=True, metadata_only=False, chunk_log=False),
     }
     rounds = config.replay_rounds
     warm = requests[:WARMUP_REQUESTS]  # first-use costs (imports, vLLM's set-up) out of round 1
@@ -87,7 +93,7 @@ def section(config: BenchConfig) -> SectionResult:
 def _report(
     samples: dict[str, list[float]], integrity: dict[str, int], num_requests: int, size: str
 ) -> SectionResult:
-    bare, on, off, meta = (samples[name] for name in CELLS)
+    bare, on, off, meta, spans_only = (samples[name] for name in CELLS)
     what = "wall time of {}, " + size
     figures = [
         Figure(
@@ -106,8 +112,26 @@ def _report(
         Figure(
             "tracing_overhead",
             Ratio.of(on, off).value,
-            what.format("the replay with tracing on over the same with tracing off"),
+            what.format(
+                "the replay with tracing on (spans and the server's chunk log) over the same "
+                "with tracing off"
+            ),
             ratio=Ratio.of(on, off),
+        ),
+        Figure(
+            "spans_overhead",
+            Ratio.of(spans_only, off).value,
+            what.format(
+                "the replay with spans but no chunk log (kvtb server --no-chunk-log) over the "
+                "same with tracing off"
+            ),
+            ratio=Ratio.of(spans_only, off),
+        ),
+        Figure(
+            "chunk_log_overhead",
+            Ratio.of(on, spans_only).value,
+            what.format("the replay with tracing on over the same without the chunk log"),
+            ratio=Ratio.of(on, spans_only),
         ),
     ]
     rows = []
@@ -134,6 +158,7 @@ def _replay(
     run_dir: Path,
     traced: bool,
     metadata_only: bool,
+    chunk_log: bool = True,
 ) -> tuple[float, int]:
     """Seconds of one replay run (and of its exporters' final flush) and its integrity errors."""
     import dataclasses
@@ -149,6 +174,7 @@ def _replay(
     args = ["--chunk-size", str(CHUNK_SIZE), "--capacity", CAPACITY]
     args += ["--run-dir", str(run_dir)] if traced else []
     args += ["--metadata-only"] if metadata_only else []
+    args += [] if chunk_log else ["--no-chunk-log"]
     env = None if traced else {"OTEL_SDK_DISABLED": "true"}
     replay_spec = dataclasses.replace(
         spec, run=dataclasses.replace(spec.run, metadata_only=metadata_only)
