@@ -103,6 +103,7 @@ class SpanOptions(TypedDict, total=False):
 def traced(name: str, **options: Unpack[SpanOptions]) -> _Traced:
     """A span around the block (``with traced(...) as span``); with tracing off, a no-op span.
 
+    ``options``: :class:`SpanOptions` (kind, parent, tracestate, links, attributes).
     Exceptions mark the span as an error and propagate. Also usable as a decorator
     (``@traced("name")``).
     """
