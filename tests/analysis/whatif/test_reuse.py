@@ -3,8 +3,6 @@ each pools."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from testbed.analysis.whatif import reuse
 from testbed.analysis.whatif.stack import stack_distances
 from testbed.models.access_trace import keyed_trace
