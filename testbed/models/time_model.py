@@ -29,9 +29,11 @@ requests' counts; :mod:`testbed.models.projections` projects one request alone.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,9 @@ FLAT_TOKEN_S = 40e-6
 
 class TimeModel(ABC):
     """Seconds of one engine step: :meth:`step_s` and :meth:`isolated_s` take the counts as
-    float arrays to the model's own :meth:`_step_s` and :meth:`_isolated_s`."""
+    float arrays to the model's own :meth:`_step_s` and :meth:`_isolated_s`; :meth:`step_s`
+    first offers them, as they came, to :meth:`_integer_step_s`, which a model may give where
+    Python numbers reach the same float to the bit, faster."""
 
     @property
     @abstractmethod
@@ -64,10 +68,17 @@ class TimeModel(ABC):
         ``num_context_tokens`` (already in its KV before them: computed earlier, vLLM's prefix
         hit, or loaded) and ``num_loaded_tokens`` (loaded from the external cache for this
         step, part of the context; ``None``: none)."""
+        if len(num_new_tokens) != len(num_context_tokens):
+            raise ValueError("num_new_tokens and num_context_tokens need one entry per request")
+        if num_loaded_tokens is not None and len(num_loaded_tokens) != len(num_new_tokens):
+            raise ValueError("num_loaded_tokens needs one entry per request")
+        if isinstance(num_new_tokens, list | tuple):  # arrays go to the arrays
+            given = () if num_loaded_tokens is None else num_loaded_tokens
+            exact = self._integer_step_s(num_new_tokens, num_context_tokens, given)
+            if exact is not None:
+                return exact
         new = np.asarray(num_new_tokens, dtype=np.float64)
         context = np.asarray(num_context_tokens, dtype=np.float64)
-        if new.shape != context.shape:
-            raise ValueError("num_new_tokens and num_context_tokens need one entry per request")
         loaded = (
             np.zeros_like(new)
             if num_loaded_tokens is None
@@ -88,6 +99,15 @@ class TimeModel(ABC):
             np.asarray(num_loaded_tokens, dtype=np.float64),
         )
 
+    def _integer_step_s(
+        self, new: Sequence[int], context: Sequence[int], loaded: Sequence[int]
+    ) -> float | None:
+        """:meth:`_step_s` computed on Python numbers, or ``None`` where it cannot be had to
+        the bit (the replay calls :meth:`step_s` once a scheduler step, with a few requests:
+        NumPy's fixed cost per call is most of the time). A model may give it when its step
+        depends on the counts only through sums of integers, which are exact in any order."""
+        return None
+
     @abstractmethod
     def _step_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> float: ...
 
@@ -107,6 +127,13 @@ class FlatTimeModel(TimeModel):
 
     def _step_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> float:
         return self.step_overhead_s + self.token_s * float(np.sum(new))
+
+    def _integer_step_s(
+        self, new: Sequence[int], context: Sequence[int], loaded: Sequence[int]
+    ) -> float | None:
+        if not _all_int(new):
+            return None
+        return self.step_overhead_s + self.token_s * float(sum(new))
 
     def _isolated_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> np.ndarray:
         return self.step_overhead_s + self.token_s * new
@@ -136,12 +163,12 @@ class RooflineTimeModel(TimeModel):
     def name(self) -> str:
         return self.hardware.name
 
-    @property
+    @cached_property
     def linear_flops_per_token(self) -> float:
         p = self.profile
         return 2.0 * float(p.num_active_params or p.num_params or 0)
 
-    @property
+    @cached_property
     def attention_flops_per_pair(self) -> float:
         """FLOPs of one (new token, context token) pair over all layers: QK^T and AV."""
         p = self.profile
@@ -149,7 +176,7 @@ class RooflineTimeModel(TimeModel):
         v = p.v_head_dim or p.head_dim
         return 2.0 * p.num_layers * float(p.num_query_heads or 0) * (qk + v)
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one rank holds (and loads) per token."""
         return self.profile.bytes_per_token(self.tp)
@@ -172,6 +199,36 @@ class RooflineTimeModel(TimeModel):
         )
         return self._combine(max(compute_s, memory_s), float(self._load_s(loaded).sum()))
 
+    def _integer_step_s(
+        self, new: Sequence[int], context: Sequence[int], loaded: Sequence[int]
+    ) -> float | None:
+        """Integer counts, at most one request loading: the sums of :meth:`_step_s` are exact
+        integers (below 2**53), and the one load is the load sum; every other operation is the
+        same IEEE operation on a Python float as on a NumPy one."""
+        loads = [tokens for tokens in loaded if tokens]
+        if len(loads) > 1 or not (_all_int(new) and _all_int(context) and _all_int(loads)):
+            return None
+        load_s = self._one_load_s(loads[0]) if loads else 0.0
+        if not new:
+            return self.hardware.step_overhead_s + load_s
+        new_sum = sum(new)
+        pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(new, context, strict=True))
+        linear = self.linear_flops_per_token * float(new_sum)
+        flops = linear + self.attention_flops_per_pair * float(pairs)
+        compute_s = flops / self._flops_rate
+        kv_tokens = float(sum(context) + new_sum)
+        memory_s = (self._weight_bytes + kv_tokens * self.kv_bytes_per_token) / self._memory_rate
+        return float(self._combine(max(compute_s, memory_s), load_s))
+
+    def _one_load_s(self, tokens: int) -> float:
+        """:meth:`_load_s` of one request loading ``tokens`` (> 0), on Python floats."""
+        h = self.hardware
+        transfer_s = float(tokens) * self.kv_bytes_per_token / h.effective_load_bytes_per_s
+        fixed_s = h.effective_load_latency_s + h.chunk_overhead_s * math.ceil(
+            float(tokens) / self.chunk_size
+        )
+        return transfer_s + fixed_s
+
     def _isolated_s(self, new: np.ndarray, context: np.ndarray, loaded: np.ndarray) -> np.ndarray:
         pairs = new * context + new * (new + 1) / 2
         compute_s = (
@@ -183,16 +240,16 @@ class RooflineTimeModel(TimeModel):
         load_s = self._load_s(loaded)
         return np.asarray(self._combine(np.maximum(compute_s, memory_s), load_s))
 
-    @property
+    @cached_property
     def _flops_rate(self) -> float:
         """Achieved FLOP/s of the ``tp`` GPUs together."""
         return self.hardware.peak_flops * self.hardware.effective_compute_efficiency * self.tp
 
-    @property
+    @cached_property
     def _memory_rate(self) -> float:
         return self.hardware.hbm_bytes_per_s * self.hardware.memory_efficiency
 
-    @property
+    @cached_property
     def _weight_bytes(self) -> float:
         """Weights one rank reads per step."""
         return DTYPE_BYTES * float(self.profile.num_params or 0) / self.tp
@@ -211,6 +268,10 @@ class RooflineTimeModel(TimeModel):
         h = self.hardware
         body = np.maximum(gpu_s, load_s) if h.overlap_loads else gpu_s + load_s
         return h.step_overhead_s + body
+
+
+def _all_int(values: Sequence[Any]) -> bool:
+    return all(type(value) is int for value in values)
 
 
 def make_time_model(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
 
@@ -108,3 +111,42 @@ def test_hardware_profiles_extend_from_toml_and_bad_keys_are_named(tmp_path):
         make_time_model("h100", get_profile("tiny"))
     with pytest.raises(ValueError, match="unknown time profile 'tpu'"):
         make_time_model("tpu", LLAMA)
+
+
+def _arrays_step_s(model, new, context, loaded):
+    """The step through the model's NumPy formulas, as every step went before."""
+    as_array = functools.partial(np.asarray, dtype=np.float64)
+    return float(model._step_s(as_array(new), as_array(context), as_array(loaded)))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_on_python_numbers_is_the_numpy_formulas_to_the_bit(overlap):
+    hardware = dataclasses.replace(HARDWARE["h100"], overlap_loads=overlap)
+    models = [
+        RooflineTimeModel(hardware, LLAMA, chunk_size=256),
+        RooflineTimeModel(hardware, get_profile("deepseek-mla"), tp=2, chunk_size=64),
+        FlatTimeModel(),
+    ]
+    rng = np.random.default_rng(7)
+    loads_seen = 0
+    for _ in range(400):
+        size = int(rng.integers(0, 40))  # past NumPy's 8-way pairwise sums
+        new = [int(x) for x in rng.integers(1, 9000, size)]
+        context = [int(x) for x in rng.integers(0, 130000, size)]
+        loaded = [0] * size
+        if size and rng.random() < 0.5:
+            loaded[int(rng.integers(0, size))] = int(rng.integers(1, 20000))
+            loads_seen += 1
+        for model in models:
+            exact = model.step_s(new, context, loaded)
+            assert exact.hex() == _arrays_step_s(model, new, context, loaded).hex()
+            if isinstance(model, RooflineTimeModel):
+                assert model._integer_step_s(new, context, loaded) is not None  # no fallback
+    assert loads_seen > 100
+    # What Python numbers cannot give to the bit goes through the arrays.
+    model = models[0]
+    assert model._integer_step_s([1, 1], [10, 10], [300, 500]) is None
+    assert model._integer_step_s([1.5], [10], [0]) is None
+    assert model.step_s([1, 1], [10, 10], [300, 500]) == _arrays_step_s(
+        model, [1, 1], [10, 10], [300, 500]
+    )
