@@ -79,8 +79,11 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._data = empty()
+        self._recorded = False
+        """Whether anything was recorded since the last :meth:`take` (vLLM asks every step)."""
 
     def lookup(self, *, requested_tokens: int, hit_tokens: int, ok: bool, seconds: float) -> None:
+        self._recorded = True
         data = self._data
         data["lookups"] += 1
         data["lookup_failures"] += not ok
@@ -95,16 +98,18 @@ class StatsRecorder:
         self._transfer("retrieve", nbytes, ok, seconds)
 
     def abandoned_release(self) -> None:
+        self._recorded = True
         self._data["abandoned_releases"] += 1
 
     def take(self) -> StatsData | None:
         """The interval since the last call (``None`` when nothing happened)."""
-        if is_empty(self._data):
+        if not self._recorded:
             return None
-        data, self._data = self._data, empty()
+        data, self._data, self._recorded = self._data, empty(), False
         return data
 
     def _transfer(self, operation: str, nbytes: int, ok: bool, seconds: float) -> None:
+        self._recorded = True
         data = self._data
         data[f"{operation}s"] += 1
         data[f"{operation}_failures"] += not ok
