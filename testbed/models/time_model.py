@@ -205,7 +205,7 @@ class RooflineTimeModel(TimeModel):
         """Integer counts, at most one request loading: the sums of :meth:`_step_s` are exact
         integers (below 2**53), and the one load is the load sum; every other operation is the
         same IEEE operation on a Python float as on a NumPy one."""
-        loads = [tokens for tokens in loaded if tokens]
+        loads = [tokens for tokens in loaded if tokens > 0]  # the arrays' mask
         if len(loads) > 1 or not (_all_int(new) and _all_int(context) and _all_int(loads)):
             return None
         load_s = self._one_load_s(loads[0]) if loads else 0.0
@@ -213,6 +213,8 @@ class RooflineTimeModel(TimeModel):
             return self.hardware.step_overhead_s + load_s
         new_sum = sum(new)
         pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(new, context, strict=True))
+        if pairs >= _EXACT:
+            return None
         linear = self.linear_flops_per_token * float(new_sum)
         flops = linear + self.attention_flops_per_pair * float(pairs)
         compute_s = flops / self._flops_rate
@@ -268,6 +270,10 @@ class RooflineTimeModel(TimeModel):
         h = self.hardware
         body = np.maximum(gpu_s, load_s) if h.overlap_loads else gpu_s + load_s
         return h.step_overhead_s + body
+
+
+_EXACT = 2**53
+"""Below it, a float holds every integer, so sums of them are exact in any order."""
 
 
 def _all_int(values: Sequence[Any]) -> bool:

@@ -147,6 +147,12 @@ def test_a_step_on_python_numbers_is_the_numpy_formulas_to_the_bit(overlap):
     model = models[0]
     assert model._integer_step_s([1, 1], [10, 10], [300, 500]) is None
     assert model._integer_step_s([1.5], [10], [0]) is None
+    assert model._integer_step_s([2**30], [2**30], [0]) is None  # past exact floats
+    # A negative load is no load, as the arrays' mask has it.
+    for loaded in ([-4, 0], [-4, 300]):
+        assert model.step_s([5, 7], [10, 3], loaded) == _arrays_step_s(
+            model, [5, 7], [10, 3], loaded
+        )
     assert model.step_s([1, 1], [10, 10], [300, 500]) == _arrays_step_s(
         model, [1, 1], [10, 10], [300, 500]
     )
