@@ -18,7 +18,11 @@ lost them anyway.
 With ``defer_releases`` (vLLM's connector), releases and ends of sessions wait in the RPC
 client (``RpcClient.defer``) and go in one frame with the next lookup, or at :meth:`flush`
 (the connector flushes at the end of ``schedule`` and of ``update_from_output``): one frame
-per step where there was one per request, in the same order on the connection.
+per step where there was one per request, in the same order on the connection. The workers
+write on connections of their own, so the server may read their next operations before that
+frame; where stores wait (a replay), the flush at the end of a ``schedule`` that gives the
+workers stores or loads also waits until the server has applied the frames sent so far, so the
+order is the same on every run.
 """
 
 from __future__ import annotations
@@ -383,9 +387,19 @@ class SchedulerClient:
         ) as span:
             self._fire(p.EndSession(session_id=session_id), span)
 
-    def flush(self) -> None:
-        """Sends the deferred releases and ends of sessions now."""
+    def flush(self, wait_s: float = 0.0) -> None:
+        """Sends the deferred releases and ends of sessions now. ``wait_s`` > 0: then waits up
+        to that long (while the server answers) until it has applied them, so that the workers'
+        operations that follow reach it after them: the unlocks and the recency refreshes of
+        the ends of sessions come before the stores whose evictions they decide, whatever the
+        machine's timing (a replay's determinism)."""
         self.rpc.flush()
+        if wait_s > 0 and self.rpc.alive and not self.rpc.settle_deferred(wait_s):
+            log.warning(
+                "the cache server did not confirm this step's lock releases within %.1f s; "
+                "the workers' operations may reach it first",
+                wait_s,
+            )
 
     def _fire(self, request: p.FreeLocks | p.EndSession, span: telemetry.Span) -> None:
         """Sends without waiting, also while the server looks down (see the module docstring).

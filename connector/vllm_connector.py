@@ -393,7 +393,10 @@ class KVTBConnector(KVConnectorBase_V1):
                         self.announcer.planned(key, stored, removed)
             for request_id in plan.delayed_request_ids:  # finished: no store planned after
                 self._requests.pop(request_id, None)
-        side.client.flush()  # this step's lock releases, before the workers' operations
+        # This step's lock releases (and earlier steps' ends of sessions) before the workers'
+        # operations; applied first when stores wait (a replay), so timing decides nothing.
+        # A step whose workers send nothing leaves them to the next step that does.
+        side.client.flush(self.config.store_wait_s if plan else 0.0)
         return KVTBConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

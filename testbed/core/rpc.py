@@ -160,6 +160,7 @@ class RpcClient(Closing):
         self._socket = self._open_socket()
         self._waiting: dict[int, _Outgoing] = {}  # sent, awaiting a reply
         self._deferred: list[p.Request] = []  # fire-and-forget, sent with the next request
+        self._carried: list[Future[p.Reply]] = []  # frames that carried deferred ones, unanswered
         self._unsent: list[_Outgoing] = []  # not connected yet: retried until their deadline
         self._rids = itertools.count(1)
         self._op_ids = itertools.count(1)
@@ -211,7 +212,25 @@ class RpcClient(Closing):
         """Sends the deferred requests now (one frame)."""
         with self._lock:
             if self._deferred and not self._closed.is_set():
-                self._queue(None, Future(), None)
+                self._queue(None, RpcFuture(self), None)
+
+    def settle_deferred(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` until the server has answered every frame that carried
+        deferred requests (sent so far: :meth:`flush` first), so that it has applied them; what
+        another connection sends next reaches it after them. True when all are answered (a
+        failed one counts: the server is gone, or did not answer within the client's timeout)."""
+        with self._lock:
+            carried = [f for f in self._carried if not Future.done(f)]
+            self._carried = []
+        deadline = time.monotonic() + timeout_s
+        for future in carried:
+            try:
+                future.exception(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                with self._lock:  # still unanswered: kept for the next wait
+                    self._carried = [f for f in carried if not Future.done(f)] + self._carried
+                return False
+        return True
 
     def _stamp(self, request: p.Request) -> None:
         request.rid = next(self._rids)
@@ -224,6 +243,9 @@ class RpcClient(Closing):
         """Sends ``request`` after the deferred ones, all in one frame (under the lock);
         ``None``: the deferred ones alone (``future`` stands for the last of them)."""
         batch = [*self._deferred, *([request] if request is not None else [])]
+        if self._deferred:
+            self._carried = [f for f in self._carried if not Future.done(f)]
+            self._carried.append(future)
         self._deferred = []
         message: p.Request | p.Batch = batch[0]
         if len(batch) > 1:

@@ -1,8 +1,11 @@
 """The RPC client does its I/O in the thread that asks: a reply does not wait for another
-Python thread to get the GIL (vLLM's engine loop holds it almost all the time)."""
+Python thread to get the GIL (vLLM's engine loop holds it almost all the time). Deferred
+requests can be waited for once sent, so that what other connections send next comes after."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -60,3 +63,25 @@ def test_a_request_to_no_server_fails_within_its_timeout():
             client.submit(p.Ping()).result(5.0)
         assert time.monotonic() - started < 3.0
         assert not client.alive
+
+
+def test_settling_the_deferred_waits_until_the_server_has_answered_them(server):
+    """A replay's order: the scheduler's deferred releases and ends of sessions are applied
+    before the workers' next operations, which travel on connections of their own."""
+    with RpcClient(server.url, token=server.token) as client:
+        assert isinstance(client.call(p.Ping()), p.Pong)  # connected
+        assert client.settle_deferred(0.0)  # nothing deferred: nothing to wait for
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            client.defer(p.EndSession(session_id="s"))
+            client.flush()
+            started = time.monotonic()
+            assert not client.settle_deferred(0.3)  # sent, not answered: the server is stopped
+            assert time.monotonic() - started >= 0.25
+            assert not client.settle_deferred(0.1)  # still waited for: kept after the timeout
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert client.settle_deferred(5.0)
+        client.defer(p.EndSession(session_id="t"))
+        assert isinstance(client.call(p.Ping()), p.Pong)  # carried with a request: its reply
+        assert client.settle_deferred(0.0)
