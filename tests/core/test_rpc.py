@@ -82,6 +82,11 @@ def test_settling_the_deferred_waits_until_the_server_has_answered_them(server):
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
         assert client.settle_deferred(5.0)
-        client.defer(p.EndSession(session_id="t"))
-        assert isinstance(client.call(p.Ping()), p.Pong)  # carried with a request: its reply
-        assert client.settle_deferred(0.0)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            client.defer(p.EndSession(session_id="t"))
+            client.submit(p.Ping())  # carries it: the frame waited for is the request's
+            assert not client.settle_deferred(0.1)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert client.settle_deferred(5.0)
