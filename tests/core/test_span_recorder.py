@@ -3,6 +3,9 @@ same DataFrame for the analyst as the SDK's own provider gives."""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
+
 import pandas as pd
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -118,3 +121,83 @@ def test_a_synchronous_span_file_holds_each_span_as_it_ends(tmp_path):
     assert "kvcache.test.op" in tracing.span_file.read_text()  # before any flush or shutdown
     assert read_counts(tmp_path) == {"spans_exported": 1, "spans_dropped": 0}
     tracing.shutdown()
+
+
+def _values(span: telemetry.Span, mixed: bool) -> None:
+    """Every kind of attribute value: lists and tuples of one type (kept, as tuples) and,
+    where ``mixed``, lists of two types (what the SDK's bounded map makes of them), in spans
+    and events."""
+    span.set_attributes({"x.strs": ["a", "b"], "x.floats": (0.5, 1.5), "x.empty": []})
+    span.set_attributes({"x.flag": True, "x.count": 3, "x.name": "n"})
+    span.add_event("x.event", {"x.ints": [1, 2], "x.name": "e"})
+    if mixed:
+        span.set_attribute("x.mixed", [1, "a"])
+        span.add_event("x.bounded", {"x.mixed": [1.0, "b"], "x.kept": 1})
+
+
+def _raw_spans(run_dir) -> list[dict]:
+    """The span file's spans as OTLP JSON objects."""
+    spans = []
+    for path in (run_dir / "spans").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            for resource in json.loads(line)["resourceSpans"]:
+                for scope in resource["scopeSpans"]:
+                    spans.extend(scope["spans"])
+    return spans
+
+
+def _span_file_spans(run_dir) -> list[dict]:
+    """The span file's spans as OTLP JSON objects, ids and clocks removed, in name order."""
+    spans = _raw_spans(run_dir)
+    for span in spans:
+        for key in ("traceId", "spanId", "parentSpanId", "startTimeUnixNano", "endTimeUnixNano"):
+            span.pop(key)
+        for event in span.get("events", []):
+            event.pop("timeUnixNano")
+        for link in span.get("links", []):
+            link.pop("traceId"), link.pop("spanId")
+    return sorted(spans, key=lambda span: span["name"])
+
+
+@pytest.mark.parametrize("count_limit", [None, "4"])
+def test_the_recorders_span_file_holds_what_the_sdks_holds_for_every_kind_of_value(
+    tmp_path, monkeypatch, count_limit
+):
+    if count_limit is not None:  # every span and event over the limit: the SDK's bounded maps
+        monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", count_limit)
+        monkeypatch.setenv("OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", count_limit)
+    files = {}
+    for use_recorder in (False, True):
+        run_dir = tmp_path / str(use_recorder)
+        tracing = configure_tracing(
+            TracingConfig("test-engine", run_dir=run_dir, recorder=use_recorder)
+        )
+        assert tracing is not None
+        for request in range(2):
+            attributes = {a.REQUEST_IDS: ["r", str(request)]}
+            with telemetry.traced(a.REQUEST, attributes=attributes) as root:
+                _values(root, mixed=False)
+                parent = telemetry.traceparent_of(root)
+                for index in range(3):  # children of a remote parent, one linked to it too
+                    links = [parent] if index == 1 else []
+                    span = telemetry.start_span(f"x.child.{index}", parent=parent, links=links)
+                    _values(span, mixed=index == 2)
+                    span.end()
+        tracing.shutdown()
+        files[use_recorder] = _span_file_spans(run_dir)
+    assert files[True] == files[False]
+    raw = _raw_spans(tmp_path / "True")
+    roots = [span["spanId"] for span in raw if span["name"] == a.REQUEST]
+    parents = Counter(span["parentSpanId"] for span in raw if span["name"].startswith("x.child"))
+    assert parents == {root: 3 for root in roots} and len(roots) == 2  # each under its own
+    root = files[True][0]
+    kept = {item["key"]: item["value"] for item in root["attributes"]}
+    if count_limit is None:
+        assert kept["x.strs"] == {"arrayValue": {"values": [{"stringValue": "a"},
+                                                            {"stringValue": "b"}]}}  # fmt: skip
+        mixed = {item["key"]: item["value"] for item in files[True][-1]["attributes"]}
+        assert mixed["x.mixed"]["arrayValue"]["values"] == [{"intValue": "1"}, {"stringValue": "a"}]
+    else:
+        assert len(kept) == int(count_limit) and root["droppedAttributesCount"] > 0
+    children = [span for span in files[True] if span["name"].startswith("x.child")]
+    assert sorted(len(span.get("links", [])) for span in children) == [0, 0, 0, 0, 1, 1]

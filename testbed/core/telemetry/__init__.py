@@ -245,15 +245,30 @@ def _propagated(traceparent: str, tracestate: str) -> SpanContext | None:
     return span_context if span_context.is_valid else None
 
 
+_EXTRACTED: dict[tuple[str, str], Any] = {}
+"""The contexts of the parents seen last (a request's span is the parent of each of its
+operations' spans): contexts are immutable, so one is shared by every child."""
+_EXTRACTED_MAX = 4096
+
+
 def _extract(traceparent: str, tracestate: str) -> Any:
     """A context whose current span is the remote one ``traceparent`` names (an empty
     context, as the propagator gives, when it is malformed)."""
+    key = (traceparent, tracestate)
+    context = _EXTRACTED.get(key)
+    if context is not None:
+        return context
     span_context = (
         _propagated(traceparent, tracestate) if tracestate else _span_context(traceparent)
     )
     if span_context is None:
-        return Context()
-    return trace.set_span_in_context(NonRecordingSpan(span_context), Context())
+        context = Context()
+    else:
+        context = trace.set_span_in_context(NonRecordingSpan(span_context), Context())
+    if len(_EXTRACTED) >= _EXTRACTED_MAX:
+        _EXTRACTED.clear()
+    _EXTRACTED[key] = context
+    return context
 
 
 _LOWER_HEX = frozenset("0123456789abcdef-")

@@ -34,8 +34,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from testbed.core.telemetry import span_table as st
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
+from testbed.core.telemetry.row_span import RowBatch
 
 log = logging.getLogger(__name__)
+
+_PLAIN = frozenset((bool, int, float, str))
+"""Attribute values kept as they are (:func:`~testbed.core.telemetry.span_table.plain`)."""
 
 FLUSH_ROWS = 32768
 """Spans (or events) kept as Python columns before they become a record batch on disk."""
@@ -44,29 +48,36 @@ FLUSH_ROWS = 32768
 class _Columns:
     """Rows under construction: fixed columns plus sparse keyed ones (row index, value)."""
 
-    def __init__(self, fixed: Sequence[tuple[str, pa.DataType]]) -> None:
+    def __init__(
+        self, fixed: Sequence[tuple[str, pa.DataType]], prefix: str = st.ATTRIBUTE
+    ) -> None:
         self.fixed = fixed
+        self.prefix = prefix
+        """Of the keyed columns' names (``a:``, ``r:``)."""
         self.values: list[list[Any]] = [[] for _ in fixed]
         self.keyed: dict[str, tuple[list[int], list[Any]]] = {}
         self.rows = 0
 
-    def add_keyed(self, prefix: str, attributes: Any) -> None:
+    def add_keyed(self, attributes: Any) -> None:
         row = self.rows
+        keyed = self.keyed
         for key, value in attributes.items():
-            column = self.keyed.get(prefix + key)
+            column = keyed.get(key)
             if column is None:
-                column = self.keyed[prefix + key] = ([], [])
+                column = keyed[key] = ([], [])
             column[0].append(row)
-            column[1].append(st.plain(value))
+            column[1].append(value if type(value) in _PLAIN else st.plain(value))
 
     def batch(self, extra: dict[str, pa.Array] | None = None) -> pa.RecordBatch:
         arrays = {
             name: pa.array(v, t) for (name, t), v in zip(self.fixed, self.values, strict=True)
         }
         arrays.update(extra or {})
-        for name, (rows, values) in self.keyed.items():
+        for key, (rows, values) in self.keyed.items():
             array = st.to_array(values, st.type_of(values))
-            arrays[name] = st.scatter(array, np.asarray(rows, dtype=np.int64), self.rows)
+            arrays[self.prefix + key] = st.scatter(
+                array, np.asarray(rows, dtype=np.int64), self.rows
+            )
         return pa.RecordBatch.from_pydict(arrays)
 
 
@@ -197,37 +208,93 @@ class ColumnarSpanWriter:
             stage.discard()
         self._stages = None
 
+    def add_rows(
+        self,
+        batch: RowBatch,
+        ids: Sequence[tuple[str, str, str]],
+        spans: Sequence[ReadableSpan | None],
+    ) -> None:
+        """Appends the recorder's rows of ``batch`` (each row's hex trace, span and parent
+        ids in ``ids``; its SDK span in ``spans`` where one was built, which it is read from)."""
+        if self._stages is None:
+            return
+        try:
+            resource = batch.resource
+            for row, (trace_id, span_id, parent_id), span in zip(
+                batch.rows, ids, spans, strict=True
+            ):
+                if span is not None:
+                    self._add(span)
+                    continue
+                name, _, _, kind, start, end, attributes, events, links, status = row
+                self._add_fields(trace_id, span_id, parent_id, name, kind, start, end,
+                                 attributes, events, links, status, resource)  # fmt: skip
+            if self._spans.rows >= self.flush_rows or self._events.rows >= self.flush_rows:
+                self._flush()
+        except Exception as exc:  # the copy is optional; the JSON lines hold the spans
+            self._give_up(exc)
+
     def _add(self, span: ReadableSpan) -> None:
         context = span.get_span_context()
         assert context is not None
-        trace_id, span_id = f"{context.trace_id:032x}", f"{context.span_id:016x}"
-        resource = self._resources.get(id(span.resource))
-        if resource is None:
-            resource = self._resources[id(span.resource)] = (len(self._resources), span.resource)
-        self._resource_rows.append(resource[0])
-        if span.attributes:
-            self._spans.add_keyed(st.ATTRIBUTE, span.attributes)
-        for event in span.events:
-            self._events.add_keyed(st.ATTRIBUTE, event.attributes or {})
+        self._add_fields(
+            f"{context.trace_id:032x}",
+            f"{context.span_id:016x}",
+            f"{span.parent.span_id:016x}" if span.parent else "",
+            span.name,
+            span.kind,
+            span.start_time,
+            span.end_time,
+            span.attributes,
+            span.events,
+            span.links,
+            span.status,
+            span.resource,
+        )
+
+    def _add_fields(
+        self,
+        trace_id: str,
+        span_id: str,
+        parent_id: str,
+        name: str,
+        kind: Any,
+        start: int | None,
+        end: int | None,
+        attributes: Any,
+        events: Sequence[Any] | None,
+        links: Sequence[Any] | None,
+        status: Any,
+        resource: Any,
+    ) -> None:
+        known = self._resources.get(id(resource))
+        if known is None:
+            known = self._resources[id(resource)] = (len(self._resources), resource)
+        self._resource_rows.append(known[0])
+        if attributes:
+            self._spans.add_keyed(attributes)
+        for event in events or ():
+            self._events.add_keyed(event.attributes or {})
             for column, value in zip(
                 self._events.values,
-                (trace_id, span_id, span.name, event.name, event.timestamp),
+                (trace_id, span_id, name, event.name, event.timestamp),
                 strict=True,
             ):
                 column.append(value)
             self._events.rows += 1
-        links = [f"{link.context.trace_id:032x}:{link.context.span_id:016x}" for link in span.links]
         row = (
             trace_id,
             span_id,
-            f"{span.parent.span_id:016x}" if span.parent else "",
-            span.name,
-            KIND[span.kind],
-            STATUS[span.status.status_code],
-            span.start_time,
-            span.end_time,
-            span.status.description or None,
-            links or None,
+            parent_id,
+            name,
+            KIND[kind],
+            STATUS[status.status_code],
+            start,
+            end,
+            status.description or None,
+            [f"{link.context.trace_id:032x}:{link.context.span_id:016x}" for link in links]
+            if links
+            else None,
         )
         for column, value in zip(self._spans.values, row, strict=True):
             column.append(value)
@@ -244,9 +311,9 @@ class ColumnarSpanWriter:
 
     def _resource_columns(self) -> dict[str, pa.Array]:
         """``r:<key>`` columns: each resource's attributes, taken for the rows it made."""
-        per_resource = _Columns(())
+        per_resource = _Columns((), prefix=st.RESOURCE)
         for _, resource in self._resources.values():
-            per_resource.add_keyed(st.RESOURCE, resource.attributes)
+            per_resource.add_keyed(resource.attributes)
             per_resource.rows += 1
         rows = pa.array(self._resource_rows, pa.int64())
         table = per_resource.batch()

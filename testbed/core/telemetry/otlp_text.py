@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.trace import Link
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.trace.status import Status
 
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
 from testbed.core.telemetry.otlp_json import any_value, encode_span, key_values
@@ -31,23 +32,27 @@ def traces_data_text(
     """The ``TracesData`` of spans grouped as ``otlp_json.group_spans`` groups them."""
     resources = []
     for resource, scopes in groups.values():
-        scope_texts = []
-        for (name, version), spans in scopes.items():
-            scope = (
-                '{"name":' + _string(name) + (',"version":' + _string(version) if version else "")
-            )
-            scope_texts.append(
-                '{"scope":' + scope + '},"spans":[' + ",".join(map(span_text, spans)) + "]}"
-            )
-        attributes = json.dumps(key_values(resource.attributes), separators=(",", ":"))
-        resources.append(
-            '{"resource":{"attributes":'
-            + attributes
-            + '},"scopeSpans":['
-            + ",".join(scope_texts)
-            + "]}"
-        )
+        scope_texts = [
+            scope_spans_text(name, version, map(span_text, spans))
+            for (name, version), spans in scopes.items()
+        ]
+        resources.append(resource_spans_text(resource, scope_texts))
     return '{"resourceSpans":[' + ",".join(resources) + "]}"
+
+
+def resource_spans_text(resource: Any, scope_texts: Iterable[str]) -> str:
+    """One ``ResourceSpans`` object: ``resource`` and its scopes' :func:`scope_spans_text`."""
+    attributes = json.dumps(key_values(resource.attributes), separators=(",", ":"))
+    return (
+        '{"resource":{"attributes":' + attributes + '},"scopeSpans":['
+        + ",".join(scope_texts) + "]}"
+    )  # fmt: skip
+
+
+def scope_spans_text(name: str, version: str, span_texts: Iterable[str]) -> str:
+    """One ``ScopeSpans`` object: the scope and its spans' texts."""
+    scope = '{"name":' + _string(name) + (',"version":' + _string(version) if version else "")
+    return '{"scope":' + scope + '},"spans":[' + ",".join(span_texts) + "]}"
 
 
 def span_text(span: ReadableSpan) -> str:
@@ -56,20 +61,48 @@ def span_text(span: ReadableSpan) -> str:
     assert context is not None
     if context.trace_state or _has_dropped(span):
         return json.dumps(encode_span(span), separators=(",", ":"))
-    status = span.status
-    parent = f"{span.parent.span_id:016x}" if span.parent else ""
+    return fields_text(
+        f"{context.trace_id:032x}",
+        f"{context.span_id:016x}",
+        f"{span.parent.span_id:016x}" if span.parent else "",
+        span.name,
+        span.kind,
+        span.start_time,
+        span.end_time,
+        span.attributes,
+        span.status,
+        span.events,
+        span.links,
+    )
+
+
+def fields_text(
+    trace_id: str,
+    span_id: str,
+    parent_id: str,
+    name: str,
+    kind: SpanKind,
+    start: int | None,
+    end: int | None,
+    attributes: Mapping[str, Any] | None,
+    status: Status,
+    events: Sequence[Event] | None,
+    links: Sequence[Link] | None,
+) -> str:
+    """A span's OTLP JSON object from its fields (ids as hex; no trace state, nothing dropped:
+    :func:`span_text` encodes the other spans)."""
     text = (
-        f'{{"traceId":"{context.trace_id:032x}","spanId":"{context.span_id:016x}",'
-        f'"parentSpanId":"{parent}","name":{_string(span.name)},"kind":{KIND[span.kind]},'
-        f'"startTimeUnixNano":"{span.start_time}","endTimeUnixNano":"{span.end_time}",'
-        f'"attributes":{attributes_text(span.attributes)},'
+        f'{{"traceId":"{trace_id}","spanId":"{span_id}",'
+        f'"parentSpanId":"{parent_id}","name":{_string(name)},"kind":{KIND[kind]},'
+        f'"startTimeUnixNano":"{start}","endTimeUnixNano":"{end}",'
+        f'"attributes":{attributes_text(attributes)},'
         f'"status":{{"code":{STATUS[status.status_code]}'
         + (f',"message":{_string(status.description)}}}' if status.description else "}")
     )
-    if span.events:
-        text += ',"events":[' + ",".join(map(event_text, span.events)) + "]"
-    if span.links:
-        text += ',"links":[' + ",".join(map(link_text, span.links)) + "]"
+    if events:
+        text += ',"events":[' + ",".join(map(event_text, events)) + "]"
+    if links:
+        text += ',"links":[' + ",".join(map(link_text, links)) + "]"
     return text + "}"
 
 
@@ -98,7 +131,13 @@ def attributes_text(attributes: Mapping[str, Any] | None) -> str:
         prefix = _prefixes.get(key)
         if prefix is None:
             prefix = _prefixes[key] = '{"key":' + _string(key) + ',"value":'
-        parts.append(prefix + value_text(value) + "}")
+        kind = type(value)  # the commonest two written here: a call less per attribute
+        if kind is int:
+            parts.append(f'{prefix}{{"intValue":"{value}"}}}}')
+        elif kind is str:
+            parts.append(prefix + '{"stringValue":' + _string(value) + "}}")
+        else:
+            parts.append(prefix + value_text(value) + "}")
     return "[" + ",".join(parts) + "]"
 
 

@@ -7,10 +7,13 @@ until an exporter wants them. :class:`RecorderProvider` is an API ``TracerProvid
 tracer starts a :class:`RowSpan` (ids from the process's generator, the sampler's decision, the
 parent from the context, as the SDK's tracer does), whose ``end`` appends the span's fields to
 one list per column. An export thread (every :data:`EXPORT_DELAY_S`, or as soon as a batch is
-full) takes the columns, builds a ``ReadableSpan`` per row with the SDK's attribute rules
+full) takes the columns, cleans each row's attributes with the SDK's rules
 (``BoundedAttributes`` under the SDK's span limits, an overwritten key moved last, as the SDK
 moves it) and hands the batches to the same exporters the SDK path feeds: the span file and its
-columnar copy, OTLP, Jaeger. What reaches them is span for span what the SDK would have built.
+columnar copy, OTLP, Jaeger. An exporter that writes rows itself (``writes_rows``: the span
+file) takes them as a :class:`~testbed.core.telemetry.row_span.RowBatch`; for the others a
+``ReadableSpan`` is built per row. What reaches them is span for span what the SDK would have
+built.
 
 Nothing is dropped silently: :attr:`RecorderProvider.ended` counts every span that ended, rows
 beyond :data:`MAX_PENDING` that the exporters have not taken yet are refused and counted
@@ -38,7 +41,14 @@ from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
-from testbed.core.telemetry.row_span import COLUMNS, RowSpan, SpanColumns
+from testbed.core.telemetry.row_span import (
+    COLUMNS,
+    Row,
+    RowBatch,
+    RowSpan,
+    SpanColumns,
+    kept_as_is,
+)
 
 EXPORT_DELAY_S = 0.5
 """Longest a finished span waits for the export thread (``OTEL_BSP_SCHEDULE_DELAY``, in ms,
@@ -49,7 +59,6 @@ MAX_PENDING = 1 << 18
 """Finished spans kept for the exporters at most; beyond, a span is refused and counted
 (``OTEL_BSP_MAX_QUEUE_SIZE``)."""
 
-_SCALARS = frozenset((str, bool, int, float))
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _PARENT_BASED_ON = sampling.ParentBased(sampling.ALWAYS_ON).get_description()
@@ -241,39 +250,42 @@ class RecorderProvider(trace.TracerProvider):
 
     def build(self, columns: SpanColumns) -> list[ReadableSpan]:
         """The SDK's spans of ``columns``, attributes cleaned and bounded as the SDK does."""
+        return [self._readable(row) for row in self._rows(columns)]
+
+    def _rows(self, columns: SpanColumns) -> list[Row]:
+        """The rows of ``columns``, attributes cleaned and bounded as the SDK does."""
+        cleaned = self._cleaned
         return [
-            ReadableSpan(
-                name=name,
-                context=context,
-                parent=parent,
-                resource=self.resource,
-                attributes=self._cleaned(attributes),
-                events=tuple(events or ()),
-                links=links,
-                kind=kind,
-                status=status,
-                start_time=start,
-                end_time=end,
-                instrumentation_scope=self._scope,
-            )
+            (name, context, parent, kind, start, end, cleaned(attributes), events, links, status)
             for name, context, parent, kind, start, end, attributes, events, links, status in (
                 columns.rows()
             )
         ]
 
-    def _cleaned(self, attributes: dict[str, Any]) -> Mapping[str, Any]:
-        """``attributes`` as the SDK's bounded map keeps them; as they are when every value is
-        a plain scalar and none is over a limit (what the map would keep unchanged)."""
-        limits = self.limits
-        plain = (
-            limits.max_attribute_length is None
-            and (
-                limits.max_span_attributes is None or len(attributes) <= limits.max_span_attributes
-            )
-            and all(type(v) in _SCALARS for v in attributes.values())
+    def _readable(self, row: Row) -> ReadableSpan:
+        name, context, parent, kind, start, end, attributes, events, links, status = row
+        return ReadableSpan(
+            name=name,
+            context=context,
+            parent=parent,
+            resource=self.resource,
+            attributes=attributes,
+            events=tuple(events or ()),
+            links=links,
+            kind=kind,
+            status=status,
+            start_time=start,
+            end_time=end,
+            instrumentation_scope=self._scope,
         )
-        if plain:
-            return attributes
+
+    def _cleaned(self, attributes: dict[str, Any]) -> Mapping[str, Any]:
+        """``attributes`` as the SDK's bounded map keeps them (a plain ``dict`` where the map
+        would hold the same: :func:`~testbed.core.telemetry.row_span.kept_as_is`)."""
+        limits = self.limits
+        kept = kept_as_is(attributes, limits.max_span_attributes, limits.max_attribute_length)
+        if kept is not None:
+            return kept
         return BoundedAttributes(
             limits.max_span_attributes,
             attributes,
@@ -297,14 +309,25 @@ class RecorderProvider(trace.TracerProvider):
                 return
 
     def _export(self, columns: SpanColumns) -> None:
+        """Hands ``columns`` to every exporter in batches: as rows to those that write rows
+        themselves (``writes_rows``), as the SDK's spans (built once) to the others."""
         if not columns.count:
             return
         with self._export_lock:
-            spans = self.build(columns)
-            for begin in range(0, len(spans), self.batch_size):
-                batch = spans[begin : begin + self.batch_size]
-                for exporter in self._exporters:
-                    exporter.export(batch)
+            rows = self._rows(columns)
+            spans: list[ReadableSpan] | None = None
+            for exporter in self._exporters:
+                if getattr(exporter, "writes_rows", False):
+                    for begin in range(0, len(rows), self.batch_size):
+                        batch = rows[begin : begin + self.batch_size]
+                        exporter.export_rows(  # type: ignore[attr-defined]
+                            RowBatch(self.resource, self._scope, batch, self._readable)
+                        )
+                    continue
+                if spans is None:
+                    spans = [self._readable(row) for row in rows]
+                for begin in range(0, len(spans), self.batch_size):
+                    exporter.export(spans[begin : begin + self.batch_size])
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Exports every finished span now; then asks each exporter to flush."""

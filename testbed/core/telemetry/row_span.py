@@ -6,24 +6,56 @@ events, links, status) in plain slots, with the SDK's rules for each method (an 
 attribute moves last, a status set to ``OK`` stays, an exception becomes an ``exception``
 event), and no lock: a span is used by the thread that started it. ``end`` hands it to its
 provider once (:mod:`testbed.core.telemetry.recorder`).
+
+:class:`RowBatch` is how finished rows reach an exporter that writes rows itself (the span file,
+:mod:`testbed.core.telemetry.span_file`) without the SDK's span objects being built for them.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
-from opentelemetry.sdk.trace import Event, SpanLimits
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind
 from opentelemetry.trace.status import Status, StatusCode
 
 COLUMNS = ("name", "context", "parent", "kind", "start", "end", "attributes", "events", "links",
             "status")  # fmt: skip
 _UNSET = Status(StatusCode.UNSET)
+_SCALARS = frozenset((str, bool, int, float))
+
+
+def kept_as_is(
+    attributes: Mapping[str, Any], max_count: int | None, max_length: int | None
+) -> dict[str, Any] | None:
+    """What the SDK's bounded map (``BoundedAttributes(max_count, attributes,
+    max_value_len=max_length)``) would hold, as a plain ``dict``, when it would hold the same
+    values: none over a limit, each a plain scalar or a list or tuple of one scalar type (as a
+    tuple, as the map keeps it). ``None``: the map would change or drop something."""
+    if max_length is not None or (max_count is not None and len(attributes) > max_count):
+        return None
+    lists = False
+    for value in attributes.values():
+        kind = type(value)
+        if kind in _SCALARS:
+            continue
+        if kind is not list and kind is not tuple:
+            return None
+        kinds = {type(element) for element in value}
+        if len(kinds) > 1 or not kinds <= _SCALARS:
+            return None
+        lists = True
+    if lists:
+        return {k: tuple(v) if type(v) is list else v for k, v in attributes.items()}
+    return attributes if type(attributes) is dict else dict(attributes)
 
 
 class Recording(Protocol):
@@ -54,6 +86,26 @@ class SpanColumns:
 
     def rows(self) -> Iterator[tuple[Any, ...]]:
         return zip(*(getattr(self, name) for name in COLUMNS), strict=True)
+
+
+Row = tuple[Any, ...]
+"""One finished span's fields in :data:`COLUMNS` order (its attributes as the SDK's bounded map
+would keep them: a plain ``dict`` when that map would keep them unchanged)."""
+
+
+@dataclass(frozen=True, eq=False)
+class RowBatch:
+    """Finished spans of one resource and scope, as rows, for an exporter that writes rows
+    itself (``export_rows``); ``readable`` builds the SDK's span of a row, for the rows such an
+    exporter leaves to the SDK's encoding."""
+
+    resource: Resource
+    scope: InstrumentationScope
+    rows: Sequence[Row]
+    readable: Callable[[Row], ReadableSpan]
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 class RowSpan(trace.Span):
@@ -110,9 +162,16 @@ class RowSpan(trace.Span):
         if self._ended:
             return
         limits = self._provider.limits
+        kept = kept_as_is(
+            attributes or {}, limits.max_event_attributes, limits.max_attribute_length
+        )
+        if kept is not None:
+            kept = dict(kept) if kept is attributes else kept  # the caller's dict may change
         event = Event(
             name,
-            BoundedAttributes(
+            kept
+            if kept is not None
+            else BoundedAttributes(
                 limits.max_event_attributes,
                 attributes,
                 immutable=True,

@@ -44,6 +44,7 @@ from testbed.core import telemetry
 from testbed.core.run_dir import SPANS_DIR
 from testbed.core.telemetry import attributes as a
 from testbed.core.telemetry.recorder import RecorderProvider
+from testbed.core.telemetry.row_span import RowBatch
 from testbed.core.telemetry.sampling import make_sampler, sampler_from_environment
 from testbed.core.telemetry.sdk_provider import EndCounter, sdk_provider
 from testbed.core.telemetry.span_file import JsonLinesSpanExporter
@@ -133,20 +134,31 @@ class _CountingExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self._counted(lambda: self.inner.export(spans), len(spans))
+
+    def _counted(self, export: Callable[[], SpanExportResult], count: int) -> SpanExportResult:
         error = None
         try:
-            result = self.inner.export(spans)
+            result = export()
         except Exception as exc:
             result, error = SpanExportResult.FAILURE, f"{type(exc).__name__}: {exc}"
         with self._lock:
             if result is SpanExportResult.SUCCESS:
-                self.exported += len(spans)
+                self.exported += count
             else:
-                self.failed += len(spans)
+                self.failed += count
                 self.error = self.error or error or getattr(self.inner, "first_error", None)
         if self.after_export is not None:
             self.after_export()
         return result
+
+    @property
+    def writes_rows(self) -> bool:
+        """Whether the exporter takes the recorder's rows (``export_rows``)."""
+        return bool(getattr(self.inner, "writes_rows", False))
+
+    def export_rows(self, batch: RowBatch) -> SpanExportResult:
+        return self._counted(lambda: self.inner.export_rows(batch), len(batch))  # type: ignore[attr-defined]
 
     @property
     def delivered(self) -> int:
