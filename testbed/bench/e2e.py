@@ -129,11 +129,10 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
     if 1024 in lengths:
         r = ratio(1024, "worker", "first")
         figures.append(
-            Figure(
+            Figure.of(
                 "first_pass_vs_recompute_1k",
-                r.value,
+                r,
                 what.format(pass_="first pass (a miss, then the store)", n=1024, s=n),
-                ratio=r,
                 details={"modes": {m: round(ratio(1024, m, "first").value, 4) for m in modes}},
             )
         )
@@ -144,11 +143,10 @@ def recompute_figures(answers: Answers, lengths: tuple[int, ...]) -> list[Figure
             continue
         r = ratio(length, "worker", "second")
         figures.append(
-            Figure(
+            Figure.of(
                 key,
-                r.value,
+                r,
                 what.format(pass_="second pass (a hit)", n=length, s=n),
-                ratio=r,
                 details=_hit_details(answers, length, modes, ratio),
             )
         )
@@ -173,9 +171,7 @@ def _mirror_figures(
             continue
         r = ratio(length, MIRROR, "first")
         without = ratio(length, "worker", "first").value
-        figures.append(
-            Figure(key, r.value, what, ratio=r, details={"without_mirror": round(without, 4)})
-        )
+        figures.append(Figure.of(key, r, what, details={"without_mirror": round(without, 4)}))
     return figures
 
 

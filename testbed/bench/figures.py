@@ -105,6 +105,11 @@ class Figure:
     def __post_init__(self) -> None:
         goal_of(self.key)  # raises KeyError for a key that is not reported
 
+    @classmethod
+    def of(cls, key: str, ratio: Ratio, what: str, **extra: Any) -> Figure:
+        """The figure whose value is ``ratio`` (its median over median), with its samples."""
+        return cls(key, ratio.value, what, ratio=ratio, **extra)
+
     def to_dict(self) -> dict[str, Any]:
         goal = goal_of(self.key)
         out: dict[str, Any] = {

@@ -106,17 +106,15 @@ def _store_retrieve_figures(
         "retrieve": "from that region into other KV blocks",
     }
     return [
-        Figure(
+        Figure.of(
             "store_vs_memcpy",
-            store.value,
+            store,
             what.format(op="store", size=size, rounds=rounds, moves=moves["store"]),
-            ratio=store,
         ),
-        Figure(
+        Figure.of(
             "retrieve_vs_memcpy",
-            retrieve.value,
+            retrieve,
             what.format(op="retrieve", size=size, rounds=rounds, moves=moves["retrieve"]),
-            ratio=retrieve,
         ),
     ]
 

@@ -96,42 +96,37 @@ def _report(
     bare, on, off, meta, spans_only = (samples[name] for name in CELLS)
     what = "wall time of {}, " + size
     figures = [
-        Figure(
+        Figure.of(
             "replay_vs_bare_scheduler",
-            Ratio.of(on, bare).value,
+            Ratio.of(on, bare),
             what.format("the replay with tracing on over vLLM's scheduler alone"),
-            ratio=Ratio.of(on, bare),
             details={"integrity_errors": integrity},
         ),
-        Figure(
+        Figure.of(
             "replay_metadata_only_vs_bare_scheduler",
-            Ratio.of(meta, bare).value,
+            Ratio.of(meta, bare),
             what.format("the metadata-only replay (tracing on) over the scheduler alone"),
-            ratio=Ratio.of(meta, bare),
         ),
-        Figure(
+        Figure.of(
             "tracing_overhead",
-            Ratio.of(on, off).value,
+            Ratio.of(on, off),
             what.format(
                 "the replay with tracing on (spans and the server's chunk log) over the same "
                 "with tracing off"
             ),
-            ratio=Ratio.of(on, off),
         ),
-        Figure(
+        Figure.of(
             "spans_overhead",
-            Ratio.of(spans_only, off).value,
+            Ratio.of(spans_only, off),
             what.format(
                 "the replay with spans but no chunk log (kvtb server --no-chunk-log) over the "
                 "same with tracing off"
             ),
-            ratio=Ratio.of(spans_only, off),
         ),
-        Figure(
+        Figure.of(
             "chunk_log_overhead",
-            Ratio.of(on, spans_only).value,
+            Ratio.of(on, spans_only),
             what.format("the replay with tracing on over the same without the chunk log"),
-            ratio=Ratio.of(on, spans_only),
         ),
     ]
     rows = []

@@ -167,18 +167,15 @@ def _result(
     size = f"{count} chunks of {object_bytes / 2**20:.0f} MiB (llama3-8b, {tokens} tokens)"
     cache = "pages dropped after each write" if _FADVISE else "page cache not dropped (no fadvise)"
     figures = [
-        Figure("disk_tier_write_vs_dd", write.value,
-               f"dd-style sequential write's time over the disk tier's (one fsynced file per "
-               f"object, renamed into place) for {size}, {rounds} rounds; 1.0 is dd's speed",
-               ratio=write),
-        Figure("disk_tier_read_vs_dd", read.value,
-               f"dd-style sequential read's time over the disk tier's (one file per object, "
-               f"framing checked by the caller) for {size}, {rounds} rounds ({cache})",
-               ratio=read),
-        Figure("promotion_vs_memcpy", promotion.value,
-               "memcpy's time over a promotion's (read one object from the disk tier, verify "
-               f"its checksum, copy it into shared memory), {rounds} rounds ({cache})",
-               ratio=promotion),
+        Figure.of("disk_tier_write_vs_dd", write,
+                  f"dd-style sequential write's time over the disk tier's (one fsynced file per "
+                  f"object, renamed into place) for {size}, {rounds} rounds; 1.0 is dd's speed"),
+        Figure.of("disk_tier_read_vs_dd", read,
+                  f"dd-style sequential read's time over the disk tier's (one file per object, "
+                  f"framing checked by the caller) for {size}, {rounds} rounds ({cache})"),
+        Figure.of("promotion_vs_memcpy", promotion,
+                  "memcpy's time over a promotion's (read one object from the disk tier, "
+                  f"verify its checksum, copy it into shared memory), {rounds} rounds ({cache})"),
     ]  # fmt: skip
     rows = [
         (
