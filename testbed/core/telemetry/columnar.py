@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from testbed.core.telemetry import span_table as st
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
-from testbed.core.telemetry.row_span import RowBatch
+from testbed.core.telemetry.row_span import SpanFields
 
 log = logging.getLogger(__name__)
 
@@ -208,92 +208,53 @@ class ColumnarSpanWriter:
             stage.discard()
         self._stages = None
 
-    def add_rows(
-        self,
-        batch: RowBatch,
-        ids: Sequence[tuple[str, str, str]],
-        spans: Sequence[ReadableSpan | None],
-    ) -> None:
-        """Appends the recorder's rows of ``batch`` (each row's hex trace, span and parent
-        ids in ``ids``; its SDK span in ``spans`` where one was built, which it is read from)."""
+    def add_fields(self, spans: Sequence[SpanFields | ReadableSpan], resource: Any) -> None:
+        """Appends spans of ``resource`` given by their fields (the SDK's spans among them,
+        read as :meth:`add` reads them)."""
         if self._stages is None:
             return
         try:
-            resource = batch.resource
-            for row, (trace_id, span_id, parent_id), span in zip(
-                batch.rows, ids, spans, strict=True
-            ):
-                if span is not None:
+            for span in spans:
+                if isinstance(span, SpanFields):
+                    self._add_fields(span, resource)
+                else:
                     self._add(span)
-                    continue
-                name, _, _, kind, start, end, attributes, events, links, status = row
-                self._add_fields(trace_id, span_id, parent_id, name, kind, start, end,
-                                 attributes, events, links, status, resource)  # fmt: skip
             if self._spans.rows >= self.flush_rows or self._events.rows >= self.flush_rows:
                 self._flush()
         except Exception as exc:  # the copy is optional; the JSON lines hold the spans
             self._give_up(exc)
 
     def _add(self, span: ReadableSpan) -> None:
-        context = span.get_span_context()
-        assert context is not None
-        self._add_fields(
-            f"{context.trace_id:032x}",
-            f"{context.span_id:016x}",
-            f"{span.parent.span_id:016x}" if span.parent else "",
-            span.name,
-            span.kind,
-            span.start_time,
-            span.end_time,
-            span.attributes,
-            span.events,
-            span.links,
-            span.status,
-            span.resource,
-        )
+        self._add_fields(SpanFields.of_span(span), span.resource)
 
-    def _add_fields(
-        self,
-        trace_id: str,
-        span_id: str,
-        parent_id: str,
-        name: str,
-        kind: Any,
-        start: int | None,
-        end: int | None,
-        attributes: Any,
-        events: Sequence[Any] | None,
-        links: Sequence[Any] | None,
-        status: Any,
-        resource: Any,
-    ) -> None:
+    def _add_fields(self, span: SpanFields, resource: Any) -> None:
         known = self._resources.get(id(resource))
         if known is None:
             known = self._resources[id(resource)] = (len(self._resources), resource)
         self._resource_rows.append(known[0])
-        if attributes:
-            self._spans.add_keyed(attributes)
-        for event in events or ():
+        if span.attributes:
+            self._spans.add_keyed(span.attributes)
+        for event in span.events or ():
             self._events.add_keyed(event.attributes or {})
             for column, value in zip(
                 self._events.values,
-                (trace_id, span_id, name, event.name, event.timestamp),
+                (span.trace_id, span.span_id, span.name, event.name, event.timestamp),
                 strict=True,
             ):
                 column.append(value)
             self._events.rows += 1
         row = (
-            trace_id,
-            span_id,
-            parent_id,
-            name,
-            KIND[kind],
-            STATUS[status.status_code],
-            start,
-            end,
-            status.description or None,
-            [f"{link.context.trace_id:032x}:{link.context.span_id:016x}" for link in links]
-            if links
+            span.trace_id,
+            span.span_id,
+            span.parent_id,
+            span.name,
+            KIND[span.kind],
+            STATUS[span.status.status_code],
+            span.start,
+            span.end,
+            span.status.description or None,
+            [f"{link.context.trace_id:032x}:{link.context.span_id:016x}" for link in span.links]
+            if span.links
             else None,
         )
         for column, value in zip(self._spans.values, row, strict=True):

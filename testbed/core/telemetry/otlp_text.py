@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.trace import Link, SpanKind
-from opentelemetry.trace.status import Status
+from opentelemetry.trace import Link
 
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
 from testbed.core.telemetry.otlp_json import any_value, encode_span, key_values
+from testbed.core.telemetry.row_span import SpanFields
 
 _prefixes: dict[str, str] = {}
 
@@ -61,48 +61,25 @@ def span_text(span: ReadableSpan) -> str:
     assert context is not None
     if context.trace_state or _has_dropped(span):
         return json.dumps(encode_span(span), separators=(",", ":"))
-    return fields_text(
-        f"{context.trace_id:032x}",
-        f"{context.span_id:016x}",
-        f"{span.parent.span_id:016x}" if span.parent else "",
-        span.name,
-        span.kind,
-        span.start_time,
-        span.end_time,
-        span.attributes,
-        span.status,
-        span.events,
-        span.links,
-    )
+    return fields_text(SpanFields.of_span(span))
 
 
-def fields_text(
-    trace_id: str,
-    span_id: str,
-    parent_id: str,
-    name: str,
-    kind: SpanKind,
-    start: int | None,
-    end: int | None,
-    attributes: Mapping[str, Any] | None,
-    status: Status,
-    events: Sequence[Event] | None,
-    links: Sequence[Link] | None,
-) -> str:
-    """A span's OTLP JSON object from its fields (ids as hex; no trace state, nothing dropped:
+def fields_text(span: SpanFields) -> str:
+    """A span's OTLP JSON object from its fields (no trace state, nothing dropped:
     :func:`span_text` encodes the other spans)."""
+    status = span.status
     text = (
-        f'{{"traceId":"{trace_id}","spanId":"{span_id}",'
-        f'"parentSpanId":"{parent_id}","name":{_string(name)},"kind":{KIND[kind]},'
-        f'"startTimeUnixNano":"{start}","endTimeUnixNano":"{end}",'
-        f'"attributes":{attributes_text(attributes)},'
+        f'{{"traceId":"{span.trace_id}","spanId":"{span.span_id}",'
+        f'"parentSpanId":"{span.parent_id}","name":{_string(span.name)},"kind":{KIND[span.kind]},'
+        f'"startTimeUnixNano":"{span.start}","endTimeUnixNano":"{span.end}",'
+        f'"attributes":{attributes_text(span.attributes)},'
         f'"status":{{"code":{STATUS[status.status_code]}'
         + (f',"message":{_string(status.description)}}}' if status.description else "}")
     )
-    if events:
-        text += ',"events":[' + ",".join(map(event_text, events)) + "]"
-    if links:
-        text += ',"links":[' + ",".join(map(link_text, links)) + "]"
+    if span.events:
+        text += ',"events":[' + ",".join(map(event_text, span.events)) + "]"
+    if span.links:
+        text += ',"links":[' + ",".join(map(link_text, span.links)) + "]"
     return text + "}"
 
 

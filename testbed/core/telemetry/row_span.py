@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -91,6 +91,58 @@ class SpanColumns:
 Row = tuple[Any, ...]
 """One finished span's fields in :data:`COLUMNS` order (its attributes as the SDK's bounded map
 would keep them: a plain ``dict`` when that map would keep them unchanged)."""
+
+
+class SpanFields(NamedTuple):
+    """What the span file and its columnar copy write of a span, its ids as hex text."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str
+    """``""`` for a root."""
+    name: str
+    kind: SpanKind
+    start: int | None
+    end: int | None
+    attributes: Mapping[str, Any] | None
+    events: Sequence[Event] | None
+    links: Sequence[Link] | None
+    status: Status
+
+    @classmethod
+    def of_span(cls, span: ReadableSpan) -> SpanFields:
+        context = span.get_span_context()
+        assert context is not None
+        return cls(
+            f"{context.trace_id:032x}",
+            f"{context.span_id:016x}",
+            f"{span.parent.span_id:016x}" if span.parent else "",
+            span.name,
+            span.kind,
+            span.start_time,
+            span.end_time,
+            span.attributes,
+            span.events,
+            span.links,
+            span.status,
+        )
+
+    @classmethod
+    def of_row(cls, row: Row) -> SpanFields:
+        name, context, parent, kind, start, end, attributes, events, links, status = row
+        return cls(
+            f"{context.trace_id:032x}",
+            f"{context.span_id:016x}",
+            f"{parent.span_id:016x}" if parent else "",
+            name,
+            kind,
+            start,
+            end,
+            attributes,
+            events,
+            links,
+            status,
+        )
 
 
 @dataclass(frozen=True, eq=False)

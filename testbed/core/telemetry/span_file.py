@@ -23,7 +23,7 @@ from testbed.core.telemetry.otlp_text import (
     span_text,
     traces_data_text,
 )
-from testbed.core.telemetry.row_span import RowBatch
+from testbed.core.telemetry.row_span import RowBatch, SpanFields
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -74,23 +74,17 @@ class JsonLinesSpanExporter(SpanExporter):
         """As :meth:`export` for the recorder's rows of one resource and scope: the same line,
         written from the rows (the rows the fast encoding does not take, from their SDK span)."""
         texts = []
-        ids = []
-        spans: list[ReadableSpan | None] = []
+        fields: list[SpanFields | ReadableSpan] = []
         for row in batch.rows:
-            name, context, parent, kind, start, end, attributes, events, links, status = row
-            trace_id, span_id = f"{context.trace_id:032x}", f"{context.span_id:016x}"
-            parent_id = f"{parent.span_id:016x}" if parent else ""
-            ids.append((trace_id, span_id, parent_id))
+            context, attributes = row[1], row[6]
             if context.trace_state or type(attributes) is not dict:  # as span_text sees them
                 span = batch.readable(row)
-                spans.append(span)
+                fields.append(span)
                 texts.append(span_text(span))
-                continue
-            spans.append(None)
-            texts.append(
-                fields_text(trace_id, span_id, parent_id, name, kind, start, end, attributes,
-                            status, events, links)
-            )  # fmt: skip
+            else:
+                row_fields = SpanFields.of_row(row)
+                fields.append(row_fields)
+                texts.append(fields_text(row_fields))
         scope = batch.scope
         line = '{"resourceSpans":[' + resource_spans_text(
             batch.resource, [scope_spans_text(scope.name, scope.version or "", texts)]
@@ -98,7 +92,7 @@ class JsonLinesSpanExporter(SpanExporter):
         with self._lock:
             written = self._file.append(line.encode(), len(texts))
             if written and self._columnar is not None:
-                self._columnar.add_rows(batch, ids, spans)
+                self._columnar.add_fields(fields, batch.resource)
         return SpanExportResult.SUCCESS if written else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
