@@ -159,9 +159,11 @@ def _span_file_spans(run_dir) -> list[dict]:
     return sorted(spans, key=lambda span: span["name"])
 
 
-@pytest.mark.parametrize("count_limit", [None, "4"])
+@pytest.mark.parametrize(
+    ("count_limit", "synchronous"), [(None, False), ("4", False), (None, True)]
+)
 def test_the_recorders_span_file_holds_what_the_sdks_holds_for_every_kind_of_value(
-    tmp_path, monkeypatch, count_limit
+    tmp_path, monkeypatch, count_limit, synchronous
 ):
     if count_limit is not None:  # every span and event over the limit: the SDK's bounded maps
         monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", count_limit)
@@ -169,9 +171,10 @@ def test_the_recorders_span_file_holds_what_the_sdks_holds_for_every_kind_of_val
     files = {}
     for use_recorder in (False, True):
         run_dir = tmp_path / str(use_recorder)
-        tracing = configure_tracing(
-            TracingConfig("test-engine", run_dir=run_dir, recorder=use_recorder)
+        config = TracingConfig(
+            "test-engine", run_dir=run_dir, recorder=use_recorder, synchronous=synchronous
         )
+        tracing = configure_tracing(config)
         assert tracing is not None
         for request in range(2):
             attributes = {a.REQUEST_IDS: ["r", str(request)]}

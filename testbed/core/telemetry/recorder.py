@@ -42,7 +42,6 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
 from testbed.core.telemetry.row_span import (
-    COLUMNS,
     Row,
     RowBatch,
     RowSpan,
@@ -236,17 +235,10 @@ class RecorderProvider(trace.TracerProvider):
                 self._wake.notify()
 
     def _export_now(self, span: RowSpan, end_ns: int) -> None:
-        columns = SpanColumns()
-        for name, value in zip(
-            COLUMNS,
-            (span._name, span._context, span._parent, span._kind, span._start, end_ns,
-             span._attributes, span._events, span._links, span._status),
-            strict=True,
-        ):  # fmt: skip
-            getattr(columns, name).append(value)
-        built = self.build(columns)
-        for exporter in self._synchronous:
-            exporter.export(built)
+        attributes = self._cleaned(span._attributes)
+        row = (span._name, span._context, span._parent, span._kind, span._start, end_ns,
+               attributes, span._events, span._links, span._status)  # fmt: skip
+        self._hand(self._synchronous, [row])
 
     def build(self, columns: SpanColumns) -> list[ReadableSpan]:
         """The SDK's spans of ``columns``, attributes cleaned and bounded as the SDK does."""
@@ -309,25 +301,29 @@ class RecorderProvider(trace.TracerProvider):
                 return
 
     def _export(self, columns: SpanColumns) -> None:
-        """Hands ``columns`` to every exporter in batches: as rows to those that write rows
-        themselves (``writes_rows``), as the SDK's spans (built once) to the others."""
         if not columns.count:
             return
         with self._export_lock:
-            rows = self._rows(columns)
-            spans: list[ReadableSpan] | None = None
-            for exporter in self._exporters:
-                if getattr(exporter, "writes_rows", False):
-                    for begin in range(0, len(rows), self.batch_size):
-                        batch = rows[begin : begin + self.batch_size]
-                        exporter.export_rows(  # type: ignore[attr-defined]
-                            RowBatch(self.resource, self._scope, batch, self._readable)
+            self._hand(self._exporters, self._rows(columns))
+
+    def _hand(self, exporters: Sequence[SpanExporter], rows: list[Row]) -> None:
+        """Hands ``rows`` to ``exporters`` in batches: as rows to those that write rows
+        themselves (``writes_rows``), as the SDK's spans (built once) to the others."""
+        spans: list[ReadableSpan] | None = None
+        size = self.batch_size
+        for exporter in exporters:
+            if getattr(exporter, "writes_rows", False):
+                for begin in range(0, len(rows), size):
+                    exporter.export_rows(  # type: ignore[attr-defined]
+                        RowBatch(
+                            self.resource, self._scope, rows[begin : begin + size], self._readable
                         )
-                    continue
-                if spans is None:
-                    spans = [self._readable(row) for row in rows]
-                for begin in range(0, len(spans), self.batch_size):
-                    exporter.export(spans[begin : begin + self.batch_size])
+                    )
+                continue
+            if spans is None:
+                spans = [self._readable(row) for row in rows]
+            for begin in range(0, len(spans), size):
+                exporter.export(spans[begin : begin + size])
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Exports every finished span now; then asks each exporter to flush."""
