@@ -113,3 +113,13 @@ def test_a_copy_that_cannot_be_written_leaves_the_json_lines_whole(tmp_path, cap
     counts = json.loads(span_file.with_suffix(".counts.json").read_text())
     assert counts["exporters"]["file"] == {"exported": 10, "failed": 0, "dropped": 0}
     assert len(load_spans(tmp_path / "run")) == 10
+
+
+def test_the_copy_is_compressed_when_asked_and_loads_the_same(tmp_path, monkeypatch):
+    sizes = {}
+    for codec in ("none", "zstd"):
+        monkeypatch.setenv("KVTB_SPAN_COMPRESSION", codec)
+        span_file = _trace(tmp_path / codec, flush_rows=256, requests=400)
+        sizes[codec] = columnar_paths(span_file)[0].stat().st_size
+        assert len(_same_both_ways(tmp_path / codec)) == 800
+    assert sizes["zstd"] < sizes["none"] / 3  # the columns repeat

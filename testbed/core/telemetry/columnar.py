@@ -41,6 +41,13 @@ log = logging.getLogger(__name__)
 _PLAIN = frozenset((bool, int, float, str))
 """Attribute values kept as they are (:func:`~testbed.core.telemetry.span_table.plain`)."""
 
+COMPRESSION_ENV = "KVTB_SPAN_COMPRESSION"
+"""Compresses the copy's record batches: ``lz4`` or ``zstd`` (unset or ``none``: plain). Span
+columns repeat (names, keys, a trace's ids): on a replay's spans, ``zstd`` writes about a tenth
+of the plain copy's bytes and ``lz4`` a quarter, and both load at half the plain copy's speed or
+less (a plain copy is read in place, memory-mapped: docs/telemetry.md has the figures)."""
+COMPRESSIONS = ("lz4", "zstd")
+
 FLUSH_ROWS = 32768
 """Spans (or events) kept as Python columns before they become a record batch on disk."""
 
@@ -95,7 +102,7 @@ class _Stage:
 
     def append(self, batch: pa.RecordBatch) -> None:
         sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, batch.schema) as stream:
+        with pa.ipc.new_stream(sink, batch.schema, options=_write_options()) as stream:
             stream.write_batch(batch)
         data = sink.getvalue()
         written = os.write(self._fd, memoryview(data))
@@ -120,7 +127,10 @@ class _Stage:
         )
         tables = [table.replace_schema_metadata(schema.metadata) for table in tables]
         temporary = self.final.with_name(self.final.name + ".tmp")
-        with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as out:
+        with (
+            pa.OSFile(str(temporary), "wb") as sink,
+            pa.ipc.new_file(sink, schema, options=_write_options()) as out,
+        ):
             if tables and self.sort_by is not None:
                 table = pa.concat_tables(tables)  # the segments stay mapped, not copied
                 order = np.argsort(table.column(self.sort_by).to_numpy(), kind="stable")
@@ -141,6 +151,31 @@ class _Stage:
         for path in (self.scratch, self.final.with_name(self.final.name + ".tmp"), self.final):
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def _write_options() -> pa.ipc.IpcWriteOptions:
+    """Record batches compressed as :data:`COMPRESSION_ENV` asks (readers decompress them as
+    they read, with nothing to give); a codec this pyarrow lacks, or an unknown name, is
+    refused with one warning and the copy is written plain."""
+    asked = os.environ.get(COMPRESSION_ENV, "").strip().lower()
+    if asked in ("", "none"):
+        return pa.ipc.IpcWriteOptions()
+    if asked not in COMPRESSIONS or not pa.Codec.is_available(asked):
+        _warn_once(
+            f"{COMPRESSION_ENV}={asked!r}: not a codec of this pyarrow (one of "
+            f"{', '.join(COMPRESSIONS)}, or none); the span copy is written uncompressed"
+        )
+        return pa.ipc.IpcWriteOptions()
+    return pa.ipc.IpcWriteOptions(compression=asked)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
