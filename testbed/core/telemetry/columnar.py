@@ -34,12 +34,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from testbed.core.telemetry import span_table as st
 from testbed.core.telemetry.otlp_codes import KIND, STATUS
-from testbed.core.telemetry.row_span import SpanFields
+from testbed.core.telemetry.row_span import SCALARS, SpanFields
 
 log = logging.getLogger(__name__)
-
-_PLAIN = frozenset((bool, int, float, str))
-"""Attribute values kept as they are (:func:`~testbed.core.telemetry.span_table.plain`)."""
 
 COMPRESSION_ENV = "KVTB_SPAN_COMPRESSION"
 """Compresses the copy's record batches: ``lz4`` or ``zstd`` (unset or ``none``: plain). Span
@@ -73,7 +70,7 @@ class _Columns:
             if column is None:
                 column = keyed[key] = ([], [])
             column[0].append(row)
-            column[1].append(value if type(value) in _PLAIN else st.plain(value))
+            column[1].append(value if type(value) in SCALARS else st.plain(value))
 
     def batch(self, extra: dict[str, pa.Array] | None = None) -> pa.RecordBatch:
         arrays = {

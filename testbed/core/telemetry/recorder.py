@@ -240,10 +240,6 @@ class RecorderProvider(trace.TracerProvider):
                attributes, span._events, span._links, span._status)  # fmt: skip
         self._hand(self._synchronous, [row])
 
-    def build(self, columns: SpanColumns) -> list[ReadableSpan]:
-        """The SDK's spans of ``columns``, attributes cleaned and bounded as the SDK does."""
-        return [self._readable(row) for row in self._rows(columns)]
-
     def _rows(self, columns: SpanColumns) -> list[Row]:
         """The rows of ``columns``, attributes cleaned and bounded as the SDK does."""
         cleaned = self._cleaned

@@ -30,7 +30,8 @@ from opentelemetry.trace.status import Status, StatusCode
 COLUMNS = ("name", "context", "parent", "kind", "start", "end", "attributes", "events", "links",
             "status")  # fmt: skip
 _UNSET = Status(StatusCode.UNSET)
-_SCALARS = frozenset((str, bool, int, float))
+SCALARS = frozenset((str, bool, int, float))
+"""The attribute value types kept as they are (in a sequence, too: one type a sequence)."""
 
 
 def kept_as_is(
@@ -45,12 +46,12 @@ def kept_as_is(
     lists = False
     for value in attributes.values():
         kind = type(value)
-        if kind in _SCALARS:
+        if kind in SCALARS:
             continue
         if kind is not list and kind is not tuple:
             return None
         kinds = {type(element) for element in value}
-        if len(kinds) > 1 or not kinds <= _SCALARS:
+        if len(kinds) > 1 or not kinds <= SCALARS:
             return None
         lists = True
     if lists:
